@@ -1,0 +1,783 @@
+//! `ragkv bench kvstore`: the KV store against the ways KV caches are stored today.
+//!
+//! - **file-per-block** (HiCacheFile, MatKV): one file per block, named by the hash of its token
+//!   prefix, in one directory. Put checks existence first (as those backends do) and writes
+//!   the file; get opens and reads each block file; probe is the same binary search over
+//!   `stat` calls. Same payload bytes, same fsync policy.
+//! - **BlobDB**: RocksDB with `enable_blob_files`, block key → block payload; a chunk get is one
+//!   `multi_get` of its blocks.
+//!
+//! Every system gets the same chunks (sequences of `chunk_blocks` blocks) in the same order.
+//! Payload generation is outside the timed sections. Gets and probes run over one random sample
+//! of chunks, once untimed (to warm the page cache for every system alike) and once timed.
+//! The store runs without its hot tier, so every get goes through the index and the file.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ::kvstore::{PutItem, Store, StoreOptions, SyncPolicy};
+use rand::seq::SliceRandom;
+use rand::{Rng, RngCore, SeedableRng};
+use schema::{DType, KvLayout, NamespaceId};
+
+use crate::{io, percentile, Error, Line};
+
+const BLOCK_TOKENS: usize = 16;
+const NS: NamespaceId = NamespaceId([0x42; 16]);
+
+/// Arguments of `ragkv bench kvstore`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Blocks written to each system.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub blocks: usize,
+    /// Bytes per block (a multiple of 64).
+    #[arg(long, default_value_t = 4096)]
+    pub block_bytes: usize,
+    /// Blocks per chunk; a chunk get reads one chunk's adjacent blocks.
+    #[arg(long, default_value_t = 8)]
+    pub chunk_blocks: usize,
+    /// Chunks per put batch.
+    #[arg(long, default_value_t = 16)]
+    pub batch_chunks: usize,
+    /// fsync policy for every system: `none`, or `batch` (sync before a batch returns).
+    #[arg(long, default_value = "none")]
+    pub sync: String,
+    /// Random chunk gets and probes timed per system.
+    #[arg(long, default_value_t = 20_000)]
+    pub samples: usize,
+    /// Working directory (default: a fresh temporary directory); emptied afterwards.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Skip the BlobDB comparison.
+    #[arg(long)]
+    pub skip_blobdb: bool,
+    /// Skip the file-per-block comparison.
+    #[arg(long)]
+    pub skip_files: bool,
+    /// Tokens of synthetic KV (SmolLM2-135M shape, f16) for the codec report; 0 skips it.
+    #[arg(long, default_value_t = 4096)]
+    pub codec_tokens: usize,
+}
+
+fn layout(block_bytes: usize) -> KvLayout {
+    // 1 layer × (K, V) × 1 head × head_dim f16 per token, 16 tokens per block.
+    KvLayout {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: (block_bytes / (BLOCK_TOKENS * 2 * 2)) as u16,
+        dtype: DType::F16,
+    }
+}
+
+/// Tokens of chunk `c`: unique per chunk, so no block is shared.
+fn chunk_tokens(c: usize, n: usize) -> Vec<u32> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(c as u64 ^ 0x5eed);
+    (0..n).map(|_| rng.gen_range(0..150_000)).collect()
+}
+
+/// Per-block names for the baselines: a hash chain over the token blocks (as file backends do).
+fn block_names(tokens: &[u32]) -> Vec<[u8; 16]> {
+    let mut prev = [0u8; 16];
+    tokens
+        .chunks(BLOCK_TOKENS)
+        .map(|b| {
+            let mut h = blake3::Hasher::new();
+            h.update(&prev);
+            for t in b {
+                h.update(&t.to_le_bytes());
+            }
+            prev.copy_from_slice(&h.finalize().as_bytes()[..16]);
+            prev
+        })
+        .collect()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Block `j` of layer-major `kv` (the bytes the store writes for that block).
+fn block_payload(kv: &[u8], l: &KvLayout, total: usize, j: usize, out: &mut Vec<u8>) {
+    out.clear();
+    let tb = l.plane_token_bytes();
+    for p in 0..l.planes() {
+        let s = (p * total + j * BLOCK_TOKENS) * tb;
+        out.extend_from_slice(&kv[s..s + BLOCK_TOKENS * tb]);
+    }
+}
+
+/// Copies a block payload into its place in a layer-major chunk buffer.
+fn place_block(out: &mut [u8], l: &KvLayout, total: usize, j: usize, payload: &[u8]) {
+    let tb = l.plane_token_bytes();
+    for p in 0..l.planes() {
+        let d = (p * total + j * BLOCK_TOKENS) * tb;
+        let s = p * BLOCK_TOKENS * tb;
+        out[d..d + BLOCK_TOKENS * tb].copy_from_slice(&payload[s..s + BLOCK_TOKENS * tb]);
+    }
+}
+
+/// Drops the page cache of `path` (after syncing it, since dirty pages cannot be dropped).
+fn drop_pages(path: &Path) -> Result<(), Error> {
+    let f = File::open(path).map_err(io(format!("opening {}", path.display())))?;
+    f.sync_all()
+        .map_err(io(format!("syncing {}", path.display())))?;
+    // SAFETY: fadvise on an owned, valid descriptor.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        return Err(Error::Io {
+            what: format!("posix_fadvise {}", path.display()),
+            source: std::io::Error::from_raw_os_error(rc),
+        });
+    }
+    Ok(())
+}
+
+struct Workload {
+    layout: KvLayout,
+    chunks: usize,
+    chunk_tokens: usize,
+    batch_chunks: usize,
+    sync: bool,
+    sample: Vec<usize>,
+    /// Half of the probes ask for chunks that were never stored.
+    probe_sample: Vec<(usize, bool)>,
+}
+
+impl Workload {
+    /// Calls `f` with each batch (chunk ids, their tokens, their KV), generated outside timing.
+    fn batches(
+        &self,
+        mut f: impl FnMut(&[usize], &[Vec<u32>], &[Vec<u8>]) -> Result<Duration, Error>,
+    ) -> Result<Duration, Error> {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        let mut total = Duration::ZERO;
+        let mut c = 0;
+        while c < self.chunks {
+            let ids: Vec<usize> = (c..(c + self.batch_chunks).min(self.chunks)).collect();
+            let toks: Vec<Vec<u32>> = ids
+                .iter()
+                .map(|&i| chunk_tokens(i, self.chunk_tokens))
+                .collect();
+            let kvs: Vec<Vec<u8>> = ids
+                .iter()
+                .map(|_| {
+                    let mut kv = vec![0u8; self.layout.bytes_for(self.chunk_tokens)];
+                    rng.fill_bytes(&mut kv);
+                    kv
+                })
+                .collect();
+            total += f(&ids, &toks, &kvs)?;
+            c += ids.len();
+        }
+        Ok(total)
+    }
+}
+
+struct Figures {
+    put_blocks_per_s: f64,
+    get_chunks_per_s: f64,
+    probe_p50_us: f64,
+    probe_p99_us: f64,
+    files: u64,
+}
+
+fn count_files(dir: &Path) -> Result<u64, Error> {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).map_err(io(format!("listing {}", dir.display())))? {
+        let e = e.map_err(io("listing"))?;
+        if e.file_type().map_err(io("stat"))?.is_dir() {
+            n += count_files(&e.path())?;
+        } else {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+fn time_samples<T>(
+    items: &[T],
+    mut f: impl FnMut(&T) -> Result<(), Error>,
+) -> Result<Vec<f64>, Error> {
+    let mut lat = Vec::with_capacity(items.len());
+    for it in items {
+        let t = Instant::now();
+        f(it)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(lat)
+}
+
+fn bench_ours(w: &Workload, dir: &Path) -> Result<(Figures, Store), Error> {
+    let opts = StoreOptions {
+        block_tokens: BLOCK_TOKENS,
+        sync: if w.sync {
+            SyncPolicy::EveryBatch
+        } else {
+            SyncPolicy::Never
+        },
+        hot_tier_bytes: 0,
+        background_merge: false,
+        ..StoreOptions::default()
+    };
+    let store = Store::open(dir, opts)?;
+    let l = w.layout;
+    let put_time = w.batches(|_, toks, kvs| {
+        let items: Vec<PutItem<'_>> = toks
+            .iter()
+            .zip(kvs)
+            .map(|(t, kv)| PutItem {
+                tokens: t,
+                kv,
+                doc: None,
+            })
+            .collect();
+        let t = Instant::now();
+        store.put_batch(NS, l, &items)?;
+        Ok(t.elapsed())
+    })?;
+    let blocks = (w.chunks * w.chunk_tokens / BLOCK_TOKENS) as f64;
+
+    let sample_toks: Vec<Vec<u32>> = w
+        .sample
+        .iter()
+        .map(|&c| chunk_tokens(c, w.chunk_tokens))
+        .collect();
+    let get = |t: &Vec<u32>| -> Result<(), Error> {
+        let kv = store.get_batch(NS, t, t.len())?;
+        std::hint::black_box(&kv.bytes);
+        Ok(())
+    };
+    time_samples(&sample_toks, get)?; // warm
+    let lat = time_samples(&sample_toks, get)?;
+    let get_s: f64 = lat.iter().sum::<f64>() / 1e6;
+
+    let probe_toks: Vec<(Vec<u32>, bool)> = w
+        .probe_sample
+        .iter()
+        .map(|&(c, stored)| {
+            (
+                chunk_tokens(if stored { c } else { c + 1_000_000_000 }, w.chunk_tokens),
+                stored,
+            )
+        })
+        .collect();
+    let probe = |(t, stored): &(Vec<u32>, bool)| -> Result<(), Error> {
+        let n = store.probe(NS, t)?;
+        if (n == t.len()) != *stored {
+            return Err(Error::Check(format!("probe returned {n} of {}", t.len())));
+        }
+        Ok(())
+    };
+    time_samples(&probe_toks, probe)?;
+    let plat = time_samples(&probe_toks, probe)?;
+    store.sync()?;
+    Ok((
+        Figures {
+            put_blocks_per_s: blocks / put_time.as_secs_f64(),
+            get_chunks_per_s: w.sample.len() as f64 / get_s,
+            probe_p50_us: percentile(&plat, 0.5),
+            probe_p99_us: percentile(&plat, 0.99),
+            files: count_files(dir)?,
+        },
+        store,
+    ))
+}
+
+fn bench_files(w: &Workload, dir: &Path) -> Result<Figures, Error> {
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+    let l = w.layout;
+    let path = |name: &[u8; 16]| dir.join(hex(name));
+    let mut payload = Vec::with_capacity(l.bytes_for(BLOCK_TOKENS));
+    let put_time = w.batches(|_, toks, kvs| {
+        let t = Instant::now();
+        let mut written = Vec::new();
+        for (tk, kv) in toks.iter().zip(kvs) {
+            for (j, name) in block_names(tk).iter().enumerate() {
+                let p = path(name);
+                if p.exists() {
+                    continue;
+                }
+                block_payload(kv, &l, tk.len(), j, &mut payload);
+                let mut f = File::create(&p).map_err(io(format!("creating {}", p.display())))?;
+                std::io::Write::write_all(&mut f, &payload).map_err(io("writing block file"))?;
+                if w.sync {
+                    written.push(f);
+                }
+            }
+        }
+        for f in &written {
+            f.sync_data().map_err(io("syncing block file"))?;
+        }
+        if w.sync {
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io("syncing directory"))?;
+        }
+        Ok(t.elapsed())
+    })?;
+    let blocks = (w.chunks * w.chunk_tokens / BLOCK_TOKENS) as f64;
+
+    let sample: Vec<Vec<[u8; 16]>> = w
+        .sample
+        .iter()
+        .map(|&c| block_names(&chunk_tokens(c, w.chunk_tokens)))
+        .collect();
+    let total = w.chunk_tokens;
+    let get = |names: &Vec<[u8; 16]>| -> Result<(), Error> {
+        let mut out = vec![0u8; l.bytes_for(total)];
+        let mut buf = vec![0u8; l.bytes_for(BLOCK_TOKENS)];
+        for (j, name) in names.iter().enumerate() {
+            let mut f = File::open(path(name)).map_err(io("opening block file"))?;
+            f.read_exact(&mut buf).map_err(io("reading block file"))?;
+            place_block(&mut out, &l, total, j, &buf);
+        }
+        std::hint::black_box(&out);
+        Ok(())
+    };
+    time_samples(&sample, get)?;
+    let lat = time_samples(&sample, get)?;
+    let get_s: f64 = lat.iter().sum::<f64>() / 1e6;
+
+    let probes: Vec<(Vec<[u8; 16]>, bool)> = w
+        .probe_sample
+        .iter()
+        .map(|&(c, stored)| {
+            (
+                block_names(&chunk_tokens(
+                    if stored { c } else { c + 1_000_000_000 },
+                    w.chunk_tokens,
+                )),
+                stored,
+            )
+        })
+        .collect();
+    let probe = |(names, stored): &(Vec<[u8; 16]>, bool)| -> Result<(), Error> {
+        // The same search as the store: first block, then a binary search.
+        let exists = |i: usize| path(&names[i]).exists();
+        let n = if !exists(0) {
+            0
+        } else {
+            let (mut lo, mut hi) = (0, names.len() - 1);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if exists(mid) {
+                    lo = mid
+                } else {
+                    hi = mid - 1
+                }
+            }
+            lo + 1
+        };
+        if (n == names.len()) != *stored {
+            return Err(Error::Check(format!("file probe returned {n} blocks")));
+        }
+        Ok(())
+    };
+    time_samples(&probes, probe)?;
+    let plat = time_samples(&probes, probe)?;
+    Ok(Figures {
+        put_blocks_per_s: blocks / put_time.as_secs_f64(),
+        get_chunks_per_s: w.sample.len() as f64 / get_s,
+        probe_p50_us: percentile(&plat, 0.5),
+        probe_p99_us: percentile(&plat, 0.99),
+        files: count_files(dir)?,
+    })
+}
+
+fn bench_blobdb(w: &Workload, dir: &Path) -> Result<(f64, f64), Error> {
+    let rocks = |what| move |source| Error::Rocks { what, source };
+    let mut opts = rocksdb::Options::default();
+    opts.create_if_missing(true);
+    opts.set_enable_blob_files(true);
+    opts.set_min_blob_size(0);
+    opts.set_blob_file_size(256 << 20);
+    opts.set_max_background_jobs(2);
+    let mut bb = rocksdb::BlockBasedOptions::default();
+    bb.set_bloom_filter(10.0, false);
+    bb.set_block_cache(&rocksdb::Cache::new_lru_cache(64 << 20));
+    opts.set_block_based_table_factory(&bb);
+    let db = rocksdb::DB::open(&opts, dir).map_err(rocks("open"))?;
+    let mut wo = rocksdb::WriteOptions::default();
+    wo.set_sync(w.sync);
+    let l = w.layout;
+    let mut payload = Vec::new();
+    let put_time = w.batches(|_, toks, kvs| {
+        let t = Instant::now();
+        let mut batch = rocksdb::WriteBatch::default();
+        for (tk, kv) in toks.iter().zip(kvs) {
+            for (j, name) in block_names(tk).iter().enumerate() {
+                block_payload(kv, &l, tk.len(), j, &mut payload);
+                batch.put(name, &payload);
+            }
+        }
+        db.write_opt(batch, &wo).map_err(rocks("write"))?;
+        Ok(t.elapsed())
+    })?;
+    if w.sync {
+        db.flush().map_err(rocks("flush"))?;
+    }
+    let blocks = (w.chunks * w.chunk_tokens / BLOCK_TOKENS) as f64;
+    let sample: Vec<Vec<[u8; 16]>> = w
+        .sample
+        .iter()
+        .map(|&c| block_names(&chunk_tokens(c, w.chunk_tokens)))
+        .collect();
+    let total = w.chunk_tokens;
+    let get = |names: &Vec<[u8; 16]>| -> Result<(), Error> {
+        let mut out = vec![0u8; l.bytes_for(total)];
+        let vals = db.batched_multi_get_cf(
+            db.cf_handle("default")
+                .ok_or(Error::Check("no default cf".into()))?,
+            names,
+            false,
+        );
+        for (j, v) in vals.into_iter().enumerate() {
+            let v = v
+                .map_err(rocks("multi_get"))?
+                .ok_or(Error::Check("blobdb lost a block".into()))?;
+            place_block(&mut out, &l, total, j, &v);
+        }
+        std::hint::black_box(&out);
+        Ok(())
+    };
+    time_samples(&sample, get)?;
+    let lat = time_samples(&sample, get)?;
+    let get_s: f64 = lat.iter().sum::<f64>() / 1e6;
+    Ok((
+        blocks / put_time.as_secs_f64(),
+        w.sample.len() as f64 / get_s,
+    ))
+}
+
+/// Cold and warm read bandwidth: `get_batch` over every chunk in write order vs a plain
+/// sequential read of the segment files. Returns ((ours cold, plain cold), (ours warm, plain warm)) in GB/s.
+fn bandwidth(w: &Workload, store: &Store) -> Result<((f64, f64), (f64, f64)), Error> {
+    let segs = store.segment_paths();
+    let drop_all = || -> Result<(), Error> {
+        for p in &segs {
+            drop_pages(p)?;
+        }
+        Ok(())
+    };
+    let ours = || -> Result<f64, Error> {
+        let t = Instant::now();
+        let mut bytes = 0usize;
+        for c in 0..w.chunks {
+            let toks = chunk_tokens(c, w.chunk_tokens);
+            let kv = store.get_batch(NS, &toks, toks.len())?;
+            bytes += kv.bytes.len();
+            std::hint::black_box(&kv.bytes);
+        }
+        Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
+    };
+    let plain = || -> Result<f64, Error> {
+        let t = Instant::now();
+        let mut bytes = 0usize;
+        let mut buf = vec![0u8; 1 << 20];
+        for p in &segs {
+            let f = File::open(p).map_err(io(format!("opening {}", p.display())))?;
+            let mut off = 0u64;
+            loop {
+                let n = f.read_at(&mut buf, off).map_err(io("reading segment"))?;
+                if n == 0 {
+                    break;
+                }
+                off += n as u64;
+                bytes += n;
+                std::hint::black_box(&buf);
+            }
+        }
+        Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
+    };
+    drop_all()?;
+    let ours_cold = ours()?;
+    drop_all()?;
+    let plain_cold = plain()?;
+    plain()?; // warm everything
+    let ours_warm = ours()?;
+    let plain_warm = plain()?;
+    Ok(((ours_cold, plain_cold), (ours_warm, plain_warm)))
+}
+
+/// Synthetic KV shaped like SmolLM2-135M's (30 layers, 3 KV heads, head dim 64) in f16: Gaussian
+/// values with a per-channel scale (keys have a few large channels, as real keys do). Real
+/// model KV replaces this once the model crate exists.
+fn synthetic_kv(tokens: usize) -> (KvLayout, Vec<u8>) {
+    let l = KvLayout {
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        dtype: DType::F16,
+    };
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+    let per_plane = l.plane_token_bytes() / 2;
+    let scales: Vec<f32> = (0..l.planes() * per_plane)
+        .map(|_| {
+            if rng.gen_bool(0.05) {
+                8.0
+            } else {
+                rng.gen_range(0.3..1.5)
+            }
+        })
+        .collect();
+    let mut out = Vec::with_capacity(l.bytes_for(tokens));
+    for p in 0..l.planes() {
+        for _ in 0..tokens {
+            for c in 0..per_plane {
+                // Box-Muller.
+                let (u1, u2): (f32, f32) = (rng.gen_range(1e-7..1.0), rng.gen());
+                let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                out.extend_from_slice(
+                    &half::f16::from_f32(z * scales[p * per_plane + c]).to_le_bytes(),
+                );
+            }
+        }
+    }
+    (l, out)
+}
+
+/// Stored size and warm get bandwidth of each codec, through the store's public API.
+fn codecs(root: &Path, tokens: usize) -> Result<Vec<Line>, Error> {
+    let (l, kv) = synthetic_kv(tokens);
+    let toks: Vec<u32> = (0..tokens as u32).collect();
+    let mut figures = Vec::new();
+    for codec in schema::Codec::ALL {
+        let dir = root.join(format!("codec-{codec}"));
+        let store = Store::open(
+            &dir,
+            StoreOptions {
+                hot_tier_bytes: 0,
+                background_merge: false,
+                sync: SyncPolicy::Never,
+                ..StoreOptions::default()
+            },
+        )?;
+        store.register_namespace(NS, l, codec)?;
+        store.put_batch(
+            NS,
+            l,
+            &[PutItem {
+                tokens: &toks,
+                kv: &kv,
+                doc: None,
+            }],
+        )?;
+        let stored = store.stats().live_bytes as f64;
+        store.get_batch(NS, &toks, tokens)?; // warm
+        let t = Instant::now();
+        let reps = 5;
+        for _ in 0..reps {
+            std::hint::black_box(store.get_batch(NS, &toks, tokens)?);
+        }
+        let gbps = (kv.len() * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        drop(store);
+        remove(&dir)?;
+        figures.push((codec, kv.len() as f64 / stored, gbps));
+    }
+    let (_, none_ratio, none_gbps) = figures[0];
+    let mut lines = Vec::new();
+    for (codec, ratio, gbps) in &figures[1..] {
+        let base = "codec none (synthetic gaussian f16 KV)";
+        lines.push(Line::higher(
+            &format!("kvstore.codec_ratio.{codec}"),
+            *ratio,
+            none_ratio,
+            "x smaller than raw",
+            base,
+        ));
+        lines.push(Line::higher(
+            &format!("kvstore.codec_get.{codec}"),
+            *gbps,
+            none_gbps,
+            "GB/s",
+            base,
+        ));
+    }
+    Ok(lines)
+}
+
+/// Runs the benchmark; returns the compared figures.
+pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
+    if args.block_bytes == 0 || args.block_bytes % 64 != 0 {
+        return Err(Error::Invalid {
+            what: "--block-bytes",
+            why: format!("{} is not a positive multiple of 64", args.block_bytes),
+        });
+    }
+    if args.chunk_blocks == 0
+        || args.blocks < args.chunk_blocks
+        || args.batch_chunks == 0
+        || args.samples == 0
+    {
+        return Err(Error::Invalid {
+            what: "--blocks/--chunk-blocks/--batch-chunks/--samples",
+            why: "must be positive, and blocks ≥ chunk blocks".into(),
+        });
+    }
+    let sync = match args.sync.as_str() {
+        "none" => false,
+        "batch" => true,
+        s => {
+            return Err(Error::Invalid {
+                what: "--sync",
+                why: format!("{s:?} (none or batch)"),
+            })
+        }
+    };
+    let tmp;
+    let root = match &args.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let chunks = args.blocks / args.chunk_blocks;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(99);
+    let mut sample: Vec<usize> = (0..args.samples)
+        .map(|_| rng.gen_range(0..chunks))
+        .collect();
+    sample.shuffle(&mut rng);
+    let probe_sample = (0..args.samples)
+        .map(|i| (rng.gen_range(0..chunks), i % 2 == 0))
+        .collect();
+    let w = Workload {
+        layout: layout(args.block_bytes),
+        chunks,
+        chunk_tokens: args.chunk_blocks * BLOCK_TOKENS,
+        batch_chunks: args.batch_chunks,
+        sync,
+        sample,
+        probe_sample,
+    };
+    let blocks = chunks * args.chunk_blocks;
+    let scale = format!(
+        "{blocks} blocks of {} B, chunks of {}",
+        args.block_bytes, args.chunk_blocks
+    );
+    eprintln!(
+        "kvstore bench: {scale}, sync={}, in {}",
+        args.sync,
+        root.display()
+    );
+
+    let mut lines = Vec::new();
+    let ours_dir = root.join("ragkv");
+    let t = Instant::now();
+    let (ours, store) = bench_ours(&w, &ours_dir)?;
+    eprintln!("  ragkv: done in {:.0?}", t.elapsed());
+    let ((oc, pc), (ow, pw)) = bandwidth(&w, &store)?;
+    drop(store);
+    remove(&ours_dir)?;
+
+    if !args.skip_files {
+        let t = Instant::now();
+        let files_dir = root.join("files");
+        let base = bench_files(&w, &files_dir)?;
+        eprintln!("  file-per-block: done in {:.0?}", t.elapsed());
+        remove(&files_dir)?;
+        let b = "file-per-block";
+        lines.push(
+            Line::higher(
+                "kvstore.put",
+                ours.put_blocks_per_s,
+                base.put_blocks_per_s,
+                "blocks/s",
+                b,
+            )
+            .bar(3.0),
+        );
+        lines.push(
+            Line::higher(
+                "kvstore.chunk_get",
+                ours.get_chunks_per_s,
+                base.get_chunks_per_s,
+                "chunks/s",
+                b,
+            )
+            .bar(2.0),
+        );
+        lines.push(Line::lower(
+            "kvstore.probe_p50",
+            ours.probe_p50_us,
+            base.probe_p50_us,
+            "us",
+            b,
+        ));
+        lines.push(
+            Line::lower(
+                "kvstore.probe_p99",
+                ours.probe_p99_us,
+                base.probe_p99_us,
+                "us",
+                b,
+            )
+            .bar(1.0),
+        );
+        lines.push(
+            Line::lower(
+                "kvstore.files",
+                ours.files as f64,
+                base.files as f64,
+                "files",
+                b,
+            )
+            .bar(1000.0),
+        );
+    }
+    if !args.skip_blobdb {
+        let t = Instant::now();
+        let blob_dir = root.join("blobdb");
+        let (bput, bget) = bench_blobdb(&w, &blob_dir)?;
+        eprintln!("  blobdb: done in {:.0?}", t.elapsed());
+        remove(&blob_dir)?;
+        lines.push(
+            Line::higher(
+                "kvstore.chunk_get_vs_blobdb",
+                ours.get_chunks_per_s,
+                bget,
+                "chunks/s",
+                "rocksdb-blobdb",
+            )
+            .bar(1.5),
+        );
+        lines.push(Line::higher(
+            "kvstore.put_vs_blobdb",
+            ours.put_blocks_per_s,
+            bput,
+            "blocks/s",
+            "rocksdb-blobdb",
+        ));
+    }
+    lines.push(
+        Line::higher(
+            "kvstore.read_bandwidth_cold",
+            oc,
+            pc,
+            "GB/s",
+            "plain sequential read",
+        )
+        .bar(0.8),
+    );
+    lines.push(Line::higher(
+        "kvstore.read_bandwidth_warm",
+        ow,
+        pw,
+        "GB/s",
+        "plain sequential read",
+    ));
+    if args.codec_tokens > 0 {
+        lines.extend(codecs(&root, args.codec_tokens)?);
+    }
+    Ok(lines)
+}
+
+fn remove(dir: &Path) -> Result<(), Error> {
+    std::fs::remove_dir_all(dir).map_err(io(format!("removing {}", dir.display())))
+}

@@ -1,0 +1,103 @@
+//! Benchmarks. Each one runs ragkv and a baseline in the same process, on the same data, and
+//! returns [`Line`]s that the CLI prints as JSON:
+//! `{"bench", "ours", "baseline", "ratio", "unit", ...}` where `ratio` says how many times better
+//! ours is (throughput: ours / baseline; latency and counts: baseline / ours).
+
+pub mod kvstore;
+
+use serde::Serialize;
+
+/// One compared figure.
+#[derive(Debug, Clone, Serialize)]
+pub struct Line {
+    pub bench: String,
+    pub ours: f64,
+    pub baseline: f64,
+    /// How many times better ours is; above 1 means ours wins.
+    pub ratio: f64,
+    pub unit: String,
+    /// What the baseline is.
+    pub baseline_name: String,
+    /// The bar the issue sets, if any, and whether this run met it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bar: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub meets_bar: Option<bool>,
+}
+
+impl Line {
+    /// A figure where higher is better (throughput, bandwidth).
+    pub fn higher(bench: &str, ours: f64, baseline: f64, unit: &str, baseline_name: &str) -> Line {
+        Line::new(bench, ours, baseline, ours / baseline, unit, baseline_name)
+    }
+
+    /// A figure where lower is better (latency, file count).
+    pub fn lower(bench: &str, ours: f64, baseline: f64, unit: &str, baseline_name: &str) -> Line {
+        Line::new(bench, ours, baseline, baseline / ours, unit, baseline_name)
+    }
+
+    fn new(
+        bench: &str,
+        ours: f64,
+        baseline: f64,
+        ratio: f64,
+        unit: &str,
+        baseline_name: &str,
+    ) -> Line {
+        Line {
+            bench: bench.into(),
+            ours,
+            baseline,
+            ratio,
+            unit: unit.into(),
+            baseline_name: baseline_name.into(),
+            bar: None,
+            meets_bar: None,
+        }
+    }
+
+    /// Records the bar on `ratio` and whether it is met.
+    pub fn bar(mut self, bar: f64) -> Line {
+        self.bar = Some(bar);
+        self.meets_bar = Some(self.ratio >= bar);
+        self
+    }
+}
+
+/// Errors of the benchmark harness.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] ::kvstore::Error),
+    #[error("rocksdb ({what}): {source}")]
+    Rocks {
+        what: &'static str,
+        #[source]
+        source: rocksdb::Error,
+    },
+    #[error("invalid argument {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+    #[error("benchmark check failed: {0}")]
+    Check(String),
+}
+
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// Percentile of sorted samples.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}

@@ -1,0 +1,219 @@
+//! The `ragkv` configuration: built-in defaults, then a TOML file (`ragkv.toml` in the working
+//! directory, or `--config`), then environment variables `RAGKV__SECTION__KEY`, then
+//! command-line flags. Validated at start-up; errors name the offending key.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Everything `ragkv` can be configured with.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Root of all state: `kv/` (index and tensor log), later the vector index.
+    pub data_dir: PathBuf,
+    pub kvstore: KvStoreConfig,
+}
+
+/// `[kvstore]`: the KV storage engine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvStoreConfig {
+    /// Tokens per stored block.
+    pub block_tokens: usize,
+    /// Segment file size at which a new one is started, MiB.
+    pub segment_mib: u64,
+    /// `batch` (sync every put), `interval` (every `sync_interval_ms`), or `none`.
+    pub sync: String,
+    pub sync_interval_ms: u64,
+    /// Default codec: none, lz4, zstd, lz4-planes, zstd-planes, int8 (lossy).
+    pub codec: String,
+    /// In-memory hot tier, MiB (0 disables).
+    pub hot_tier_mib: usize,
+    /// Rewrite a sealed segment once this share of it is dead.
+    pub merge_dead_ratio: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            data_dir: PathBuf::from("ragkv-data"),
+            kvstore: KvStoreConfig::default(),
+        }
+    }
+}
+
+impl Default for KvStoreConfig {
+    fn default() -> Self {
+        let d = kvstore::StoreOptions::default();
+        KvStoreConfig {
+            block_tokens: d.block_tokens,
+            segment_mib: d.segment_bytes >> 20,
+            sync: "batch".into(),
+            sync_interval_ms: 1000,
+            codec: d.default_codec.name().into(),
+            hot_tier_mib: d.hot_tier_bytes >> 20,
+            merge_dead_ratio: d.merge.dead_ratio,
+        }
+    }
+}
+
+/// Prefix of environment overrides: `RAGKV__KVSTORE__BLOCK_TOKENS=32`.
+const ENV_PREFIX: &str = "RAGKV__";
+
+impl Config {
+    /// Loads defaults, then the file, then the environment. `explicit` is `--config`: when
+    /// given the file must exist; otherwise `ragkv.toml` is read if present.
+    pub fn load(explicit: Option<&Path>) -> Result<Config> {
+        let mut value = toml::Value::try_from(Config::default()).context("encoding defaults")?;
+        let file = match explicit {
+            Some(p) => Some(p.to_path_buf()),
+            None => Some(PathBuf::from("ragkv.toml")).filter(|p| p.exists()),
+        };
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading config file {}", path.display()))?;
+            let from_file: toml::Value = toml::from_str(&text)
+                .with_context(|| format!("parsing config file {}", path.display()))?;
+            merge(&mut value, from_file);
+        }
+        for (k, v) in std::env::vars() {
+            if let Some(path) = k.strip_prefix(ENV_PREFIX) {
+                let keys: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
+                set_path(&mut value, &keys, &v)
+                    .with_context(|| format!("environment variable {k}"))?;
+            }
+        }
+        let config: Config = value.try_into().context("invalid configuration")?;
+        Ok(config)
+    }
+
+    /// Checks every value; the error names the key.
+    pub fn validate(&self) -> Result<()> {
+        self.store_options().map(drop)
+    }
+
+    /// The store options this configuration describes.
+    pub fn store_options(&self) -> Result<kvstore::StoreOptions> {
+        let k = &self.kvstore;
+        let sync = match k.sync.as_str() {
+            "batch" => kvstore::SyncPolicy::EveryBatch,
+            "interval" => {
+                kvstore::SyncPolicy::Interval(std::time::Duration::from_millis(k.sync_interval_ms))
+            }
+            "none" => kvstore::SyncPolicy::Never,
+            other => bail!("kvstore.sync: unknown policy {other:?} (batch, interval, none)"),
+        };
+        let Some(codec) = kvstore::Codec::from_name(&k.codec) else {
+            bail!("kvstore.codec: unknown codec {:?} (none, lz4, zstd, lz4-planes, zstd-planes, int8)", k.codec);
+        };
+        let d = kvstore::StoreOptions::default();
+        let opts = kvstore::StoreOptions {
+            block_tokens: k.block_tokens,
+            segment_bytes: k.segment_mib << 20,
+            sync,
+            default_codec: codec,
+            hot_tier_bytes: k.hot_tier_mib << 20,
+            merge: kvstore::MergePolicy {
+                dead_ratio: k.merge_dead_ratio,
+                ..d.merge
+            },
+            ..d
+        };
+        opts.validate()
+            .map_err(|e| anyhow::anyhow!("kvstore.{e}"))?;
+        Ok(opts)
+    }
+
+    pub fn kv_dir(&self) -> PathBuf {
+        self.data_dir.join("kv")
+    }
+}
+
+fn merge(base: &mut toml::Value, over: toml::Value) {
+    match (base, over) {
+        (toml::Value::Table(b), toml::Value::Table(o)) => {
+            for (k, v) in o {
+                match b.get_mut(&k) {
+                    Some(slot) => merge(slot, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}
+
+/// Sets `keys` in `value` from an environment string, typed like the default it replaces.
+fn set_path(value: &mut toml::Value, keys: &[String], raw: &str) -> Result<()> {
+    let (last, parents) = keys.split_last().context("empty key")?;
+    let mut cur = value;
+    for k in parents {
+        cur = cur
+            .get_mut(k.as_str())
+            .with_context(|| format!("unknown section {k:?}"))?;
+    }
+    let table = cur.as_table_mut().context("not a section")?;
+    let slot = table
+        .get_mut(last.as_str())
+        .with_context(|| format!("unknown key {last:?}"))?;
+    *slot = match slot {
+        toml::Value::Integer(_) => toml::Value::Integer(
+            raw.parse()
+                .with_context(|| format!("{last}: expected an integer, got {raw:?}"))?,
+        ),
+        toml::Value::Float(_) => toml::Value::Float(
+            raw.parse()
+                .with_context(|| format!("{last}: expected a number, got {raw:?}"))?,
+        ),
+        toml::Value::Boolean(_) => toml::Value::Boolean(
+            raw.parse()
+                .with_context(|| format!("{last}: expected true or false, got {raw:?}"))?,
+        ),
+        _ => toml::Value::String(raw.to_string()),
+    };
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_apply_in_order_and_errors_name_the_key() {
+        let mut v = toml::Value::try_from(Config::default()).unwrap();
+        merge(
+            &mut v,
+            toml::from_str("[kvstore]\nblock_tokens = 32\ncodec = \"lz4\"").unwrap(),
+        );
+        set_path(&mut v, &["kvstore".into(), "block_tokens".into()], "16").unwrap();
+        let c: Config = v.clone().try_into().unwrap();
+        assert_eq!(c.kvstore.block_tokens, 16);
+        assert_eq!(c.kvstore.codec, "lz4");
+        let err = set_path(&mut v, &["kvstore".into(), "block_tokens".into()], "many").unwrap_err();
+        assert!(format!("{err:#}").contains("block_tokens"), "{err:#}");
+        assert!(set_path(&mut v, &["kvstore".into(), "nope".into()], "1").is_err());
+
+        let mut c = Config::default();
+        c.kvstore.sync = "sometimes".into();
+        assert!(format!("{:#}", c.validate().unwrap_err()).contains("kvstore.sync"));
+        let mut c = Config::default();
+        c.kvstore.block_tokens = 0;
+        assert!(format!("{:#}", c.validate().unwrap_err()).contains("block_tokens"));
+        assert!(Config::default().validate().is_ok());
+    }
+
+    #[test]
+    fn unknown_keys_in_a_file_are_rejected() {
+        let mut v = toml::Value::try_from(Config::default()).unwrap();
+        merge(
+            &mut v,
+            toml::from_str("[kvstore]\nblok_tokens = 32").unwrap(),
+        );
+        let err = v.try_into::<Config>().unwrap_err();
+        assert!(err.to_string().contains("blok_tokens"), "{err}");
+    }
+}

@@ -1,0 +1,101 @@
+//! The kvstore's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the store. Variants carry the facts an operator needs.
+///
+/// [`Error::is_miss`] separates "this KV cannot be served, recompute it" (a miss, possibly with
+/// a reason worth logging) from failures of the store itself.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// File-system I/O failed; the message names the file.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+
+    /// The RocksDB index failed.
+    #[error("index ({op}): {source}")]
+    Index {
+        op: &'static str,
+        #[source]
+        source: rocksdb::Error,
+    },
+
+    /// A persisted record could not be decoded.
+    #[error("{context}: {source}")]
+    Schema {
+        context: String,
+        #[source]
+        source: schema::SchemaError,
+    },
+
+    /// A tensor-log record failed verification: the payload or header checksum, the key or
+    /// the token digest did not match. The KV is not returned; treat it as a miss.
+    #[error("corrupt record in segment {segment} at offset {offset}: {what}")]
+    Corrupt {
+        segment: u64,
+        offset: u64,
+        what: String,
+    },
+
+    /// An index entry points into a segment file that no longer exists.
+    #[error("segment {segment} is missing ({path})")]
+    SegmentMissing { segment: u64, path: PathBuf },
+
+    /// The requested prefix is not (fully) cached.
+    #[error("not cached: {cached} of {requested} tokens are stored")]
+    Miss { requested: usize, cached: usize },
+
+    /// The caller's KV bytes do not match the layout and token count.
+    #[error("kv has {got} bytes, layout {layout} needs {expected} for {tokens} tokens")]
+    KvSize {
+        got: usize,
+        expected: usize,
+        tokens: usize,
+        layout: schema::KvLayout,
+    },
+
+    /// The namespace stores a different KV layout than the caller passed.
+    #[error("namespace {ns} stores layout {stored}, caller passed {given}")]
+    LayoutMismatch {
+        ns: schema::NamespaceId,
+        stored: schema::KvLayout,
+        given: schema::KvLayout,
+    },
+
+    /// Invalid options or arguments.
+    #[error("invalid {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+
+    /// Another process holds the store's lock.
+    #[error("data directory {path} is locked by another process ({holder})")]
+    Locked { path: PathBuf, holder: String },
+
+    /// A background worker panicked; the store refuses further writes rather than risk
+    /// corrupting data.
+    #[error("store poisoned: {0}")]
+    Poisoned(String),
+}
+
+impl Error {
+    /// True when the error means "serve this KV by recomputing it": a miss, a corrupt record or
+    /// a missing segment. Anything else is a failure of the store itself.
+    pub fn is_miss(&self) -> bool {
+        matches!(
+            self,
+            Error::Miss { .. } | Error::Corrupt { .. } | Error::SegmentMissing { .. }
+        )
+    }
+
+    pub(crate) fn index(op: &'static str) -> impl FnOnce(rocksdb::Error) -> Error {
+        move |source| Error::Index { op, source }
+    }
+
+    pub(crate) fn schema(context: impl Into<String>) -> impl FnOnce(schema::SchemaError) -> Error {
+        let context = context.into();
+        move |source| Error::Schema { context, source }
+    }
+}
+
+/// Result alias for the store.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

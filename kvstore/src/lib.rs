@@ -1,0 +1,82 @@
+//! ragkv's KV-cache storage engine.
+//!
+//! Key-value separation in the manner of WiscKey: a RocksDB index maps block keys to small
+//! location records, and the KV tensors themselves live in append-only segment files (the
+//! tensor log). See `store.rs` for the index layout, `record.rs` for the on-disk record format,
+//! `key.rs` for the prefix-preserving key encoding and `merge.rs` for space reclamation.
+//!
+//! ```no_run
+//! use kvstore::{PutItem, Store, StoreOptions};
+//! use schema::{DType, KvLayout, NamespaceId};
+//!
+//! let store = Store::open("/tmp/kv", StoreOptions::default())?;
+//! let layout = KvLayout { layers: 2, kv_heads: 1, head_dim: 8, dtype: DType::F16 };
+//! let ns = NamespaceId([1; 16]);
+//! let tokens: Vec<u32> = (0..100).collect();
+//! let kv = vec![0u8; layout.bytes_for(tokens.len())];
+//! store.put_batch(ns, layout, &[PutItem { tokens: &tokens, kv: &kv, doc: Some("doc-1") }])?;
+//! assert_eq!(store.probe(ns, &tokens)?, 100);
+//! let back = store.get_batch(ns, &tokens, 100)?;
+//! assert_eq!(back.bytes, kv);
+//! # Ok::<(), kvstore::Error>(())
+//! ```
+
+mod codec;
+mod error;
+mod hot;
+mod key;
+mod merge;
+mod options;
+mod record;
+mod segment;
+mod store;
+
+pub use error::{Error, Result};
+pub use merge::MergeReport;
+pub use options::{MergePolicy, StoreOptions, SyncPolicy};
+pub use schema::{Codec, DType, KvLayout, NamespaceId};
+pub use store::{DeleteReport, KvData, PutItem, PutReport, Store, VerifyReport};
+
+/// Space accounting of one segment file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentStats {
+    pub id: u64,
+    /// Committed file length in bytes.
+    pub len: u64,
+    pub live_bytes: u64,
+    pub dead_bytes: u64,
+    pub live_records: u64,
+    pub sealed: bool,
+}
+
+/// Counters and space accounting; counters are since open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stats {
+    /// Blocks in the index.
+    pub entries: u64,
+    pub live_bytes: u64,
+    pub dead_bytes: u64,
+    pub segments: Vec<SegmentStats>,
+    pub namespaces: usize,
+    pub probes: u64,
+    /// Probes that found not even the first block.
+    pub empty_probes: u64,
+    /// `get_batch` calls that returned KV.
+    pub hits: u64,
+    /// `get_batch` calls that returned a miss (absent, corrupt or lost).
+    pub misses: u64,
+    /// Reads that failed verification.
+    pub corrupt: u64,
+    /// Blocks served from the hot tier.
+    pub hot_hits: u64,
+    pub hot_bytes: u64,
+    pub blocks_written: u64,
+    /// Blocks a put found already stored.
+    pub blocks_deduped: u64,
+    pub bytes_written: u64,
+    /// Bytes read from segment files.
+    pub bytes_read: u64,
+    /// Segments retired by the merger.
+    pub merges: u64,
+    pub bytes_merged: u64,
+}

@@ -1,0 +1,193 @@
+//! Segment files of the tensor log, and their accounting records.
+//!
+//! A [`Segment`] is shared as an `Arc`: readers clone it for the duration of a read. When the
+//! merger retires a segment it marks it obsolete and drops its own reference; the file is
+//! unlinked by `Drop` once the last reader is done, so a read in flight never loses its file.
+//!
+//! Accounting record (column family `segments`, key: segment id as u64 big-endian), version 1,
+//! 40 bytes little-endian:
+//!
+//! | offset | size | field                                                   |
+//! |-------:|-----:|---------------------------------------------------------|
+//! | 0      | 1    | format version (`1`)                                    |
+//! | 1      | 1    | flags: bit 0 sealed (no more appends)                   |
+//! | 2      | 6    | reserved, zero                                          |
+//! | 8      | 8    | committed length: bytes covered by committed index data |
+//! | 16     | 8    | live bytes (records the index points at)                |
+//! | 24     | 8    | dead bytes (records deleted or moved away)              |
+//! | 32     | 8    | live record count                                       |
+//!
+//! The committed length is written in the same index batch as the locations of the records it
+//! covers. On open, anything in the file past it was never committed and is cut off.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{Error, Result};
+use crate::record::SEGMENT_HEADER_LEN;
+
+/// An open segment file.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub id: u64,
+    pub path: PathBuf,
+    pub file: File,
+    obsolete: AtomicBool,
+}
+
+impl Segment {
+    pub fn new(id: u64, path: PathBuf, file: File) -> Self {
+        Segment {
+            id,
+            path,
+            file,
+            obsolete: AtomicBool::new(false),
+        }
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset`.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("reading {} at {offset}: {e}", self.path.display()),
+            ))
+        })
+    }
+
+    /// Marks the file for unlinking when the last reference is dropped.
+    pub fn retire(&self) {
+        self.obsolete.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.obsolete.load(Ordering::Acquire) {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                tracing::warn!(segment = self.id, path = %self.path.display(), error = %e, "could not unlink retired segment");
+            }
+        }
+    }
+}
+
+/// File name of segment `id`.
+pub(crate) fn file_name(id: u64) -> String {
+    format!("{id:016x}.tlog")
+}
+
+/// Parses [`file_name`].
+pub(crate) fn parse_file_name(name: &str) -> Option<u64> {
+    let hex = name.strip_suffix(".tlog")?;
+    if hex.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+pub(crate) fn path_of(dir: &Path, id: u64) -> PathBuf {
+    dir.join(file_name(id))
+}
+
+/// Accounting of one segment; see the module docs for its encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct SegmentMeta {
+    pub sealed: bool,
+    pub len: u64,
+    pub live_bytes: u64,
+    pub dead_bytes: u64,
+    pub live_records: u64,
+}
+
+const META_LEN: usize = 40;
+
+impl SegmentMeta {
+    pub fn fresh() -> Self {
+        SegmentMeta {
+            len: SEGMENT_HEADER_LEN as u64,
+            ..Default::default()
+        }
+    }
+
+    pub fn encode(&self) -> [u8; META_LEN] {
+        let mut b = [0u8; META_LEN];
+        b[0] = 1;
+        b[1] = self.sealed as u8;
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.live_bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.dead_bytes.to_le_bytes());
+        b[32..40].copy_from_slice(&self.live_records.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> std::result::Result<Self, String> {
+        if b.len() < META_LEN {
+            return Err(format!("segment meta truncated ({} bytes)", b.len()));
+        }
+        if b[0] != 1 {
+            return Err(format!("unsupported segment meta version {}", b[0]));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        Ok(SegmentMeta {
+            sealed: b[1] & 1 == 1,
+            len: u64_at(8),
+            live_bytes: u64_at(16),
+            dead_bytes: u64_at(24),
+            live_records: u64_at(32),
+        })
+    }
+
+    /// Share of the record bytes that are dead.
+    pub fn dead_ratio(&self) -> f64 {
+        let total = self.live_bytes + self.dead_bytes;
+        if total == 0 {
+            0.0
+        } else {
+            self.dead_bytes as f64 / total as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_round_trips() {
+        let m = SegmentMeta {
+            sealed: true,
+            len: 1 << 33,
+            live_bytes: 5,
+            dead_bytes: 7,
+            live_records: 2,
+        };
+        assert_eq!(SegmentMeta::decode(&m.encode()), Ok(m));
+        assert!(SegmentMeta::decode(&m.encode()[..10]).is_err());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(parse_file_name(&file_name(0xabc)), Some(0xabc));
+        assert_eq!(parse_file_name("LOCK"), None);
+        assert_eq!(parse_file_name("00000000000000zz.tlog"), None);
+    }
+
+    #[test]
+    fn retired_segment_is_unlinked_after_last_reader() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(file_name(1));
+        std::fs::write(&path, b"0123456789").unwrap();
+        let seg = std::sync::Arc::new(Segment::new(1, path.clone(), File::open(&path).unwrap()));
+        let reader = seg.clone();
+        seg.retire();
+        drop(seg);
+        assert!(path.exists(), "a reader still holds it");
+        let mut b = [0u8; 4];
+        reader.read_at(3, &mut b).unwrap();
+        assert_eq!(&b, b"3456");
+        drop(reader);
+        assert!(!path.exists());
+    }
+}

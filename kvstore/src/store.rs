@@ -1,0 +1,1491 @@
+//! The store: a RocksDB index of small location records over append-only tensor-log segments.
+//!
+//! Column families of the index:
+//!
+//! | family     | key                                   | value                                  |
+//! |------------|---------------------------------------|----------------------------------------|
+//! | `kv`       | block key (`key.rs`)                  | `schema::Location`                     |
+//! | `docs`     | u16 BE length, document id, seq key   | version `1`, token count u32 LE        |
+//! | `seqs`     | seq key (key of a sequence's last block) | number of documents attaching it, u32 LE |
+//! | `segments` | segment id u64 BE                     | `SegmentMeta` (see `segment.rs`)       |
+//! | `meta`     | `ns/` + namespace id                  | version `1`, layout (8 B), codec id    |
+//!
+//! # Blocking
+//! Every method blocks on disk I/O (RocksDB and `pread`/`pwrite`) and must be called from a
+//! blocking context (a dedicated thread or `spawn_blocking`), never from an async worker.
+//! Reads take no lock beyond short map lookups; mutations serialize on one writer lock.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use rocksdb::{BlockBasedOptions, Cache, ColumnFamilyDescriptor, WriteBatch, WriteOptions, DB};
+use schema::{Codec, KvLayout, Location, NamespaceId};
+
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::hot::{HotBlock, HotTier};
+use crate::key::{self, BlockRef};
+use crate::options::{StoreOptions, SyncPolicy};
+use crate::record::{self, RecordHeader, SEGMENT_HEADER_LEN};
+use crate::segment::{self, Segment, SegmentMeta};
+
+pub(crate) const CF_KV: &str = "kv";
+pub(crate) const CF_DOCS: &str = "docs";
+pub(crate) const CF_SEQS: &str = "seqs";
+pub(crate) const CF_SEGMENTS: &str = "segments";
+pub(crate) const CF_META: &str = "meta";
+const CFS: [&str; 5] = [CF_KV, CF_DOCS, CF_SEQS, CF_SEGMENTS, CF_META];
+
+/// Largest byte range fetched with one read.
+const MAX_RUN_BYTES: usize = 64 << 20;
+
+/// One sequence to store: KV for `tokens`, starting at position 0, in the layer-major layout.
+#[derive(Debug, Clone, Copy)]
+pub struct PutItem<'a> {
+    pub tokens: &'a [u32],
+    pub kv: &'a [u8],
+    /// Attach the sequence to this document, so `delete_document` can drop it later.
+    /// Sequences stored without a document stay until deleted explicitly.
+    pub doc: Option<&'a str>,
+}
+
+/// What a `put_batch` did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PutReport {
+    /// Blocks appended to the tensor log.
+    pub blocks_written: usize,
+    /// Blocks that were already stored and not written again.
+    pub blocks_present: usize,
+    /// Record bytes appended.
+    pub bytes_written: u64,
+}
+
+/// KV read back from the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvData {
+    pub layout: KvLayout,
+    pub tokens: usize,
+    /// Layer-major bytes (`schema::KvLayout` docs) for `tokens` tokens.
+    pub bytes: Vec<u8>,
+}
+
+/// What a delete removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeleteReport {
+    /// Document sequences detached.
+    pub sequences: usize,
+    /// Block entries removed from the index.
+    pub blocks: usize,
+    /// Record bytes that became dead (reclaimed by the merger).
+    pub bytes: u64,
+}
+
+/// Result of [`Store::verify`].
+#[derive(Debug, Default)]
+pub struct VerifyReport {
+    pub entries: u64,
+    pub ok: u64,
+    /// Keys that failed, with the reason.
+    pub failures: Vec<(Vec<u8>, Error)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NamespaceInfo {
+    pub layout: KvLayout,
+    pub codec: Codec,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Writer {
+    pub active: Option<u64>,
+    pub metas: BTreeMap<u64, SegmentMeta>,
+    pub next_id: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub probes: AtomicU64,
+    pub empty_probes: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub corrupt: AtomicU64,
+    pub hot_hits: AtomicU64,
+    pub blocks_written: AtomicU64,
+    pub blocks_deduped: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub merges: AtomicU64,
+    pub bytes_merged: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+pub(crate) struct Inner {
+    pub dir: PathBuf,
+    pub seg_dir: PathBuf,
+    pub opts: StoreOptions,
+    pub db: DB,
+    pub segments: RwLock<BTreeMap<u64, Arc<Segment>>>,
+    pub writer: Mutex<Writer>,
+    pub hot: HotTier,
+    pub counters: Counters,
+    pub namespaces: RwLock<HashMap<NamespaceId, NamespaceInfo>>,
+    pub poisoned: Mutex<Option<String>>,
+    pub shutdown: (Mutex<bool>, Condvar),
+    _lock: File,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The KV storage engine. `Send + Sync`; share it behind an `Arc`.
+#[derive(Debug)]
+pub struct Store {
+    pub(crate) inner: Arc<Inner>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::Io(std::io::Error::new(
+        e.kind(),
+        format!("{what} {}: {e}", path.display()),
+    ))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn doc_prefix(doc: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(2 + doc.len());
+    k.extend_from_slice(&(doc.len() as u16).to_be_bytes());
+    k.extend_from_slice(doc.as_bytes());
+    k
+}
+
+fn ns_meta_key(ns: &NamespaceId) -> Vec<u8> {
+    let mut k = b"ns/".to_vec();
+    k.extend_from_slice(&ns.0);
+    k
+}
+
+/// Copies block `raw` (layer-major for `n` tokens) into `out` (layer-major for `total` tokens)
+/// at token offset `start`.
+fn scatter(out: &mut [u8], total: usize, raw: &[u8], start: usize, n: usize, layout: &KvLayout) {
+    let tb = layout.plane_token_bytes();
+    for p in 0..layout.planes() {
+        let dst = (p * total + start) * tb;
+        let src = p * n * tb;
+        out[dst..dst + n * tb].copy_from_slice(&raw[src..src + n * tb]);
+    }
+}
+
+/// The inverse of [`scatter`]: the layer-major bytes of tokens `start..start + n`.
+fn gather(kv: &[u8], total: usize, start: usize, n: usize, layout: &KvLayout) -> Vec<u8> {
+    let tb = layout.plane_token_bytes();
+    let mut out = Vec::with_capacity(layout.planes() * n * tb);
+    for p in 0..layout.planes() {
+        let src = (p * total + start) * tb;
+        out.extend_from_slice(&kv[src..src + n * tb]);
+    }
+    out
+}
+
+/// Takes an exclusive `flock` on `path`, writing our pid into it.
+fn lock_dir(path: &Path) -> Result<File> {
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| io_err(path, "opening lock file", e))?;
+    // SAFETY: flock on a valid, owned file descriptor.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        return Err(Error::Locked {
+            path: path.to_path_buf(),
+            holder: if holder.trim().is_empty() {
+                "unknown".into()
+            } else {
+                holder.trim().to_string()
+            },
+        });
+    }
+    f.set_len(0)
+        .map_err(|e| io_err(path, "truncating lock file", e))?;
+    writeln!(f, "pid {}", std::process::id()).map_err(|e| io_err(path, "writing lock file", e))?;
+    Ok(f)
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err(dir, "syncing directory", e))
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`, recovering from any crash: bytes past the last
+    /// committed record are cut off, segment files the index does not know are removed, and
+    /// index entries whose segment file is missing or short are dropped (and logged).
+    ///
+    /// `dir` holds `index/` (RocksDB), `segments/` and a lock file; a second process that
+    /// opens the same directory gets [`Error::Locked`].
+    pub fn open(dir: impl AsRef<Path>, opts: StoreOptions) -> Result<Store> {
+        opts.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        let seg_dir = dir.join("segments");
+        fs_err::create_dir_all(&seg_dir)?;
+        let lock = lock_dir(&dir.join("kvstore.lock"))?;
+
+        let mut db_opts = rocksdb::Options::default();
+        db_opts.create_if_missing(true);
+        db_opts.create_missing_column_families(true);
+        db_opts.set_max_background_jobs(2);
+        db_opts.set_bytes_per_sync(1 << 20);
+        let cache = Cache::new_lru_cache(opts.index_cache_bytes);
+        let cf_opts = |name: &str| {
+            let mut bb = BlockBasedOptions::default();
+            bb.set_block_cache(&cache);
+            bb.set_bloom_filter(opts.bloom_bits_per_key, false);
+            bb.set_cache_index_and_filter_blocks(true);
+            bb.set_pin_l0_filter_and_index_blocks_in_cache(true);
+            let mut o = rocksdb::Options::default();
+            o.set_block_based_table_factory(&bb);
+            if name == CF_KV {
+                o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+            }
+            ColumnFamilyDescriptor::new(name, o)
+        };
+        let index_dir = dir.join("index");
+        let db = DB::open_cf_descriptors(&db_opts, &index_dir, CFS.iter().map(|n| cf_opts(n)))
+            .map_err(Error::index("open"))?;
+
+        let inner = Inner {
+            seg_dir: seg_dir.clone(),
+            hot: HotTier::new(opts.hot_tier_bytes),
+            opts: opts.clone(),
+            db,
+            segments: RwLock::new(BTreeMap::new()),
+            writer: Mutex::new(Writer {
+                active: None,
+                metas: BTreeMap::new(),
+                next_id: 1,
+            }),
+            counters: Counters::default(),
+            namespaces: RwLock::new(HashMap::new()),
+            poisoned: Mutex::new(None),
+            shutdown: (Mutex::new(false), Condvar::new()),
+            dir,
+            _lock: lock,
+        };
+        inner.recover()?;
+        let inner = Arc::new(inner);
+
+        let mut workers = Vec::new();
+        if opts.background_merge {
+            let w = inner.clone();
+            workers.push(
+                std::thread::Builder::new()
+                    .name("kvstore-merger".into())
+                    .spawn(move || {
+                        w.background(w.opts.merge.interval, |s| s.merge_once().map(drop))
+                    })?,
+            );
+        }
+        if let SyncPolicy::Interval(every) = opts.sync {
+            let w = inner.clone();
+            workers.push(
+                std::thread::Builder::new()
+                    .name("kvstore-syncer".into())
+                    .spawn(move || w.background(every, |s| s.sync_now()))?,
+            );
+        }
+        Ok(Store { inner, workers })
+    }
+
+    /// Options the store was opened with.
+    pub fn options(&self) -> &StoreOptions {
+        &self.inner.opts
+    }
+
+    /// Registers a namespace with its layout and codec. Idempotent for the same layout; the
+    /// codec may be changed (it applies to blocks written from now on). A namespace that is
+    /// used without registering gets `StoreOptions::default_codec`.
+    pub fn register_namespace(
+        &self,
+        ns: NamespaceId,
+        layout: KvLayout,
+        codec: Codec,
+    ) -> Result<()> {
+        let _w = self.inner.writer.lock();
+        self.inner.check_layout(&ns, &layout)?;
+        self.inner
+            .write_namespace(ns, NamespaceInfo { layout, codec })
+    }
+
+    /// The layout stored under `ns`, if the namespace exists.
+    pub fn namespace_layout(&self, ns: &NamespaceId) -> Option<KvLayout> {
+        self.inner.namespaces.read().get(ns).map(|i| i.layout)
+    }
+
+    /// Stores KV for each item's token sequence (which starts at position 0), split into
+    /// blocks of `block_tokens`. Blocks already stored are not written again. Payloads are
+    /// appended (and synced per [`SyncPolicy`]) before one atomic index batch makes them
+    /// visible.
+    pub fn put_batch(
+        &self,
+        ns: NamespaceId,
+        layout: KvLayout,
+        items: &[PutItem<'_>],
+    ) -> Result<PutReport> {
+        self.inner.put_batch(ns, layout, items)
+    }
+
+    /// Length in tokens of the longest cached prefix of `tokens` (a multiple of the block
+    /// size, or `tokens.len()`): a binary search over bloom-filtered point lookups.
+    pub fn probe(&self, ns: NamespaceId, tokens: &[u32]) -> Result<usize> {
+        self.inner.probe(ns, tokens)
+    }
+
+    /// KV of `tokens[..up_to]`, verified (checksums, key, token digest). Adjacent blocks are
+    /// fetched with one read. A block that is absent or fails verification makes the whole
+    /// call fail with an error for which [`Error::is_miss`] is true; bytes that did not
+    /// verify are never returned.
+    pub fn get_batch(&self, ns: NamespaceId, tokens: &[u32], up_to: usize) -> Result<KvData> {
+        self.inner.get_batch(ns, tokens, up_to)
+    }
+
+    /// Drops the blocks of `tokens` from the block containing token `from` on, and every
+    /// cached sequence that extends them. Returns what was removed.
+    pub fn delete(&self, ns: NamespaceId, tokens: &[u32], from: usize) -> Result<DeleteReport> {
+        self.inner.delete_prefix_range(ns, tokens, from)
+    }
+
+    /// Detaches every sequence of `doc`, and drops the blocks no other document's sequence
+    /// still uses.
+    pub fn delete_document(&self, doc: &str) -> Result<DeleteReport> {
+        self.inner.delete_document(doc)
+    }
+
+    /// Sequences attached to `doc`: `(namespace, token count)` for each.
+    pub fn document_sequences(&self, doc: &str) -> Result<Vec<(NamespaceId, usize)>> {
+        self.inner.document_sequences(doc)
+    }
+
+    /// Reads and verifies every indexed block. Failures are reported, never repaired.
+    pub fn verify(&self) -> Result<VerifyReport> {
+        self.inner.verify()
+    }
+
+    /// Runs one merger pass now; see [`crate::MergePolicy`].
+    pub fn merge_now(&self) -> Result<crate::MergeReport> {
+        self.inner.merge_once()
+    }
+
+    /// Rewrites every sealed segment that has any dead bytes (a full garbage collection).
+    pub fn compact_all(&self) -> Result<crate::MergeReport> {
+        self.inner.merge_all()
+    }
+
+    /// Syncs the active segment and the index WAL.
+    pub fn sync(&self) -> Result<()> {
+        self.inner.sync_now()
+    }
+
+    /// Counters and space accounting.
+    pub fn stats(&self) -> crate::Stats {
+        self.inner.stats()
+    }
+
+    /// Paths of the segment files, oldest first (for tools that read them directly).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        self.inner
+            .segments
+            .read()
+            .values()
+            .map(|s| s.path.clone())
+            .collect()
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        *self.inner.shutdown.0.lock() = true;
+        self.inner.shutdown.1.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        if let Err(e) = self.inner.sync_now() {
+            tracing::warn!(error = %e, "final sync failed");
+        }
+    }
+}
+
+impl Inner {
+    fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
+        self.db
+            .cf_handle(name)
+            .expect("column family created at open")
+    }
+
+    fn write_opts(&self) -> WriteOptions {
+        let mut w = WriteOptions::default();
+        w.set_sync(self.opts.sync == SyncPolicy::EveryBatch);
+        w
+    }
+
+    pub(crate) fn check_poisoned(&self) -> Result<()> {
+        match &*self.poisoned.lock() {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `f` every `every` until shutdown; a panic poisons the store.
+    fn background(&self, every: Duration, f: impl Fn(&Inner) -> Result<()>) {
+        loop {
+            {
+                let mut stop = self.shutdown.0.lock();
+                if !*stop {
+                    self.shutdown.1.wait_for(&mut stop, every);
+                }
+                if *stop {
+                    return;
+                }
+            }
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self))) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "background store task failed"),
+                Err(_) => {
+                    let why = format!(
+                        "{} panicked",
+                        std::thread::current().name().unwrap_or("worker")
+                    );
+                    tracing::error!("{why}; refusing further writes");
+                    *self.poisoned.lock() = Some(why);
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(crate) fn sync_now(&self) -> Result<()> {
+        let active = {
+            let w = self.writer.lock();
+            w.active
+                .and_then(|id| self.segments.read().get(&id).cloned())
+        };
+        if let Some(seg) = active {
+            seg.file
+                .sync_data()
+                .map_err(|e| io_err(&seg.path, "syncing", e))?;
+        }
+        self.db.flush_wal(true).map_err(Error::index("flush wal"))
+    }
+
+    // ---------------------------------------------------------------- recovery
+
+    fn recover(&self) -> Result<()> {
+        // Namespaces.
+        let mut nss = HashMap::new();
+        for item in self.db.prefix_iterator_cf(self.cf(CF_META), b"ns/") {
+            let (k, v) = item.map_err(Error::index("load namespaces"))?;
+            if !k.starts_with(b"ns/") {
+                break;
+            }
+            let ns = NamespaceId(k[3..].try_into().map_err(|_| Error::Invalid {
+                what: "namespace record",
+                why: format!("bad key length {}", k.len()),
+            })?);
+            if v.len() < 10 || v[0] != 1 {
+                return Err(Error::Invalid {
+                    what: "namespace record",
+                    why: format!("unsupported encoding for {ns}"),
+                });
+            }
+            let layout =
+                KvLayout::decode(&v[1..9]).map_err(Error::schema(format!("namespace {ns}")))?;
+            let codec = Codec::from_id(v[9]).map_err(Error::schema(format!("namespace {ns}")))?;
+            nss.insert(ns, NamespaceInfo { layout, codec });
+        }
+        *self.namespaces.write() = nss;
+
+        // Segment accounting.
+        let mut metas = BTreeMap::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_SEGMENTS), rocksdb::IteratorMode::Start)
+        {
+            let (k, v) = item.map_err(Error::index("load segments"))?;
+            let id = u64::from_be_bytes(k.as_ref().try_into().map_err(|_| Error::Invalid {
+                what: "segment record",
+                why: format!("bad key length {}", k.len()),
+            })?);
+            let meta = SegmentMeta::decode(&v).map_err(|why| Error::Invalid {
+                what: "segment record",
+                why: format!("segment {id}: {why}"),
+            })?;
+            metas.insert(id, meta);
+        }
+
+        // Files on disk.
+        let mut files = BTreeMap::new();
+        let mut max_id = metas.keys().next_back().copied().unwrap_or(0);
+        for entry in fs_err::read_dir(&self.seg_dir)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            let Some(id) = name.to_str().and_then(segment::parse_file_name) else {
+                continue;
+            };
+            max_id = max_id.max(id);
+            files.insert(id, entry.path());
+        }
+
+        // Files the index does not know: a segment created by a batch that never committed, or
+        // one the merger retired before the process ended.
+        for (id, path) in &files {
+            if !metas.contains_key(id) {
+                tracing::info!(segment = id, "removing uncommitted or retired segment file");
+                fs_err::remove_file(path)?;
+            }
+        }
+
+        let mut lost: HashMap<u64, u64> = HashMap::new(); // segment -> valid length
+        let mut open = BTreeMap::new();
+        for (id, meta) in metas.iter_mut() {
+            let path = segment::path_of(&self.seg_dir, *id);
+            if !files.contains_key(id) {
+                tracing::error!(segment = id, path = %path.display(), "segment file missing; dropping its index entries");
+                lost.insert(*id, 0);
+                continue;
+            }
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| io_err(&path, "opening segment", e))?;
+            let mut header = [0u8; SEGMENT_HEADER_LEN];
+            let header_ok = file
+                .read_exact_at(&mut header, 0)
+                .ok()
+                .and_then(|_| record::decode_segment_header(&header).ok())
+                == Some(*id);
+            if !header_ok {
+                let aside = path.with_extension("corrupt");
+                tracing::error!(
+                    segment = id,
+                    "segment header damaged; moving it aside to {}",
+                    aside.display()
+                );
+                fs_err::rename(&path, &aside)?;
+                lost.insert(*id, 0);
+                continue;
+            }
+            let len = file.metadata().map_err(|e| io_err(&path, "stat", e))?.len();
+            if len > meta.len {
+                tracing::info!(
+                    segment = id,
+                    bytes = len - meta.len,
+                    "reclaiming uncommitted tail"
+                );
+                file.set_len(meta.len)
+                    .map_err(|e| io_err(&path, "truncating", e))?;
+                file.sync_all().map_err(|e| io_err(&path, "syncing", e))?;
+            } else if len < meta.len {
+                tracing::error!(
+                    segment = id,
+                    committed = meta.len,
+                    len,
+                    "segment shorter than committed; dropping entries past its end"
+                );
+                lost.insert(*id, len);
+                meta.len = len;
+            }
+            open.insert(*id, Arc::new(Segment::new(*id, path, file)));
+        }
+
+        if !lost.is_empty() {
+            self.drop_lost_entries(&lost, &mut metas)?;
+        }
+
+        let active = metas
+            .iter()
+            .rev()
+            .find(|(_, m)| !m.sealed)
+            .map(|(id, _)| *id);
+        *self.segments.write() = open;
+        *self.writer.lock() = Writer {
+            active,
+            metas,
+            next_id: max_id + 1,
+        };
+        Ok(())
+    }
+
+    /// Drops index entries that point into lost segments (or past a short segment's end).
+    fn drop_lost_entries(
+        &self,
+        lost: &HashMap<u64, u64>,
+        metas: &mut BTreeMap<u64, SegmentMeta>,
+    ) -> Result<()> {
+        let mut batch = WriteBatch::default();
+        let mut dropped = 0u64;
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_KV), rocksdb::IteratorMode::Start)
+        {
+            let (k, v) = item.map_err(Error::index("scan for lost entries"))?;
+            let loc = Location::decode(&v).map_err(Error::schema("location"))?;
+            if let Some(valid) = lost.get(&loc.segment) {
+                if loc.offset + loc.length as u64 > *valid {
+                    batch.delete_cf(self.cf(CF_KV), &k);
+                    dropped += 1;
+                    if let Some(m) = metas.get_mut(&loc.segment) {
+                        m.live_bytes = m.live_bytes.saturating_sub(loc.length as u64);
+                        m.live_records = m.live_records.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        for (id, valid) in lost {
+            if *valid == 0 {
+                metas.remove(id);
+                batch.delete_cf(self.cf(CF_SEGMENTS), id.to_be_bytes());
+            } else if let Some(m) = metas.get(id) {
+                batch.put_cf(self.cf(CF_SEGMENTS), id.to_be_bytes(), m.encode());
+            }
+        }
+        tracing::error!(
+            entries = dropped,
+            segments = lost.len(),
+            "dropped index entries of lost segments"
+        );
+        self.db
+            .write_opt(batch, &self.write_opts())
+            .map_err(Error::index("drop lost entries"))
+    }
+
+    // ---------------------------------------------------------------- namespaces
+
+    fn check_layout(&self, ns: &NamespaceId, layout: &KvLayout) -> Result<Option<NamespaceInfo>> {
+        match self.namespaces.read().get(ns) {
+            Some(info) if info.layout != *layout => Err(Error::LayoutMismatch {
+                ns: *ns,
+                stored: info.layout,
+                given: *layout,
+            }),
+            other => Ok(other.copied()),
+        }
+    }
+
+    fn write_namespace(&self, ns: NamespaceId, info: NamespaceInfo) -> Result<()> {
+        let mut v = vec![1u8];
+        v.extend_from_slice(&info.layout.encode());
+        v.push(info.codec.id());
+        self.db
+            .put_cf_opt(self.cf(CF_META), ns_meta_key(&ns), v, &self.write_opts())
+            .map_err(Error::index("register namespace"))?;
+        self.namespaces.write().insert(ns, info);
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Makes sure the active segment can take `len` more bytes, rolling to a new one if not.
+    /// Returns the id of a segment sealed by the roll.
+    fn ensure_room(&self, w: &mut Writer, len: usize) -> Result<Option<u64>> {
+        if let Some(id) = w.active {
+            let m = &w.metas[&id];
+            if m.len == SEGMENT_HEADER_LEN as u64 || m.len + len as u64 <= self.opts.segment_bytes {
+                return Ok(None);
+            }
+        }
+        let sealed = w.active;
+        if let Some(id) = sealed {
+            w.metas
+                .get_mut(&id)
+                .expect("active segment has meta")
+                .sealed = true;
+        }
+        let id = w.next_id;
+        w.next_id += 1;
+        let path = segment::path_of(&self.seg_dir, id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| io_err(&path, "creating segment", e))?;
+        file.write_all_at(&record::encode_segment_header(id, now_ms()), 0)
+            .map_err(|e| io_err(&path, "writing segment header", e))?;
+        if self.opts.sync == SyncPolicy::EveryBatch {
+            file.sync_all().map_err(|e| io_err(&path, "syncing", e))?;
+            sync_dir(&self.seg_dir)?;
+        }
+        self.segments
+            .write()
+            .insert(id, Arc::new(Segment::new(id, path, file)));
+        w.metas.insert(id, SegmentMeta::fresh());
+        w.active = Some(id);
+        Ok(sealed)
+    }
+
+    /// Appends `bytes` to the active segment (rolling first if needed); returns
+    /// `(segment, offset)`. The caller commits an index batch through [`Inner::commit`].
+    pub(crate) fn append(&self, w: &mut Writer, bytes: &[u8]) -> Result<(u64, u64)> {
+        self.ensure_room(w, bytes.len())?;
+        let id = w.active.expect("ensure_room sets an active segment");
+        let seg = self
+            .segments
+            .read()
+            .get(&id)
+            .cloned()
+            .expect("active segment is open");
+        let meta = w.metas.get_mut(&id).expect("active segment has meta");
+        let offset = meta.len;
+        seg.file
+            .write_all_at(bytes, offset)
+            .map_err(|e| io_err(&seg.path, "appending to", e))?;
+        if self.opts.sync == SyncPolicy::EveryBatch {
+            seg.file
+                .sync_data()
+                .map_err(|e| io_err(&seg.path, "syncing", e))?;
+        }
+        meta.len += bytes.len() as u64;
+        Ok((id, offset))
+    }
+
+    /// Commits `batch` plus the accounting of every segment whose meta differs from `before`.
+    /// On failure the writer state is restored to `before` and appended bytes are cut off.
+    pub(crate) fn commit(
+        &self,
+        w: &mut Writer,
+        before: Writer,
+        mut batch: WriteBatch,
+    ) -> Result<()> {
+        for (id, m) in &w.metas {
+            if before.metas.get(id) != Some(m) {
+                batch.put_cf(self.cf(CF_SEGMENTS), id.to_be_bytes(), m.encode());
+            }
+        }
+        for id in before.metas.keys() {
+            if !w.metas.contains_key(id) {
+                batch.delete_cf(self.cf(CF_SEGMENTS), id.to_be_bytes());
+            }
+        }
+        if let Err(e) = self.db.write_opt(batch, &self.write_opts()) {
+            // Undo: cut appended bytes, forget segments created by this operation.
+            let segs = self.segments.read().clone();
+            for (id, m) in &before.metas {
+                if let Some(seg) = segs.get(id) {
+                    if w.metas.get(id).map(|n| n.len) != Some(m.len) {
+                        let _ = seg.file.set_len(m.len);
+                    }
+                }
+            }
+            for id in w.metas.keys() {
+                if !before.metas.contains_key(id) {
+                    if let Some(seg) = self.segments.write().remove(id) {
+                        seg.retire();
+                    }
+                }
+            }
+            let next_id = w.next_id;
+            *w = before;
+            w.next_id = next_id;
+            return Err(Error::index("commit")(e));
+        }
+        Ok(())
+    }
+
+    fn put_batch(
+        &self,
+        ns: NamespaceId,
+        layout: KvLayout,
+        items: &[PutItem<'_>],
+    ) -> Result<PutReport> {
+        self.check_poisoned()?;
+        let info = match self.check_layout(&ns, &layout)? {
+            Some(info) => info,
+            None => {
+                let _w = self.writer.lock();
+                match self.check_layout(&ns, &layout)? {
+                    Some(info) => info,
+                    None => {
+                        let info = NamespaceInfo {
+                            layout,
+                            codec: self.opts.default_codec,
+                        };
+                        self.write_namespace(ns, info)?;
+                        info
+                    }
+                }
+            }
+        };
+        let bt = self.opts.block_tokens;
+        let mut plans = Vec::with_capacity(items.len());
+        for item in items {
+            if item.tokens.is_empty() {
+                return Err(Error::Invalid {
+                    what: "put_batch item",
+                    why: "empty token sequence".into(),
+                });
+            }
+            let expected = layout.bytes_for(item.tokens.len());
+            if item.kv.len() != expected {
+                return Err(Error::KvSize {
+                    got: item.kv.len(),
+                    expected,
+                    tokens: item.tokens.len(),
+                    layout,
+                });
+            }
+            if let Some(doc) = item.doc {
+                if doc.is_empty() || doc.len() > u16::MAX as usize {
+                    return Err(Error::Invalid {
+                        what: "document id",
+                        why: format!("length {} (must be 1..=65535 bytes)", doc.len()),
+                    });
+                }
+            }
+            plans.push(key::blocks(&ns, item.tokens, bt));
+        }
+
+        // Encode the blocks that look absent, outside the writer lock.
+        let mut seen = HashSet::new();
+        let mut candidates: Vec<(usize, usize)> = Vec::new(); // (item, block)
+        for (i, blocks) in plans.iter().enumerate() {
+            for (j, b) in blocks.iter().enumerate() {
+                if seen.insert(b.key.as_slice()) {
+                    candidates.push((i, j));
+                }
+            }
+        }
+        let present =
+            self.exists_many(candidates.iter().map(|&(i, j)| plans[i][j].key.as_slice()))?;
+        let mut encoded: Vec<(usize, usize, Vec<u8>, u32)> = Vec::new(); // item, block, record, crc
+        for (&(i, j), present) in candidates.iter().zip(present) {
+            if present {
+                continue;
+            }
+            let b = &plans[i][j];
+            let raw = gather(
+                items[i].kv,
+                items[i].tokens.len(),
+                b.start,
+                b.tokens(),
+                &layout,
+            );
+            let payload =
+                codec::encode(info.codec, &layout, b.tokens(), &raw, self.opts.zstd_level)
+                    .map_err(|why| Error::Invalid { what: "codec", why })?;
+            let header = RecordHeader {
+                codec: info.codec,
+                key_len: b.key.len(),
+                tokens: b.tokens() as u32,
+                raw_len: raw.len(),
+                payload_len: payload.len(),
+                layout,
+                digest: b.digest,
+            };
+            let mut rec = Vec::with_capacity(header.record_len());
+            let crc = record::append_record(&mut rec, &b.key, &header, &payload);
+            encoded.push((i, j, rec, crc));
+        }
+
+        let mut w = self.writer.lock();
+        self.check_poisoned()?;
+        let before = w.clone();
+        // Another writer may have stored some of them meanwhile.
+        let still = self.exists_many(
+            encoded
+                .iter()
+                .map(|(i, j, ..)| plans[*i][*j].key.as_slice()),
+        )?;
+        let mut buf = Vec::new();
+        let mut placed = Vec::new(); // (item, block, offset in buf, len, crc)
+        for ((i, j, rec, crc), present) in encoded.iter().zip(still) {
+            if !present {
+                placed.push((*i, *j, buf.len(), rec.len(), *crc));
+                buf.extend_from_slice(rec);
+            }
+        }
+        let report = PutReport {
+            blocks_written: placed.len(),
+            blocks_present: candidates.len() - placed.len(),
+            bytes_written: buf.len() as u64,
+        };
+        let mut batch = WriteBatch::default();
+        if !buf.is_empty() {
+            let (seg, base) = self.append(&mut w, &buf)?;
+            let meta = w.metas.get_mut(&seg).expect("segment meta");
+            for &(i, j, off, len, crc) in &placed {
+                let b = &plans[i][j];
+                let loc = Location {
+                    segment: seg,
+                    offset: base + off as u64,
+                    length: len as u32,
+                    codec: info.codec,
+                    layout,
+                    tokens: b.tokens() as u32,
+                    digest: b.digest,
+                    payload_crc: crc,
+                };
+                batch.put_cf(self.cf(CF_KV), &b.key, loc.encode());
+                meta.live_bytes += len as u64;
+                meta.live_records += 1;
+            }
+        }
+        // Document bookkeeping: one reference per (document, sequence).
+        let mut refs: HashMap<Vec<u8>, u32> = HashMap::new();
+        let mut docs_seen = HashSet::new();
+        for (item, blocks) in items.iter().zip(&plans) {
+            let Some(doc) = item.doc else { continue };
+            let seq = &blocks.last().expect("non-empty").key;
+            let mut dk = doc_prefix(doc);
+            dk.extend_from_slice(seq);
+            if !docs_seen.insert(dk.clone()) || self.get(CF_DOCS, &dk)?.is_some() {
+                continue;
+            }
+            let mut v = vec![1u8];
+            v.extend_from_slice(&(item.tokens.len() as u32).to_le_bytes());
+            batch.put_cf(self.cf(CF_DOCS), &dk, v);
+            let r = match refs.get(seq) {
+                Some(r) => *r,
+                None => self.seq_refs(seq)?,
+            };
+            refs.insert(seq.clone(), r + 1);
+        }
+        for (seq, r) in &refs {
+            batch.put_cf(self.cf(CF_SEQS), seq, r.to_le_bytes());
+        }
+        if !batch.is_empty() {
+            self.commit(&mut w, before, batch)?;
+        }
+        drop(w);
+        bump(&self.counters.blocks_written, report.blocks_written as u64);
+        bump(&self.counters.blocks_deduped, report.blocks_present as u64);
+        bump(&self.counters.bytes_written, report.bytes_written);
+        Ok(report)
+    }
+
+    fn get(&self, cf: &str, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.db
+            .get_cf(self.cf(cf), key)
+            .map_err(Error::index("get"))
+    }
+
+    fn seq_refs(&self, seq: &[u8]) -> Result<u32> {
+        Ok(self
+            .get(CF_SEQS, seq)?
+            .and_then(|v| {
+                v.get(..4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            })
+            .unwrap_or(0))
+    }
+
+    fn exists_many<'a>(&self, keys: impl Iterator<Item = &'a [u8]>) -> Result<Vec<bool>> {
+        let cf = self.cf(CF_KV);
+        let keys: Vec<&[u8]> = keys.collect();
+        self.db
+            .batched_multi_get_cf(cf, &keys, false)
+            .into_iter()
+            .map(|r| r.map(|v| v.is_some()).map_err(Error::index("multi get")))
+            .collect()
+    }
+
+    // ---------------------------------------------------------------- reads
+
+    fn probe(&self, ns: NamespaceId, tokens: &[u32]) -> Result<usize> {
+        bump(&self.counters.probes, 1);
+        let blocks = key::blocks(&ns, tokens, self.opts.block_tokens);
+        if blocks.is_empty() {
+            return Ok(0);
+        }
+        let cf = self.cf(CF_KV);
+        let exists = |i: usize| -> Result<bool> {
+            Ok(self
+                .db
+                .get_pinned_cf(cf, &blocks[i].key)
+                .map_err(Error::index("probe"))?
+                .is_some())
+        };
+        if !exists(0)? {
+            bump(&self.counters.empty_probes, 1);
+            return Ok(0);
+        }
+        // Stored sequences are prefix-closed: if block i is stored, so is every block before it.
+        let (mut lo, mut hi) = (0usize, blocks.len() - 1);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if exists(mid)? {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok(blocks[lo].end)
+    }
+
+    fn get_batch(&self, ns: NamespaceId, tokens: &[u32], up_to: usize) -> Result<KvData> {
+        if up_to == 0 || up_to > tokens.len() {
+            return Err(Error::Invalid {
+                what: "get_batch up_to",
+                why: format!("{up_to} (must be 1..={})", tokens.len()),
+            });
+        }
+        let Some(info) = self.namespaces.read().get(&ns).copied() else {
+            bump(&self.counters.misses, 1);
+            return Err(Error::Miss {
+                requested: up_to,
+                cached: 0,
+            });
+        };
+        let blocks = key::blocks(&ns, &tokens[..up_to], self.opts.block_tokens);
+        let mut attempt = 0;
+        loop {
+            match self.read_blocks(&blocks, up_to, &info.layout) {
+                Err(Retry::Again) if attempt < 3 => attempt += 1,
+                Err(Retry::Again) => {
+                    return Err(Error::Invalid {
+                        what: "get_batch",
+                        why: "segments kept moving under the read".into(),
+                    })
+                }
+                Err(Retry::Fail(e)) => {
+                    if e.is_miss() {
+                        bump(&self.counters.misses, 1);
+                    }
+                    if matches!(e, Error::Corrupt { .. }) {
+                        bump(&self.counters.corrupt, 1);
+                        tracing::warn!(error = %e, "corrupt KV record served as a miss");
+                    }
+                    return Err(e);
+                }
+                Ok(bytes) => {
+                    bump(&self.counters.hits, 1);
+                    return Ok(KvData {
+                        layout: info.layout,
+                        tokens: up_to,
+                        bytes,
+                    });
+                }
+            }
+        }
+    }
+
+    fn read_blocks(
+        &self,
+        blocks: &[BlockRef],
+        total: usize,
+        layout: &KvLayout,
+    ) -> std::result::Result<Vec<u8>, Retry> {
+        let mut out = vec![0u8; layout.bytes_for(total)];
+        let mut pending = Vec::with_capacity(blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            match self.hot.get(&b.key) {
+                Some(h)
+                    if h.digest == b.digest && h.layout == *layout && h.tokens == b.tokens() =>
+                {
+                    scatter(&mut out, total, &h.bytes, b.start, b.tokens(), layout);
+                    bump(&self.counters.hot_hits, 1);
+                }
+                _ => pending.push(i),
+            }
+        }
+        if pending.is_empty() {
+            return Ok(out);
+        }
+        let cf = self.cf(CF_KV);
+        let keys: Vec<&[u8]> = pending.iter().map(|&i| blocks[i].key.as_slice()).collect();
+        let mut locs = Vec::with_capacity(pending.len());
+        for (r, &i) in self
+            .db
+            .batched_multi_get_cf(cf, &keys, false)
+            .into_iter()
+            .zip(&pending)
+        {
+            let b = &blocks[i];
+            let v = r.map_err(|e| Retry::Fail(Error::index("get_batch")(e)))?;
+            let Some(v) = v else {
+                return Err(Retry::Fail(Error::Miss {
+                    requested: total,
+                    cached: b.start,
+                }));
+            };
+            let loc =
+                Location::decode(&v).map_err(|e| Retry::Fail(Error::schema("location")(e)))?;
+            if loc.digest != b.digest || loc.tokens as usize != b.tokens() || loc.layout != *layout
+            {
+                return Err(Retry::Fail(Error::Corrupt {
+                    segment: loc.segment,
+                    offset: loc.offset,
+                    what: "index entry does not match the requested tokens or layout".into(),
+                }));
+            }
+            locs.push(loc);
+        }
+        // Runs of records that are adjacent in one segment: one read each.
+        let mut r = 0;
+        while r < pending.len() {
+            let mut e = r + 1;
+            let mut len = locs[r].length as usize;
+            while e < pending.len()
+                && locs[e].segment == locs[r].segment
+                && locs[e].offset == locs[e - 1].offset + locs[e - 1].length as u64
+                && len + locs[e].length as usize <= MAX_RUN_BYTES
+            {
+                len += locs[e].length as usize;
+                e += 1;
+            }
+            let seg_id = locs[r].segment;
+            let Some(seg) = self.segments.read().get(&seg_id).cloned() else {
+                // The merger may have moved these records; their new location is in the index.
+                if self.writer.lock().metas.contains_key(&seg_id) {
+                    return Err(Retry::Fail(Error::SegmentMissing {
+                        segment: seg_id,
+                        path: segment::path_of(&self.seg_dir, seg_id),
+                    }));
+                }
+                return Err(Retry::Again);
+            };
+            let mut buf = vec![0u8; len];
+            seg.read_at(locs[r].offset, &mut buf).map_err(|e| match e {
+                Error::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    Retry::Fail(Error::Corrupt {
+                        segment: seg_id,
+                        offset: locs[r].offset,
+                        what: "record extends past the end of the segment".into(),
+                    })
+                }
+                e => Retry::Fail(e),
+            })?;
+            bump(&self.counters.bytes_read, len as u64);
+            let mut pos = 0;
+            for k in r..e {
+                let loc = &locs[k];
+                let b = &blocks[pending[k]];
+                let rec = &buf[pos..pos + loc.length as usize];
+                pos += loc.length as usize;
+                let corrupt = |what: String| {
+                    Retry::Fail(Error::Corrupt {
+                        segment: loc.segment,
+                        offset: loc.offset,
+                        what,
+                    })
+                };
+                let v = record::decode_record(rec).map_err(corrupt)?;
+                if v.key != b.key.as_slice() {
+                    return Err(corrupt("record belongs to another key".into()));
+                }
+                if v.header.digest != b.digest || v.payload_crc != loc.payload_crc {
+                    return Err(corrupt(
+                        "record digest or checksum differs from the index".into(),
+                    ));
+                }
+                if v.header.layout != *layout
+                    || v.header.tokens as usize != b.tokens()
+                    || v.header.raw_len != layout.bytes_for(b.tokens())
+                {
+                    return Err(corrupt("record shape differs from the index".into()));
+                }
+                let raw: std::borrow::Cow<'_, [u8]> = if v.header.codec == Codec::None {
+                    std::borrow::Cow::Borrowed(v.payload)
+                } else {
+                    let mut raw = vec![0u8; v.header.raw_len];
+                    codec::decode_into(v.header.codec, layout, b.tokens(), v.payload, &mut raw)
+                        .map_err(|e| corrupt(format!("payload does not decode: {e}")))?;
+                    std::borrow::Cow::Owned(raw)
+                };
+                scatter(&mut out, total, &raw, b.start, b.tokens(), layout);
+                if self.opts.hot_tier_bytes > 0 {
+                    self.hot.insert(
+                        b.key.clone(),
+                        Arc::new(HotBlock {
+                            digest: b.digest,
+                            layout: *layout,
+                            tokens: b.tokens(),
+                            bytes: raw.into_owned(),
+                        }),
+                    );
+                }
+            }
+            r = e;
+        }
+        Ok(out)
+    }
+
+    fn verify(&self) -> Result<VerifyReport> {
+        let mut report = VerifyReport::default();
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_KV), rocksdb::IteratorMode::Start)
+        {
+            let (k, v) = item.map_err(Error::index("verify scan"))?;
+            report.entries += 1;
+            match self.verify_one(&k, &v) {
+                Ok(()) => report.ok += 1,
+                Err(e) => report.failures.push((k.to_vec(), e)),
+            }
+        }
+        Ok(report)
+    }
+
+    fn verify_one(&self, k: &[u8], v: &[u8]) -> Result<()> {
+        let loc = Location::decode(v).map_err(Error::schema("location"))?;
+        let seg = self
+            .segments
+            .read()
+            .get(&loc.segment)
+            .cloned()
+            .ok_or(Error::SegmentMissing {
+                segment: loc.segment,
+                path: segment::path_of(&self.seg_dir, loc.segment),
+            })?;
+        let corrupt = |what: String| Error::Corrupt {
+            segment: loc.segment,
+            offset: loc.offset,
+            what,
+        };
+        let mut buf = vec![0u8; loc.length as usize];
+        seg.read_at(loc.offset, &mut buf)
+            .map_err(|e| corrupt(e.to_string()))?;
+        let rec = record::decode_record(&buf).map_err(corrupt)?;
+        if rec.key != k || rec.payload_crc != loc.payload_crc || rec.header.digest != loc.digest {
+            return Err(corrupt("record does not match its index entry".into()));
+        }
+        let mut raw = vec![0u8; rec.header.raw_len];
+        codec::decode_into(
+            rec.header.codec,
+            &rec.header.layout,
+            rec.header.tokens as usize,
+            rec.payload,
+            &mut raw,
+        )
+        .map_err(|e| corrupt(format!("payload does not decode: {e}")))?;
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- deletes
+
+    /// Adds the deletion of every kv entry under `prefix` to `batch`.
+    fn delete_range(
+        &self,
+        w: &mut Writer,
+        batch: &mut WriteBatch,
+        prefix: &[u8],
+        done: &mut BTreeSet<Vec<u8>>,
+        report: &mut DeleteReport,
+    ) -> Result<()> {
+        let cf = self.cf(CF_KV);
+        let mut it = self.db.raw_iterator_cf(cf);
+        it.seek(prefix);
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            if !k.starts_with(prefix) {
+                break;
+            }
+            if done.insert(k.to_vec()) {
+                let loc = Location::decode(v).map_err(Error::schema("location"))?;
+                batch.delete_cf(cf, k);
+                self.hot.remove(k);
+                if let Some(m) = w.metas.get_mut(&loc.segment) {
+                    m.live_bytes = m.live_bytes.saturating_sub(loc.length as u64);
+                    m.dead_bytes += loc.length as u64;
+                    m.live_records = m.live_records.saturating_sub(1);
+                }
+                report.blocks += 1;
+                report.bytes += loc.length as u64;
+            }
+            it.next();
+        }
+        it.status().map_err(Error::index("delete scan"))
+    }
+
+    fn delete_prefix_range(
+        &self,
+        ns: NamespaceId,
+        tokens: &[u32],
+        from: usize,
+    ) -> Result<DeleteReport> {
+        self.check_poisoned()?;
+        let blocks = key::blocks(&ns, tokens, self.opts.block_tokens);
+        let first = from / self.opts.block_tokens;
+        let mut report = DeleteReport::default();
+        let Some(b) = blocks.get(first) else {
+            return Ok(report);
+        };
+        let mut w = self.writer.lock();
+        let before = w.clone();
+        let mut batch = WriteBatch::default();
+        self.delete_range(
+            &mut w,
+            &mut batch,
+            &b.key,
+            &mut BTreeSet::new(),
+            &mut report,
+        )?;
+        if report.blocks > 0 {
+            self.commit(&mut w, before, batch)?;
+        }
+        Ok(report)
+    }
+
+    fn delete_document(&self, doc: &str) -> Result<DeleteReport> {
+        self.check_poisoned()?;
+        let prefix = doc_prefix(doc);
+        let mut w = self.writer.lock();
+        let before = w.clone();
+        let mut batch = WriteBatch::default();
+        let mut report = DeleteReport::default();
+        let mut released = Vec::new();
+        let mut removed_seqs = HashSet::new();
+        for item in self.db.prefix_iterator_cf(self.cf(CF_DOCS), &prefix) {
+            let (k, _) = item.map_err(Error::index("document scan"))?;
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            let seq = k[prefix.len()..].to_vec();
+            batch.delete_cf(self.cf(CF_DOCS), &k);
+            report.sequences += 1;
+            let refs = self.seq_refs(&seq)?;
+            if refs > 1 {
+                batch.put_cf(self.cf(CF_SEQS), &seq, (refs - 1).to_le_bytes());
+            } else {
+                batch.delete_cf(self.cf(CF_SEQS), &seq);
+                removed_seqs.insert(seq.clone());
+                released.push(seq);
+            }
+        }
+        // A block is still needed while some attached sequence runs through it, i.e. while
+        // some key in `seqs` starts with its key. Find the shallowest unneeded ancestor of each
+        // released sequence and drop it with everything below it.
+        let mut done = BTreeSet::new();
+        for seq in released {
+            if key::namespace_of(&seq).is_none() {
+                continue;
+            }
+            let depth = key::depth_of(&seq);
+            let mut cut = None;
+            for d in (0..=depth).rev() {
+                let anc = &seq[..key::NS_LEN + key::BLOCK_HASH_LEN * (d + 1)];
+                if self.needed(anc, &removed_seqs)? {
+                    break;
+                }
+                cut = Some(anc.to_vec());
+            }
+            if let Some(anc) = cut {
+                self.delete_range(&mut w, &mut batch, &anc, &mut done, &mut report)?;
+            }
+        }
+        if report.sequences > 0 {
+            self.commit(&mut w, before, batch)?;
+        }
+        Ok(report)
+    }
+
+    fn needed(&self, block_key: &[u8], removed: &HashSet<Vec<u8>>) -> Result<bool> {
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_SEQS));
+        it.seek(block_key);
+        while let Some(k) = it.key() {
+            if !k.starts_with(block_key) {
+                break;
+            }
+            if !removed.contains(k) {
+                return Ok(true);
+            }
+            it.next();
+        }
+        it.status().map_err(Error::index("seqs scan"))?;
+        Ok(false)
+    }
+
+    fn document_sequences(&self, doc: &str) -> Result<Vec<(NamespaceId, usize)>> {
+        let prefix = doc_prefix(doc);
+        let mut out = Vec::new();
+        for item in self.db.prefix_iterator_cf(self.cf(CF_DOCS), &prefix) {
+            let (k, v) = item.map_err(Error::index("document scan"))?;
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            let seq = &k[prefix.len()..];
+            let Some(ns) = key::namespace_of(seq) else {
+                continue;
+            };
+            let tokens = v
+                .get(1..5)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .unwrap_or(0);
+            out.push((ns, tokens as usize));
+        }
+        Ok(out)
+    }
+
+    fn stats(&self) -> crate::Stats {
+        let w = self.writer.lock();
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        crate::Stats {
+            entries: w.metas.values().map(|m| m.live_records).sum(),
+            live_bytes: w.metas.values().map(|m| m.live_bytes).sum(),
+            dead_bytes: w.metas.values().map(|m| m.dead_bytes).sum(),
+            segments: w
+                .metas
+                .iter()
+                .map(|(id, m)| crate::SegmentStats {
+                    id: *id,
+                    len: m.len,
+                    live_bytes: m.live_bytes,
+                    dead_bytes: m.dead_bytes,
+                    live_records: m.live_records,
+                    sealed: m.sealed,
+                })
+                .collect(),
+            namespaces: self.namespaces.read().len(),
+            probes: get(&c.probes),
+            empty_probes: get(&c.empty_probes),
+            hits: get(&c.hits),
+            misses: get(&c.misses),
+            corrupt: get(&c.corrupt),
+            hot_hits: get(&c.hot_hits),
+            hot_bytes: self.hot.bytes() as u64,
+            blocks_written: get(&c.blocks_written),
+            blocks_deduped: get(&c.blocks_deduped),
+            bytes_written: get(&c.bytes_written),
+            bytes_read: get(&c.bytes_read),
+            merges: get(&c.merges),
+            bytes_merged: get(&c.bytes_merged),
+        }
+    }
+}
+
+pub(crate) enum Retry {
+    Again,
+    Fail(Error),
+}

@@ -1,0 +1,250 @@
+//! Open, write, drop, reopen: everything committed is still there, byte for byte.
+
+mod common;
+
+use common::*;
+use kvstore::{Codec, Error, PutItem, Store};
+
+fn put(store: &Store, ids: std::ops::Range<u64>) {
+    let seqs: Vec<(Vec<u32>, Vec<u8>, String)> = ids
+        .map(|i| {
+            let t = sequence(i);
+            let kv = kv_for(&layout(), &t);
+            (t, kv, doc_of(i))
+        })
+        .collect();
+    let items: Vec<PutItem<'_>> = seqs
+        .iter()
+        .map(|(t, kv, d)| PutItem {
+            tokens: t,
+            kv,
+            doc: Some(d),
+        })
+        .collect();
+    store.put_batch(NS, layout(), &items).unwrap();
+}
+
+fn check_all(store: &Store, ids: std::ops::Range<u64>) {
+    for i in ids {
+        let t = sequence(i);
+        assert_eq!(store.probe(NS, &t).unwrap(), t.len(), "probe seq {i}");
+        let got = store.get_batch(NS, &t, t.len()).unwrap();
+        assert_eq!(got.bytes, kv_for(&layout(), &t), "bytes of seq {i}");
+    }
+}
+
+#[test]
+fn reopen_keeps_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path(), small_options());
+        for b in 0..10 {
+            put(&store, b * 20..(b + 1) * 20);
+        }
+        check_all(&store, 0..200);
+        assert!(store.stats().segments.len() > 1, "small segments roll");
+    }
+    let store = open(dir.path(), small_options());
+    check_all(&store, 0..200);
+    let report = store.verify().unwrap();
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    assert_eq!(report.entries, store.stats().entries);
+}
+
+#[test]
+fn prefixes_probe_and_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let t: Vec<u32> = (0..100).collect();
+    let kv = kv_for(&layout(), &t);
+    let r = store
+        .put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens: &t,
+                kv: &kv,
+                doc: None,
+            }],
+        )
+        .unwrap();
+    assert_eq!(r.blocks_written, 7); // 6 full blocks of 16 + 4 tokens
+                                     // A longer query shares the 6 full blocks; its 7th block differs from the stored tail.
+    let mut longer = t.clone();
+    longer.extend(100..140);
+    assert_eq!(store.probe(NS, &longer).unwrap(), 96);
+    let got = store.get_batch(NS, &longer, 96).unwrap();
+    assert_eq!(got.bytes, kv_for(&layout(), &t[..96]));
+    // Asking for more than is cached is a miss that says how much is there.
+    match store.get_batch(NS, &longer, 112) {
+        Err(Error::Miss { cached, requested }) => assert_eq!((cached, requested), (96, 112)),
+        other => panic!("expected a miss, got {other:?}"),
+    }
+    assert_eq!(store.probe(NS, &[9, 9, 9]).unwrap(), 0);
+    assert_eq!(store.stats().empty_probes, 1);
+    // Putting the same sequence again writes nothing.
+    let again = store
+        .put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens: &t,
+                kv: &kv,
+                doc: None,
+            }],
+        )
+        .unwrap();
+    assert_eq!((again.blocks_written, again.blocks_present), (0, 7));
+}
+
+#[test]
+fn every_codec_round_trips_lossless_ones_exactly() {
+    for codec in Codec::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path(), small_options());
+        let ns = kvstore::NamespaceId([codec.id(); 16]);
+        store.register_namespace(ns, layout(), codec).unwrap();
+        let t = sequence(5);
+        let kv = kv_for(&layout(), &t);
+        store
+            .put_batch(
+                ns,
+                layout(),
+                &[PutItem {
+                    tokens: &t,
+                    kv: &kv,
+                    doc: None,
+                }],
+            )
+            .unwrap();
+        drop(store);
+        let store = open(dir.path(), small_options());
+        let got = store.get_batch(ns, &t, t.len()).unwrap();
+        if codec.is_lossless() {
+            assert_eq!(got.bytes, kv, "{codec}");
+        } else {
+            assert_eq!(got.bytes.len(), kv.len(), "{codec}");
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let t = sequence(1);
+    let kv = kv_for(&layout(), &t);
+    let err = store
+        .put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens: &t,
+                kv: &kv[1..],
+                doc: None,
+            }],
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::KvSize { .. }), "{err}");
+    store
+        .put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens: &t,
+                kv: &kv,
+                doc: None,
+            }],
+        )
+        .unwrap();
+    let mut other = layout();
+    other.layers = 3;
+    let err = store
+        .put_batch(
+            NS,
+            other,
+            &[PutItem {
+                tokens: &t,
+                kv: &kv,
+                doc: None,
+            }],
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::LayoutMismatch { .. }), "{err}");
+    assert!(store.get_batch(NS, &t, 0).is_err());
+    // A second process (here: a second open) is refused with a message naming the holder.
+    let err = Store::open(dir.path(), small_options()).unwrap_err();
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    assert!(err.to_string().contains("pid"), "{err}");
+}
+
+#[test]
+fn documents_share_blocks_and_delete_only_what_no_one_else_uses() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let shared: Vec<u32> = (0..32).collect();
+    let mut a = shared.clone();
+    a.extend(1000..1040);
+    let mut b = shared.clone();
+    b.extend(2000..2040);
+    for (t, d) in [(&a, "A"), (&b, "B"), (&a, "C")] {
+        let kv = kv_for(&layout(), t);
+        store
+            .put_batch(
+                NS,
+                layout(),
+                &[PutItem {
+                    tokens: t,
+                    kv: &kv,
+                    doc: Some(d),
+                }],
+            )
+            .unwrap();
+    }
+    assert_eq!(store.document_sequences("A").unwrap(), vec![(NS, 72)]);
+    // A and C attach the same sequence: deleting A keeps it.
+    let r = store.delete_document("A").unwrap();
+    assert_eq!((r.sequences, r.blocks), (1, 0));
+    assert_eq!(store.probe(NS, &a).unwrap(), 72);
+    // Deleting C drops a's own blocks but keeps the shared prefix B still uses.
+    let r = store.delete_document("C").unwrap();
+    assert_eq!(r.blocks, 3); // blocks 2, 3 (full) and 4 (8-token tail) of a
+    assert_eq!(store.probe(NS, &a).unwrap(), 32);
+    assert_eq!(store.probe(NS, &b).unwrap(), 72);
+    store.delete_document("B").unwrap();
+    assert_eq!(store.probe(NS, &b).unwrap(), 0);
+    assert_eq!(store.stats().entries, 0);
+    // Deleting an unknown document is a no-op.
+    assert_eq!(store.delete_document("nope").unwrap().sequences, 0);
+}
+
+#[test]
+fn explicit_delete_drops_the_suffix_and_everything_extending_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let t: Vec<u32> = (0..64).collect();
+    let mut ext = t.clone();
+    ext.extend(500..532);
+    for s in [&t, &ext] {
+        let kv = kv_for(&layout(), s);
+        store
+            .put_batch(
+                NS,
+                layout(),
+                &[PutItem {
+                    tokens: s,
+                    kv: &kv,
+                    doc: None,
+                }],
+            )
+            .unwrap();
+    }
+    let r = store.delete(NS, &t, 32).unwrap();
+    assert_eq!(r.blocks, 4); // blocks 2, 3 of t and blocks 4, 5 of ext
+    assert_eq!(store.probe(NS, &t).unwrap(), 32);
+    assert_eq!(store.probe(NS, &ext).unwrap(), 32);
+    drop(store);
+    let store = open(dir.path(), small_options());
+    assert_eq!(store.probe(NS, &ext).unwrap(), 32);
+    assert_eq!(store.stats().entries, 2);
+}

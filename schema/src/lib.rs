@@ -1,0 +1,35 @@
+//! Shared types for every ragkv layer: model identity and KV namespaces, the KV tensor layout,
+//! token digests, and the location record the KV index stores. No I/O lives here.
+//!
+//! Everything that is persisted has a versioned binary encoding documented next to its type.
+
+mod fingerprint;
+mod layout;
+mod location;
+
+pub use fingerprint::{ModelFingerprint, NamespaceId, TokenDigest};
+pub use layout::{DType, KvLayout};
+pub use location::{Codec, Location, LOCATION_VERSION};
+
+/// Errors from decoding persisted schema records.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SchemaError {
+    /// The record is shorter than its version requires.
+    #[error("{what}: record truncated ({got} bytes, need {need})")]
+    Truncated {
+        what: &'static str,
+        got: usize,
+        need: usize,
+    },
+    /// The record carries a format version this build cannot read.
+    #[error("{what}: unsupported format version {version}")]
+    UnsupportedVersion { what: &'static str, version: u8 },
+    /// A field holds a value outside its domain.
+    #[error("{what}: invalid {field} value {value}")]
+    InvalidField {
+        what: &'static str,
+        field: &'static str,
+        value: u64,
+    },
+}

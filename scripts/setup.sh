@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything ragkv needs to build and test on a fresh Debian/Ubuntu machine.
+# Idempotent: each step checks first and does nothing when its result is already there.
+#
+#   scripts/setup.sh            build prerequisites (apt packages)
+#
+# Environment:
+#   RAGKV_CACHE   where downloaded models live (default: ~/.cache/ragkv); never inside the repo.
+set -euo pipefail
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+need_apt=()
+command -v clang >/dev/null 2>&1 || need_apt+=(clang)
+# bindgen (librocksdb-sys) loads libclang at build time.
+dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v make >/dev/null 2>&1 || need_apt+=(make)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "installing apt packages: ${need_apt[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+else
+  log "apt packages present"
+fi
+
+command -v cargo >/dev/null 2>&1 || { log "cargo not found: install a Rust toolchain (rustup) first"; exit 1; }
+log "done"
