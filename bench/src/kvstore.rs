@@ -455,9 +455,17 @@ fn bench_blobdb(w: &Workload, dir: &Path) -> Result<(f64, f64), Error> {
     ))
 }
 
+/// Read bandwidth in GB/s: ragkv's `get_batch` and a plain read of the same segment files.
+struct Bandwidth {
+    ours_cold: f64,
+    plain_cold: f64,
+    ours_warm: f64,
+    plain_warm: f64,
+}
+
 /// Cold and warm read bandwidth: `get_batch` over every chunk in write order vs a plain
-/// sequential read of the segment files. Returns ((ours cold, plain cold), (ours warm, plain warm)) in GB/s.
-fn bandwidth(w: &Workload, store: &Store) -> Result<((f64, f64), (f64, f64)), Error> {
+/// sequential read of the segment files (1 MiB reads).
+fn bandwidth(w: &Workload, store: &Store) -> Result<Bandwidth, Error> {
     let segs = store.segment_paths();
     let drop_all = || -> Result<(), Error> {
         for p in &segs {
@@ -502,7 +510,12 @@ fn bandwidth(w: &Workload, store: &Store) -> Result<((f64, f64), (f64, f64)), Er
     plain()?; // warm everything
     let ours_warm = ours()?;
     let plain_warm = plain()?;
-    Ok(((ours_cold, plain_cold), (ours_warm, plain_warm)))
+    Ok(Bandwidth {
+        ours_cold,
+        plain_cold,
+        ours_warm,
+        plain_warm,
+    })
 }
 
 /// Synthetic KV shaped like SmolLM2-135M's (30 layers, 3 KV heads, head dim 64) in f16: Gaussian
@@ -672,7 +685,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let t = Instant::now();
     let (ours, store) = bench_ours(&w, &ours_dir)?;
     eprintln!("  ragkv: done in {:.0?}", t.elapsed());
-    let ((oc, pc), (ow, pw)) = bandwidth(&w, &store)?;
+    let bw = bandwidth(&w, &store)?;
     drop(store);
     remove(&ours_dir)?;
 
@@ -758,8 +771,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     lines.push(
         Line::higher(
             "kvstore.read_bandwidth_cold",
-            oc,
-            pc,
+            bw.ours_cold,
+            bw.plain_cold,
             "GB/s",
             "plain sequential read",
         )
@@ -767,8 +780,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     );
     lines.push(Line::higher(
         "kvstore.read_bandwidth_warm",
-        ow,
-        pw,
+        bw.ours_warm,
+        bw.plain_warm,
         "GB/s",
         "plain sequential read",
     ));

@@ -34,6 +34,14 @@ pub struct MergeReport {
     pub corrupt_dropped: usize,
 }
 
+/// A record found while walking a victim segment: its key, its offset, and its bytes (or why
+/// it failed verification).
+struct Scanned {
+    key: Vec<u8>,
+    offset: u64,
+    record: Result<Vec<u8>, String>,
+}
+
 /// Which sealed segments to rewrite: those whose dead share reaches `dead_ratio` (or that
 /// hold nothing live), plus every small one once there are more than `max_small_segments`.
 pub(crate) fn choose(
@@ -122,7 +130,7 @@ impl Inner {
         };
         if meta.live_records > 0 {
             let step = self.opts.merge.step_bytes;
-            let mut pending: Vec<(Vec<u8>, u64, Result<Vec<u8>, String>)> = Vec::new();
+            let mut pending: Vec<Scanned> = Vec::new();
             let mut pending_bytes = 0usize;
             let mut pos = SEGMENT_HEADER_LEN as u64;
             while pos < meta.len {
@@ -169,7 +177,11 @@ impl Inner {
                         }
                     };
                     pending_bytes += rec.len();
-                    pending.push((key, off, checked.map(|_| rec)));
+                    pending.push(Scanned {
+                        key,
+                        offset: off,
+                        record: checked.map(|_| rec),
+                    });
                     c += len;
                     if pending_bytes >= step {
                         self.move_records(id, &mut pending, report)?;
@@ -215,7 +227,7 @@ impl Inner {
     fn move_records(
         &self,
         from: u64,
-        pending: &mut Vec<(Vec<u8>, u64, Result<Vec<u8>, String>)>,
+        pending: &mut Vec<Scanned>,
         report: &mut MergeReport,
     ) -> Result<()> {
         if pending.is_empty() {
@@ -224,12 +236,23 @@ impl Inner {
         let cf = self.db.cf_handle(CF_KV).expect("kv family");
         let mut w = self.writer.lock();
         let before = w.clone();
-        let keys: Vec<&[u8]> = pending.iter().map(|(k, ..)| k.as_slice()).collect();
+        let keys: Vec<&[u8]> = pending.iter().map(|p| p.key.as_slice()).collect();
         let current = self.db.batched_multi_get_cf(cf, &keys, false);
         let mut batch = WriteBatch::default();
         let mut buf = Vec::new();
         let mut moved: Vec<(usize, usize, Location)> = Vec::new(); // (pending index, offset in buf, old location)
-        for (i, ((key, off, rec), cur)) in pending.iter().zip(current).enumerate() {
+        for (
+            i,
+            (
+                Scanned {
+                    key,
+                    offset: off,
+                    record: rec,
+                },
+                cur,
+            ),
+        ) in pending.iter().zip(current).enumerate()
+        {
             let Some(v) = cur.map_err(Error::index("merge lookup"))? else {
                 continue;
             };
@@ -262,7 +285,7 @@ impl Inner {
                     offset: base + off_in_buf as u64,
                     ..loc
                 };
-                batch.put_cf(cf, &pending[i].0, new.encode());
+                batch.put_cf(cf, &pending[i].key, new.encode());
                 let len = loc.length as u64;
                 let src = w.metas.get_mut(&from).expect("victim meta");
                 src.live_records = src.live_records.saturating_sub(1);
