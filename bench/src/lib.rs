@@ -4,6 +4,7 @@
 //! ours is (throughput: ours / baseline; latency and counts: baseline / ours).
 
 pub mod kvstore;
+pub mod model;
 
 use serde::Serialize;
 

@@ -43,6 +43,8 @@ enum Command {
 enum BenchCommand {
     /// The KV store vs file-per-block storage and RocksDB BlobDB.
     Kvstore(bench::kvstore::Args),
+    /// The model runtime vs candle-transformers' stock Llama on the same weights.
+    Model(bench::model::Args),
 }
 
 fn main() {
@@ -114,13 +116,15 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Command::Bench { which } => match which {
-            BenchCommand::Kvstore(args) => {
-                for line in bench::kvstore::run(&args)? {
-                    println!("{}", serde_json::to_string(&line)?);
-                }
+        Command::Bench { which } => {
+            let lines = match which {
+                BenchCommand::Kvstore(args) => bench::kvstore::run(&args)?,
+                BenchCommand::Model(args) => bench::model::run(&args)?,
+            };
+            for line in lines {
+                println!("{}", serde_json::to_string(&line)?);
             }
-        },
+        }
     }
     Ok(())
 }

@@ -80,3 +80,12 @@ pub struct Stats {
     pub merges: u64,
     pub bytes_merged: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn store_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::Store>();
+    }
+}

@@ -1,0 +1,327 @@
+//! The transformer: one implementation for the Llama and Qwen2 families.
+//!
+//! Weights are immutable; per-sequence state lives in a [`KvCache`] the caller owns, so one
+//! model serves many sequences and a cache can be filled from stored KV.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Linear;
+
+use crate::config::ModelConfig;
+use crate::error::{Ctx, Error, Result};
+use crate::kv::{Kv, KvCache};
+use crate::rope::Rope;
+use crate::weights::Weights;
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position: `(vocab,)`. What prefill and decoding need.
+    Last,
+    /// Every position: `(tokens, vocab)`.
+    All,
+}
+
+/// The decoder.
+#[derive(Debug)]
+pub struct Decoder {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+}
+
+fn linear(w: &Weights, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
+    let weight = w.get(&format!("{name}.weight"))?.clone();
+    if weight.dims2().ctx(name)? != shape {
+        return Err(Error::Weight {
+            name: format!("{name}.weight"),
+            why: format!("shape {:?}, expected {shape:?}", weight.dims()),
+        });
+    }
+    let b = if bias {
+        Some(w.get(&format!("{name}.bias"))?.clone())
+    } else {
+        w.opt(&format!("{name}.bias")).cloned()
+    };
+    Ok(Linear::new(weight, b))
+}
+
+impl Decoder {
+    pub(crate) fn new(
+        cfg: ModelConfig,
+        w: &Weights,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Decoder> {
+        let (h, kv, hd) = (cfg.hidden, cfg.kv_heads, cfg.head_dim);
+        let q_out = cfg.heads * hd;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                attn_norm: w.get(&format!("{p}.input_layernorm.weight"))?.clone(),
+                q: linear(
+                    w,
+                    &format!("{p}.self_attn.q_proj"),
+                    cfg.attn_bias,
+                    (q_out, h),
+                )?,
+                k: linear(
+                    w,
+                    &format!("{p}.self_attn.k_proj"),
+                    cfg.attn_bias,
+                    (kv * hd, h),
+                )?,
+                v: linear(
+                    w,
+                    &format!("{p}.self_attn.v_proj"),
+                    cfg.attn_bias,
+                    (kv * hd, h),
+                )?,
+                o: linear(w, &format!("{p}.self_attn.o_proj"), false, (h, q_out))?,
+                ffn_norm: w
+                    .get(&format!("{p}.post_attention_layernorm.weight"))?
+                    .clone(),
+                gate: linear(
+                    w,
+                    &format!("{p}.mlp.gate_proj"),
+                    false,
+                    (cfg.intermediate, h),
+                )?,
+                up: linear(w, &format!("{p}.mlp.up_proj"), false, (cfg.intermediate, h))?,
+                down: linear(
+                    w,
+                    &format!("{p}.mlp.down_proj"),
+                    false,
+                    (h, cfg.intermediate),
+                )?,
+            });
+        }
+        let embed = w.get("model.embed_tokens.weight")?.clone();
+        let lm_head = match w.opt("lm_head.weight") {
+            Some(t) if !cfg.tie_embeddings => t.clone(),
+            _ => embed.clone(),
+        };
+        Ok(Decoder {
+            rope: Rope::new(&cfg),
+            norm: w.get("model.norm.weight")?.clone(),
+            embed,
+            lm_head,
+            layers,
+            cfg,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache with room for `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        KvCache::new(
+            self.cfg.layers,
+            self.cfg.kv_heads,
+            self.cfg.head_dim,
+            capacity,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Runs `tokens` through the model after what `cache` holds, appending their KV.
+    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(Error::Input {
+                why: "no tokens".into(),
+            });
+        }
+        if let Some(bad) = tokens.iter().find(|t| **t as usize >= self.cfg.vocab_size) {
+            return Err(Error::Input {
+                why: format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        let s = tokens.len();
+        let pos = cache.next_pos();
+        let past = cache.len();
+        let ids = Tensor::new(tokens, &self.device).ctx("token ids")?;
+        let mut x = self
+            .embed
+            .index_select(&ids, 0)
+            .and_then(|t| t.unsqueeze(0))
+            .ctx("embed")?;
+        let mask = if s > 1 {
+            Some(self.mask(s, past + s)?)
+        } else {
+            None
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let _span = tracing::trace_span!("layer", i).entered();
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.cfg.rms_eps as f32)
+                .ctx("attn norm")?;
+            let a = self.attention(i, layer, &h, pos, cache, mask.as_ref())?;
+            x = (x + a).ctx("residual")?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)
+                .ctx("ffn norm")?;
+            let g = layer
+                .gate
+                .forward(&h)
+                .and_then(|t| candle_nn::ops::silu(&t))
+                .ctx("gate")?;
+            let u = layer.up.forward(&h).ctx("up")?;
+            let m = layer.down.forward(&(g * u).ctx("swiglu")?).ctx("down")?;
+            x = (x + m).ctx("residual")?;
+        }
+        cache.advance(s);
+        let x = x.squeeze(0).ctx("squeeze")?;
+        let x = match logits {
+            Logits::Last => x.narrow(0, s - 1, 1).ctx("last")?,
+            Logits::All => x,
+        };
+        let x =
+            candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32).ctx("final norm")?;
+        let out = x.matmul(&self.lm_head.t().ctx("lm head")?).ctx("lm head")?;
+        let out = out.to_dtype(DType::F32).ctx("logits")?;
+        match logits {
+            Logits::Last => out.squeeze(0).ctx("logits"),
+            Logits::All => Ok(out),
+        }
+    }
+
+    /// Causal mask `(s, t)`: query `i` (at cache index `t - s + i`) sees keys `0..=t - s + i`.
+    fn mask(&self, s: usize, t: usize) -> Result<Tensor> {
+        let past = t - s;
+        let m: Vec<f32> = (0..s)
+            .flat_map(|i| {
+                (0..t).map(move |j| {
+                    if j <= past + i {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        Tensor::from_vec(m, (s, t), &self.device)
+            .and_then(|m| m.to_dtype(self.dtype))
+            .ctx("mask")
+    }
+
+    fn attention(
+        &self,
+        i: usize,
+        layer: &Layer,
+        h: &Tensor,
+        pos: usize,
+        cache: &mut KvCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, s, _) = h.dims3().ctx("attn input")?;
+        let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let q = layer
+            .q
+            .forward(h)
+            .and_then(|t| t.reshape((b, s, nh, hd)))
+            .and_then(|t| t.transpose(1, 2))
+            .ctx("q")?;
+        let k = layer
+            .k
+            .forward(h)
+            .and_then(|t| t.reshape((b, s, nkv, hd)))
+            .and_then(|t| t.transpose(1, 2))
+            .ctx("k")?;
+        let v = layer
+            .v
+            .forward(h)
+            .and_then(|t| t.reshape((b, s, nkv, hd)))
+            .and_then(|t| t.transpose(1, 2))
+            .and_then(|t| t.contiguous())
+            .ctx("v")?;
+        let q = self.rope.forward(&q, pos)?;
+        let k = self.rope.forward(&k, pos)?;
+        let (k, v) = cache.append(i, &k, &v)?;
+        let (k, v) = (k.contiguous().ctx("k")?, v.contiguous().ctx("v")?);
+        let t = k.dim(2).ctx("k len")?;
+        // Grouped-query attention without materializing repeated K/V: the `rep` query heads
+        // that share a KV head are stacked along the sequence axis.
+        let rep = nh / nkv;
+        let q = q
+            .contiguous()
+            .and_then(|q| q.reshape((b, nkv, rep * s, hd)))
+            .ctx("q groups")?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = (q.matmul(&k.t().ctx("k t")?).ctx("qk")? * scale).ctx("scale")?;
+        let att = match mask {
+            Some(m) => att
+                .reshape((b, nkv, rep, s, t))
+                .and_then(|a| a.broadcast_add(m))
+                .and_then(|a| a.reshape((b, nkv, rep * s, t)))
+                .ctx("mask")?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att).ctx("softmax")?;
+        let y = att.matmul(&v).ctx("av")?; // (b, nkv, rep * s, hd)
+        let y = y
+            .reshape((b, nh, s, hd))
+            .and_then(|y| y.transpose(1, 2))
+            .and_then(|y| y.reshape((b, s, nh * hd)))
+            .ctx("attn out")?;
+        layer.o.forward(&y).ctx("o")
+    }
+
+    /// KV of `tokens` computed alone, as if they sat at positions `start_pos..`.
+    pub fn prefill(&self, tokens: &[u32], start_pos: usize) -> Result<(Kv, Tensor)> {
+        let mut cache = self.new_cache(tokens.len())?;
+        cache.set_start_pos(start_pos)?;
+        let logits = self.forward(&mut cache, tokens, Logits::Last)?;
+        Ok((cache.to_kv()?, logits))
+    }
+
+    /// Moves `kv` by `delta` positions: keys are rotated, values are unchanged.
+    pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
+        let layers = kv
+            .layers
+            .iter()
+            .map(|(k, v)| Ok((self.rope.shift(k, delta)?, v.clone())))
+            .collect::<Result<_>>()?;
+        Kv::new(layers)
+    }
+
+    /// Greedy argmax of logits.
+    pub fn argmax(logits: &Tensor) -> Result<u32> {
+        logits
+            .argmax(D::Minus1)
+            .and_then(|t| t.to_scalar::<u32>())
+            .ctx("argmax")
+    }
+}

@@ -1,0 +1,60 @@
+//! The model crate's error type.
+
+use std::path::PathBuf;
+
+/// Errors from loading and running models.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor operation failed.
+    #[error("{context}: {source}")]
+    Candle {
+        context: String,
+        #[source]
+        source: candle_core::Error,
+    },
+    /// A model file could not be read.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The model files are not where they were looked for.
+    #[error("model not found: {what} (looked in {})", path.display())]
+    NotFound { what: String, path: PathBuf },
+    /// The model's metadata or config is missing a field or inconsistent.
+    #[error("model config: {why}")]
+    Config { why: String },
+    /// A weight tensor is missing or has the wrong shape.
+    #[error("weight {name}: {why}")]
+    Weight { name: String, why: String },
+    /// The architecture or a feature of it is not supported.
+    #[error("unsupported: {what}")]
+    Unsupported { what: String },
+    /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {why}")]
+    Tokenizer { why: String },
+    /// The chat template could not be rendered.
+    #[error("chat template: {why}")]
+    Template { why: String },
+    /// KV bytes or tensors do not match the model's KV layout.
+    #[error("kv: {why}")]
+    Kv { why: String },
+    /// The request does not fit the model (context length, empty prompt, ...).
+    #[error("invalid input: {why}")]
+    Input { why: String },
+}
+
+/// Result alias for the model crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Adds context to candle errors: `.ctx("attention")?`.
+pub(crate) trait Ctx<T> {
+    fn ctx(self, context: &str) -> Result<T>;
+}
+
+impl<T> Ctx<T> for candle_core::Result<T> {
+    fn ctx(self, context: &str) -> Result<T> {
+        self.map_err(|source| Error::Candle {
+            context: context.to_string(),
+            source,
+        })
+    }
+}

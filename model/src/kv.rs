@@ -1,0 +1,412 @@
+//! KV caches: the exportable [`Kv`] and the preallocated [`KvCache`] used while decoding.
+//!
+//! Tensors are `(1, kv_heads, tokens, head_dim)` per layer, keys after RoPE. The byte form
+//! ([`Kv::to_bytes`]) is the store's layer-major layout (`schema::KvLayout`):
+//! `[layer][K, V][token][kv_head][head_dim]`, little-endian.
+
+use candle_core::{DType, Device, Tensor};
+use schema::KvLayout;
+
+use crate::error::{Ctx, Error, Result};
+
+/// The KV of a token sequence: what prefill produces, the store keeps, and decoding resumes
+/// from.
+#[derive(Debug, Clone)]
+pub struct Kv {
+    /// `(k, v)` per layer, each `(1, kv_heads, len, head_dim)`.
+    pub layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+}
+
+pub(crate) fn to_schema_dtype(d: DType) -> Result<schema::DType> {
+    Ok(match d {
+        DType::F32 => schema::DType::F32,
+        DType::F16 => schema::DType::F16,
+        DType::BF16 => schema::DType::BF16,
+        other => {
+            return Err(Error::Kv {
+                why: format!("dtype {other:?} cannot be stored"),
+            })
+        }
+    })
+}
+
+pub(crate) fn from_schema_dtype(d: schema::DType) -> DType {
+    match d {
+        schema::DType::F32 => DType::F32,
+        schema::DType::F16 => DType::F16,
+        schema::DType::BF16 => DType::BF16,
+    }
+}
+
+impl Kv {
+    /// Wraps per-layer tensors; all must have the same length.
+    pub fn new(layers: Vec<(Tensor, Tensor)>) -> Result<Kv> {
+        let len = match layers.first() {
+            Some((k, _)) => k.dim(2).ctx("kv dims")?,
+            None => {
+                return Err(Error::Kv {
+                    why: "no layers".into(),
+                })
+            }
+        };
+        for (i, (k, v)) in layers.iter().enumerate() {
+            if k.dims() != v.dims() || k.dim(2).ctx("kv dims")? != len || k.rank() != 4 {
+                return Err(Error::Kv {
+                    why: format!(
+                        "layer {i}: k {:?} and v {:?} disagree (expected len {len})",
+                        k.dims(),
+                        v.dims()
+                    ),
+                });
+            }
+        }
+        Ok(Kv { layers, len })
+    }
+
+    /// Number of tokens covered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The store layout of this KV in `dtype`.
+    pub fn layout(&self, dtype: DType) -> Result<KvLayout> {
+        let (_, heads, _, dim) = self.layers[0].0.dims4().ctx("kv dims")?;
+        Ok(KvLayout {
+            layers: self.layers.len() as u16,
+            kv_heads: heads as u16,
+            head_dim: dim as u16,
+            dtype: to_schema_dtype(dtype)?,
+        })
+    }
+
+    /// Layer-major bytes in `dtype` (see the module docs).
+    pub fn to_bytes(&self, dtype: DType) -> Result<Vec<u8>> {
+        let layout = self.layout(dtype)?;
+        let mut out = Vec::with_capacity(layout.bytes_for(self.len));
+        for (k, v) in &self.layers {
+            for t in [k, v] {
+                // (1, heads, len, dim) -> (len, heads, dim)
+                let t = t
+                    .squeeze(0)
+                    .and_then(|t| t.transpose(0, 1))
+                    .and_then(|t| t.to_dtype(dtype))
+                    .and_then(|t| t.flatten_all())
+                    .ctx("kv export")?;
+                append_bytes(&t, &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Builds KV from layer-major bytes. The tensors are created on `device` in the layout's
+    /// dtype; convert with [`Kv::to`] if the model computes in another.
+    pub fn from_bytes(bytes: &[u8], layout: &KvLayout, device: &Device) -> Result<Kv> {
+        let bpt = layout.bytes_per_token();
+        if bytes.is_empty() || bytes.len() % bpt != 0 {
+            return Err(Error::Kv {
+                why: format!(
+                    "{} bytes is not a whole number of {bpt}-byte tokens",
+                    bytes.len()
+                ),
+            });
+        }
+        let len = bytes.len() / bpt;
+        let plane = layout.plane_token_bytes() * len;
+        let (heads, dim) = (layout.kv_heads as usize, layout.head_dim as usize);
+        let dtype = from_schema_dtype(layout.dtype);
+        let mut layers = Vec::with_capacity(layout.layers as usize);
+        for l in 0..layout.layers as usize {
+            let mut kv = [None, None];
+            for (c, slot) in kv.iter_mut().enumerate() {
+                let b = &bytes[(2 * l + c) * plane..(2 * l + c + 1) * plane];
+                let t = tensor_from_bytes(b, dtype, (len, heads, dim), device)?
+                    .transpose(0, 1)
+                    .and_then(|t| t.unsqueeze(0))
+                    .and_then(|t| t.contiguous())
+                    .ctx("kv import")?;
+                *slot = Some(t);
+            }
+            let [Some(k), Some(v)] = kv else {
+                unreachable!()
+            };
+            layers.push((k, v));
+        }
+        Ok(Kv { layers, len })
+    }
+
+    /// Copies the KV to `device` in `dtype`. This is the import step, kept apart from
+    /// compute so that a loader can run it while the model decodes another request.
+    pub fn to(&self, device: &Device, dtype: DType) -> Result<Kv> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| -> Result<_> {
+                Ok((
+                    k.to_device(device)
+                        .and_then(|t| t.to_dtype(dtype))
+                        .ctx("kv to device")?,
+                    v.to_device(device)
+                        .and_then(|t| t.to_dtype(dtype))
+                        .ctx("kv to device")?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Kv {
+            layers,
+            len: self.len,
+        })
+    }
+
+    /// Concatenates KVs along the token axis, in order.
+    pub fn concat(parts: &[Kv]) -> Result<Kv> {
+        let first = parts.first().ok_or(Error::Kv {
+            why: "nothing to concatenate".into(),
+        })?;
+        let mut layers = Vec::with_capacity(first.layers.len());
+        for l in 0..first.layers.len() {
+            let ks: Vec<&Tensor> = parts.iter().map(|p| &p.layers[l].0).collect();
+            let vs: Vec<&Tensor> = parts.iter().map(|p| &p.layers[l].1).collect();
+            layers.push((
+                Tensor::cat(&ks, 2).ctx("kv concat")?,
+                Tensor::cat(&vs, 2).ctx("kv concat")?,
+            ));
+        }
+        Kv::new(layers)
+    }
+
+    /// The first `n` tokens.
+    pub fn prefix(&self, n: usize) -> Result<Kv> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.narrow(2, 0, n).ctx("kv prefix")?,
+                    v.narrow(2, 0, n).ctx("kv prefix")?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Kv::new(layers)
+    }
+}
+
+fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
+    match t.dtype() {
+        DType::F32 => out.extend(
+            t.to_vec1::<f32>()
+                .ctx("kv bytes")?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+        DType::F16 => out.extend(
+            t.to_vec1::<half::f16>()
+                .ctx("kv bytes")?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+        DType::BF16 => out.extend(
+            t.to_vec1::<half::bf16>()
+                .ctx("kv bytes")?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+        other => {
+            return Err(Error::Kv {
+                why: format!("dtype {other:?} cannot be stored"),
+            })
+        }
+    }
+    Ok(())
+}
+
+fn tensor_from_bytes(
+    b: &[u8],
+    dtype: DType,
+    shape: (usize, usize, usize),
+    device: &Device,
+) -> Result<Tensor> {
+    let t = match dtype {
+        DType::F32 => {
+            let v: Vec<f32> = b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        DType::F16 => {
+            let v: Vec<half::f16> = b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        DType::BF16 => {
+            let v: Vec<half::bf16> = b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        other => {
+            return Err(Error::Kv {
+                why: format!("dtype {other:?} cannot be stored"),
+            })
+        }
+    };
+    t.ctx("kv from bytes")
+}
+
+/// A preallocated per-sequence cache: appends write into place (`slice_set`), growing by
+/// doubling when full, so decoding does not concatenate per token.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+    capacity: usize,
+    /// Position of the first cached token (0 unless a chunk is prefilled "in place").
+    start_pos: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers of `(kv_heads, head_dim)`.
+    pub fn new(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<KvCache> {
+        let capacity = capacity.max(16);
+        let layers = (0..layers)
+            .map(|_| -> Result<_> {
+                let z = Tensor::zeros((1, kv_heads, capacity, head_dim), dtype, device)
+                    .ctx("kv cache alloc")?;
+                Ok((z.clone(), z.zeros_like().ctx("kv cache alloc")?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            len: 0,
+            capacity,
+            start_pos: 0,
+        })
+    }
+
+    /// A cache holding `kv` (which must be in the cache's dtype and device), with room for
+    /// `extra` more tokens.
+    pub fn from_kv(kv: &Kv, extra: usize) -> Result<KvCache> {
+        let (_, heads, _, dim) = kv.layers[0].0.dims4().ctx("kv dims")?;
+        let k0 = &kv.layers[0].0;
+        let mut cache = KvCache::new(
+            kv.layers.len(),
+            heads,
+            dim,
+            kv.len() + extra,
+            k0.dtype(),
+            k0.device(),
+        )?;
+        for (l, (k, v)) in kv.layers.iter().enumerate() {
+            cache.write(l, k, v)?;
+        }
+        cache.len = kv.len();
+        Ok(cache)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Position of the first cached token.
+    pub fn start_pos(&self) -> usize {
+        self.start_pos
+    }
+
+    /// Makes the (empty) cache start at `pos`: the next token gets position `pos`.
+    pub fn set_start_pos(&mut self, pos: usize) -> Result<()> {
+        if self.len != 0 {
+            return Err(Error::Kv {
+                why: "start position of a non-empty cache".into(),
+            });
+        }
+        self.start_pos = pos;
+        Ok(())
+    }
+
+    /// Position the next appended token gets.
+    pub fn next_pos(&self) -> usize {
+        self.start_pos + self.len
+    }
+
+    /// Writes `k`, `v` of layer `l` at the current length (does not advance it).
+    fn write(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let n = k.dim(2).ctx("kv dims")?;
+        if self.len + n > self.capacity {
+            let new_cap = (self.len + n).max(self.capacity * 2);
+            for (ck, cv) in self.layers.iter_mut() {
+                let (b, h, _, d) = ck.dims4().ctx("kv dims")?;
+                let pad =
+                    Tensor::zeros((b, h, new_cap - self.capacity, d), ck.dtype(), ck.device())
+                        .ctx("kv grow")?;
+                *ck = Tensor::cat(&[&*ck, &pad], 2).ctx("kv grow")?;
+                *cv = Tensor::cat(&[&*cv, &pad], 2).ctx("kv grow")?;
+            }
+            self.capacity = new_cap;
+        }
+        let (ck, cv) = &mut self.layers[l];
+        ck.slice_set(&k.contiguous().ctx("kv write")?, 2, self.len)
+            .ctx("kv write")?;
+        cv.slice_set(&v.contiguous().ctx("kv write")?, 2, self.len)
+            .ctx("kv write")?;
+        Ok(())
+    }
+
+    /// Appends `k`, `v` for layer `l` and returns the layer's whole cached K and V.
+    /// Call [`KvCache::advance`] once every layer has appended.
+    pub(crate) fn append(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(2).ctx("kv dims")?;
+        self.write(l, k, v)?;
+        let (ck, cv) = &self.layers[l];
+        Ok((
+            ck.narrow(2, 0, self.len + n).ctx("kv view")?,
+            cv.narrow(2, 0, self.len + n).ctx("kv view")?,
+        ))
+    }
+
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// A copy of the cached KV.
+    pub fn to_kv(&self) -> Result<Kv> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.narrow(2, 0, self.len)
+                        .and_then(|t| t.contiguous())
+                        .ctx("kv export")?,
+                    v.narrow(2, 0, self.len)
+                        .and_then(|t| t.contiguous())
+                        .ctx("kv export")?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Kv::new(layers)
+    }
+
+    /// Forgets everything past `n` tokens.
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+}

@@ -1,0 +1,262 @@
+//! ragkv's LLM runtime on candle, with a KV cache that can be exported, stored, re-positioned
+//! and imported.
+//!
+//! - [`Model::load`] reads a GGUF file (weights dequantized to the requested dtype; tokenizer
+//!   and chat template from its metadata) or an HF directory (`config.json`, safetensors,
+//!   `tokenizer.json`).
+//! - [`Model::prefill`] computes a chunk's [`Kv`] at any start position; [`Kv::to_bytes`] /
+//!   [`Kv::from_bytes`] convert to the store's layer-major layout; [`Model::reposition`] moves
+//!   stored keys to new positions; [`KvCache::from_kv`] resumes decoding from stored KV.
+//! - [`generate`] decodes with greedy / temperature / top-k / top-p sampling, stop tokens and
+//!   stop strings, streaming text incrementally.
+//!
+//! Everything here is blocking compute: call it from a dedicated thread, never from an async
+//! worker.
+
+mod config;
+mod decoder;
+mod error;
+mod generate;
+mod kv;
+mod rope;
+mod template;
+mod tokenizer;
+mod weights;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+pub use candle_core::{DType, Device, Tensor};
+pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
+pub use decoder::{Decoder, Logits};
+pub use error::{Error, Result};
+pub use generate::{generate, FinishReason, GenerateParams, Generation, Sampler};
+pub use kv::{Kv, KvCache};
+pub use template::{chatml, Message};
+pub use tokenizer::{TokenStream, Tokenizer};
+pub use weights::ModelSource;
+
+use error::Ctx;
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Compute (and KV) dtype. Default f32; GGUF weights are dequantized to it.
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            dtype: DType::F32,
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// A loaded model: decoder, tokenizer and identity.
+#[derive(Debug)]
+pub struct Model {
+    decoder: Decoder,
+    tokenizer: Tokenizer,
+    weights: weights::Weights,
+    weights_hash: String,
+}
+
+impl Model {
+    /// Loads a model from a GGUF file or an HF directory.
+    pub fn load(source: &ModelSource, opts: &LoadOptions) -> Result<Model> {
+        let t = std::time::Instant::now();
+        let (cfg, weights, tokenizer) = match source {
+            ModelSource::Gguf(path) => {
+                let (cfg, w, md) = weights::load_gguf(path, opts.dtype, &opts.device)?;
+                (cfg, w, Tokenizer::from_gguf(&md)?)
+            }
+            ModelSource::HfDir(dir) => {
+                let (cfg, w) = weights::load_hf(dir, opts.dtype, &opts.device)?;
+                (cfg, w, Tokenizer::from_hf_dir(dir)?)
+            }
+        };
+        let weights_hash = weights::content_hash(source)?;
+        let decoder = Decoder::new(cfg, &weights, opts.dtype, &opts.device)?;
+        tracing::info!(arch = decoder.config().arch.name(), layers = decoder.config().layers, elapsed = ?t.elapsed(), "model loaded");
+        Ok(Model {
+            decoder,
+            tokenizer,
+            weights,
+            weights_hash,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.decoder.config()
+    }
+
+    pub fn decoder(&self) -> &Decoder {
+        &self.decoder
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.decoder.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        self.decoder.device()
+    }
+
+    /// blake3 of the weight files.
+    pub fn weights_hash(&self) -> &str {
+        &self.weights_hash
+    }
+
+    /// The store layout of this model's KV.
+    pub fn kv_layout(&self) -> Result<schema::KvLayout> {
+        let c = self.config();
+        Ok(schema::KvLayout {
+            layers: c.layers as u16,
+            kv_heads: c.kv_heads as u16,
+            head_dim: c.head_dim as u16,
+            dtype: kv::to_schema_dtype(self.dtype())?,
+        })
+    }
+
+    /// The KV namespace fingerprint of this model with the given chunker settings and chunk
+    /// template. Computing it costs nothing beyond the weight hash taken at load (blake3 over
+    /// the weight files, ~1 GB/s).
+    pub fn fingerprint(&self, chunker: &str, template: &str) -> Result<schema::ModelFingerprint> {
+        Ok(schema::ModelFingerprint {
+            weights: self.weights_hash.clone(),
+            layout: self.kv_layout()?,
+            tokenizer: self.tokenizer.hash.clone(),
+            positions: self.config().positions_fingerprint(),
+            chunker: chunker.into(),
+            template: template.into(),
+        })
+    }
+
+    /// KV of `tokens` computed alone at positions `start_pos..`, and the logits after the last.
+    pub fn prefill(&self, tokens: &[u32], start_pos: usize) -> Result<(Kv, Tensor)> {
+        self.decoder.prefill(tokens, start_pos)
+    }
+
+    /// Moves `kv` by `delta` positions (keys rotated, values unchanged).
+    pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
+        self.decoder.reposition(kv, delta)
+    }
+
+    /// An empty decoding cache.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        self.decoder.new_cache(capacity)
+    }
+
+    /// Tokenizes a chat through the model's template (ChatML if it has none).
+    pub fn chat_tokens(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let t = &self.tokenizer;
+        let name = |id: Option<u32>| id.and_then(|i| t.id_to_token(i)).unwrap_or_default();
+        let text = template::render(
+            t.chat_template.as_deref(),
+            messages,
+            &name(t.bos),
+            &name(t.eos.first().copied()),
+        )?;
+        let mut ids = t.encode(&text)?;
+        if t.add_bos {
+            if let Some(bos) = t.bos {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Generates after `prompt` with a fresh cache.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation> {
+        let mut cache = self.new_cache(prompt.len() + params.max_tokens)?;
+        generate(
+            &self.decoder,
+            &self.tokenizer,
+            &mut cache,
+            prompt,
+            params,
+            on_text,
+        )
+    }
+
+    /// Writes the model as an HF directory (`config.json`, `model.safetensors`,
+    /// `tokenizer.json`, `tokenizer_config.json`), q/k weights in HF order. Used to test the
+    /// safetensors path and to run other runtimes on the same weights.
+    pub fn export_hf(&self, dir: &Path) -> Result<()> {
+        fs_err::create_dir_all(dir)?;
+        let c = self.config();
+        let tensors: HashMap<String, Tensor> = self.weights.to_hf(c)?;
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))
+            .ctx("writing safetensors")?;
+        let config = serde_json::json!({
+            "model_type": c.arch.name(),
+            "architectures": [if c.arch == Arch::Qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden,
+            "intermediate_size": c.intermediate,
+            "num_hidden_layers": c.layers,
+            "num_attention_heads": c.heads,
+            "num_key_value_heads": c.kv_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_eps,
+            "rope_theta": c.rope_theta,
+            "tie_word_embeddings": c.tie_embeddings,
+            "max_position_embeddings": c.max_positions,
+            "attention_bias": c.attn_bias,
+            "bos_token_id": self.tokenizer.bos,
+            "eos_token_id": self.tokenizer.eos.first(),
+        });
+        fs_err::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&config).expect("json"),
+        )?;
+        self.tokenizer
+            .inner()
+            .save(dir.join("tokenizer.json"), false)
+            .map_err(|e| Error::Tokenizer { why: e.to_string() })?;
+        let t = &self.tokenizer;
+        let name = |id: Option<u32>| id.and_then(|i| t.id_to_token(i));
+        let tcfg = serde_json::json!({
+            "bos_token": name(t.bos),
+            "eos_token": name(t.eos.first().copied()),
+            "add_bos_token": t.add_bos,
+            "chat_template": t.chat_template,
+        });
+        fs_err::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::to_vec_pretty(&tcfg).expect("json"),
+        )?;
+        Ok(())
+    }
+}
+
+/// Where `scripts/fetch-models.sh` puts models: `$RAGKV_CACHE/models`, default
+/// `~/.cache/ragkv/models`.
+pub fn models_dir() -> std::path::PathBuf {
+    let cache = std::env::var_os("RAGKV_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ragkv"))
+        })
+        .unwrap_or_else(|| std::path::PathBuf::from(".ragkv-cache"));
+    cache.join("models")
+}
+
+/// The CI / default model file name inside [`models_dir`].
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The benchmark model file name inside [`models_dir`].
+pub const QWEN_CODER_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";

@@ -1,0 +1,105 @@
+//! Rotary position embeddings, and re-positioning of cached keys.
+//!
+//! RoPE rotates each pair of key/query dimensions by `pos * inv_freq[i]`. Rotations compose:
+//! `R(p + δ) = R(δ) R(p)`, so keys cached at positions `p` are moved to `p + δ` by rotating
+//! them once more by `δ`: [`Rope::shift`]. Angles are computed in f64 and rounded once, so a
+//! shifted key differs from one computed at `p + δ` only by float rounding of the rotation.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{ModelConfig, RopeStyle};
+use crate::error::{Ctx, Result};
+
+/// Precomputed inverse frequencies for one model.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+    style: RopeStyle,
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig) -> Rope {
+        let d = cfg.head_dim;
+        let mut inv_freq: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        if let Some(s) = cfg.rope_scaling {
+            // Llama 3: leave high frequencies, divide low ones by `factor`, blend between.
+            let old = s.original_max_position_embeddings as f64;
+            let low_wavelen = old / s.low_freq_factor;
+            let high_wavelen = old / s.high_freq_factor;
+            for f in inv_freq.iter_mut() {
+                let wavelen = 2.0 * std::f64::consts::PI / *f;
+                if wavelen < high_wavelen {
+                    continue;
+                } else if wavelen > low_wavelen {
+                    *f /= s.factor;
+                } else {
+                    let smooth = (old / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                }
+            }
+        }
+        Rope {
+            inv_freq,
+            style: cfg.rope_style,
+        }
+    }
+
+    /// cos and sin tables, shape `(positions.len(), head_dim / 2)`.
+    fn tables(
+        &self,
+        positions: impl Iterator<Item = i64>,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        let mut n = 0;
+        for p in positions {
+            n += 1;
+            for f in &self.inv_freq {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        let h = self.inv_freq.len();
+        let cos = Tensor::from_vec(cos, (n, h), device)
+            .and_then(|t| t.to_dtype(dtype))
+            .ctx("rope cos")?;
+        let sin = Tensor::from_vec(sin, (n, h), device)
+            .and_then(|t| t.to_dtype(dtype))
+            .ctx("rope sin")?;
+        Ok((cos, sin))
+    }
+
+    fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous().ctx("rope input")?;
+        match self.style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, cos, sin),
+        }
+        .ctx("rope")
+    }
+
+    /// Rotates `x` (batch, heads, seq, head_dim) for positions `start..start + seq`.
+    pub fn forward(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        let seq = x.dim(2).ctx("rope dims")?;
+        let (cos, sin) =
+            self.tables((start as i64)..(start + seq) as i64, x.device(), x.dtype())?;
+        self.apply(x, &cos, &sin)
+    }
+
+    /// Moves keys (batch, heads, seq, head_dim) already rotated for their positions by `delta`
+    /// positions (which may be negative).
+    pub fn shift(&self, k: &Tensor, delta: i64) -> Result<Tensor> {
+        if delta == 0 {
+            return Ok(k.clone());
+        }
+        let seq = k.dim(2).ctx("rope dims")?;
+        let (cos, sin) = self.tables(std::iter::repeat_n(delta, seq), k.device(), k.dtype())?;
+        self.apply(k, &cos, &sin)
+    }
+}

@@ -1,0 +1,217 @@
+//! Acceptance tests of the model runtime with SmolLM2-135M-Instruct (GGUF Q4_1, dequantized
+//! to f32). The model is fetched by `scripts/setup.sh` into `~/.cache/ragkv/models`
+//! (`RAGKV_CACHE` moves it; `RAGKV_TEST_MODEL` names another file).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use model::{
+    GenerateParams, Kv, KvCache, LoadOptions, Logits, Message, Model, ModelSource, Tensor,
+};
+
+fn model_path() -> PathBuf {
+    if let Ok(p) = std::env::var("RAGKV_TEST_MODEL") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var("RAGKV_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/ragkv")
+        });
+    cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn smollm() -> &'static Model {
+    static M: OnceLock<Model> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = model_path();
+        assert!(
+            path.exists(),
+            "test model missing at {}: run scripts/setup.sh (or set RAGKV_TEST_MODEL)",
+            path.display()
+        );
+        Model::load(&ModelSource::Gguf(path), &LoadOptions::default()).expect("load SmolLM2")
+    })
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+const CHUNK: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. \
+It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. \
+It was the centrepiece of the 1889 World's Fair and is 330 metres tall.";
+
+#[test]
+fn prefill_then_forward_equals_full_forward() {
+    let m = smollm();
+    let toks = m.tokenizer().encode(CHUNK).unwrap();
+    assert!(toks.len() > 40);
+    let mut full = m.new_cache(toks.len()).unwrap();
+    let all = m.decoder().forward(&mut full, &toks, Logits::All).unwrap();
+    let split = toks.len() / 2;
+    let (kv, _) = m.prefill(&toks[..split], 0).unwrap();
+    let mut cache = KvCache::from_kv(&kv, toks.len()).unwrap();
+    let rest = m
+        .decoder()
+        .forward(&mut cache, &toks[split..], Logits::All)
+        .unwrap();
+    let d = max_abs_diff(&all.narrow(0, split, toks.len() - split).unwrap(), &rest);
+    eprintln!("max |logit diff| = {d:e}");
+    assert!(d <= 1e-4, "max abs logit difference {d}");
+}
+
+#[test]
+fn stored_kv_round_trips_and_generates_the_same_tokens() {
+    let m = smollm();
+    let chunk = m.tokenizer().encode(CHUNK).unwrap();
+    let (kv, _) = m.prefill(&chunk, 0).unwrap();
+    let layout = m.kv_layout().unwrap();
+    let bytes = kv.to_bytes(m.dtype()).unwrap();
+    assert_eq!(bytes.len(), layout.bytes_for(chunk.len()));
+    let back = Kv::from_bytes(&bytes, &layout, m.device()).unwrap();
+    assert_eq!(
+        back.to_bytes(m.dtype()).unwrap(),
+        bytes,
+        "bytes must round-trip exactly"
+    );
+
+    let question = m
+        .tokenizer()
+        .encode(" Question: who designed the tower? Answer:")
+        .unwrap();
+    let params = GenerateParams {
+        max_tokens: 12,
+        ..GenerateParams::default()
+    };
+    let run = |kv: &Kv| {
+        let mut cache = KvCache::from_kv(kv, 64).unwrap();
+        model::generate(
+            m.decoder(),
+            m.tokenizer(),
+            &mut cache,
+            &question,
+            &params,
+            |_| true,
+        )
+        .unwrap()
+    };
+    let computed = run(&kv);
+    let imported = run(&back);
+    let mut prompt = chunk.clone();
+    prompt.extend(&question);
+    let from_scratch = m.generate(&prompt, &params, |_| true).unwrap();
+    eprintln!("stored-KV answer: {:?}", imported.text);
+    assert_eq!(imported.tokens, computed.tokens);
+    assert_eq!(imported.tokens, from_scratch.tokens);
+    assert!(!imported.tokens.is_empty());
+}
+
+#[test]
+fn reposition_matches_prefill_at_the_shifted_position() {
+    let m = smollm();
+    let chunk = m.tokenizer().encode(CHUNK).unwrap();
+    let (at0, _) = m.prefill(&chunk, 0).unwrap();
+    for delta in [7usize, 333, 1500] {
+        let moved = m.reposition(&at0, delta as i64).unwrap();
+        let (direct, _) = m.prefill(&chunk, delta).unwrap();
+        let mut kmax = 0f32;
+        let mut vmax = 0f32;
+        for ((mk, mv), (dk, dv)) in moved.layers.iter().zip(&direct.layers) {
+            kmax = kmax.max(max_abs_diff(mk, dk));
+            vmax = vmax.max(max_abs_diff(mv, dv));
+        }
+        // Values are carried over untouched by the shift.
+        for ((_, mv), (_, v0)) in moved.layers.iter().zip(&at0.layers) {
+            assert_eq!(max_abs_diff(mv, v0), 0.0);
+        }
+        eprintln!(
+            "delta {delta}: max |key diff| {kmax:e}, max |value diff| vs direct prefill {vmax:e}"
+        );
+        assert!(kmax <= 1e-4, "delta {delta}: key difference {kmax}");
+        assert!(vmax <= 1e-4, "delta {delta}: value difference {vmax}");
+    }
+    // Shifting back undoes a shift.
+    let there = m.reposition(&at0, 100).unwrap();
+    let back = m.reposition(&there, -100).unwrap();
+    for ((a, _), (b, _)) in back.layers.iter().zip(&at0.layers) {
+        assert!(max_abs_diff(a, b) <= 1e-5);
+    }
+}
+
+#[test]
+fn the_capital_of_france_is_paris() {
+    let m = smollm();
+    let prompt = m
+        .chat_tokens(&[Message::new("user", "What is the capital of France?")])
+        .unwrap();
+    let out = m
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 24,
+                ..GenerateParams::default()
+            },
+            |_| true,
+        )
+        .unwrap();
+    eprintln!("answer: {:?}", out.text);
+    assert!(out.text.contains("Paris"), "answer was {:?}", out.text);
+}
+
+#[test]
+fn safetensors_export_loads_and_computes_the_same_logits() {
+    let m = smollm();
+    let dir = tempfile::tempdir().unwrap();
+    m.export_hf(dir.path()).unwrap();
+    let hf = Model::load(
+        &ModelSource::from_path(dir.path()).unwrap(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(hf.config().rope_style, model::RopeStyle::Half);
+    let toks = m.tokenizer().encode(CHUNK).unwrap();
+    assert_eq!(
+        hf.tokenizer().encode(CHUNK).unwrap(),
+        toks,
+        "tokenizer.json must tokenize alike"
+    );
+    let (_, a) = m.prefill(&toks, 0).unwrap();
+    let (_, b) = hf.prefill(&toks, 0).unwrap();
+    let d = max_abs_diff(&a, &b);
+    eprintln!("gguf vs safetensors: max |logit diff| {d:e}");
+    assert!(d <= 1e-4, "{d}");
+    let fa = m.fingerprint("c", "t").unwrap().namespace();
+    let fb = hf.fingerprint("c", "t").unwrap().namespace();
+    assert_ne!(
+        fa, fb,
+        "different weight files and rope layouts are different namespaces"
+    );
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let m = smollm();
+    assert!(m.prefill(&[], 0).is_err());
+    let err = m.prefill(&[u32::MAX], 0).unwrap_err();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let bad = GenerateParams {
+        top_p: 0.0,
+        ..GenerateParams::default()
+    };
+    assert!(m.generate(&[1, 2], &bad, |_| true).is_err());
+    assert!(Model::load(
+        &ModelSource::Gguf("/nonexistent.gguf".into()),
+        &LoadOptions::default()
+    )
+    .is_err());
+}
