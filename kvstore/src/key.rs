@@ -3,10 +3,10 @@
 //! A sequence of tokens is cut into blocks of `block_tokens` (the last one may be shorter). The
 //! key of block `i` is
 //!
-//! | bytes      | field                                                          |
-//! |-----------:|----------------------------------------------------------------|
-//! | 16         | namespace id                                                   |
-//! | 8 × (i+1)  | for each block `0..=i`: blake3 of (token count, token ids), 8 B |
+//! | bytes      | field                                                                 |
+//! |-----------:|-----------------------------------------------------------------------|
+//! | 16         | namespace id                                                          |
+//! | 8 × (i+1)  | for each block `j` in `0..=i`: the first 8 bytes of the token digest of the prefix ending with block `j` |
 //!
 //! so the key of a block is a byte prefix of the keys of every block that extends it. Hence:
 //! - all blocks of one namespace share a 16-byte prefix;
@@ -14,8 +14,10 @@
 //!   keys that start with its key: one range;
 //! - the ancestors of a block are the truncations of its key at 8-byte steps.
 //!
-//! 8 bytes per block make an accidental collision astronomically unlikely, and each record also
-//! carries a digest of the whole token prefix that every read verifies.
+//! The token digest chains over blocks (`schema::TokenDigest::extend`), so one hash per block
+//! gives both the key component and the 16-byte digest that every read verifies against the
+//! record. 8 bytes per block make an accidental key collision astronomically unlikely, and the
+//! digest check turns even that into a miss, never wrong data.
 
 use schema::{NamespaceId, TokenDigest};
 
@@ -48,8 +50,8 @@ pub(crate) fn blocks(ns: &NamespaceId, tokens: &[u32], block_tokens: usize) -> V
     key.extend_from_slice(&ns.0);
     let mut digest = TokenDigest::EMPTY;
     for (i, block) in tokens.chunks(block_tokens).enumerate() {
-        key.extend_from_slice(&block_hash(block));
         digest = digest.extend(block);
+        key.extend_from_slice(&digest.0[..BLOCK_HASH_LEN]);
         let start = i * block_tokens;
         out.push(BlockRef {
             key: key.clone(),
@@ -58,17 +60,6 @@ pub(crate) fn blocks(ns: &NamespaceId, tokens: &[u32], block_tokens: usize) -> V
             digest,
         });
     }
-    out
-}
-
-fn block_hash(block: &[u32]) -> [u8; BLOCK_HASH_LEN] {
-    let mut h = blake3::Hasher::new();
-    h.update(&(block.len() as u32).to_le_bytes());
-    for t in block {
-        h.update(&t.to_le_bytes());
-    }
-    let mut out = [0u8; BLOCK_HASH_LEN];
-    out.copy_from_slice(&h.finalize().as_bytes()[..BLOCK_HASH_LEN]);
     out
 }
 

@@ -57,6 +57,62 @@ impl Segment {
         })
     }
 
+    /// Fills the buffers of `iovs`, in order, from the bytes at `offset` (`preadv`, batched to
+    /// the system's iovec limit, resumed after short reads). `iovs` is consumed.
+    pub fn read_vectored_at(&self, mut offset: u64, iovs: &mut [libc::iovec]) -> Result<()> {
+        const MAX_IOV: usize = 1024;
+        let fd = std::os::unix::io::AsRawFd::as_raw_fd(&self.file);
+        let mut i = 0;
+        while i < iovs.len() {
+            let n = (iovs.len() - i).min(MAX_IOV);
+            // SAFETY: the iovecs describe valid, writable, disjoint buffers (the caller's
+            // contract) and `fd` is open for as long as `self` lives.
+            let r = unsafe {
+                libc::preadv(
+                    fd,
+                    iovs[i..].as_ptr(),
+                    n as libc::c_int,
+                    offset as libc::off_t,
+                )
+            };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::Io(std::io::Error::new(
+                    e.kind(),
+                    format!("reading {} at {offset}: {e}", self.path.display()),
+                )));
+            }
+            if r == 0 {
+                return Err(Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("reading {} at {offset}: end of file", self.path.display()),
+                )));
+            }
+            let mut r = r as usize;
+            offset += r as u64;
+            while r > 0 {
+                let v = &mut iovs[i];
+                if r >= v.iov_len {
+                    r -= v.iov_len;
+                    i += 1;
+                } else {
+                    // SAFETY: advancing within the same buffer.
+                    v.iov_base = unsafe { (v.iov_base as *mut u8).add(r) } as *mut libc::c_void;
+                    v.iov_len -= r;
+                    r = 0;
+                }
+            }
+            // Skip empty buffers so a zero-length tail cannot look like end of file.
+            while i < iovs.len() && iovs[i].iov_len == 0 {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Marks the file for unlinking when the last reference is dropped.
     pub fn retire(&self) {
         self.obsolete.store(true, Ordering::Release);

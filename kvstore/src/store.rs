@@ -34,7 +34,9 @@ use crate::error::{Error, Result};
 use crate::hot::{HotBlock, HotTier};
 use crate::key::{self, BlockRef};
 use crate::options::{StoreOptions, SyncPolicy};
-use crate::record::{self, RecordHeader, SEGMENT_HEADER_LEN};
+use crate::record::{
+    self, RecordHeader, RECORD_HEADER_LEN, RECORD_TRAILER_LEN, SEGMENT_HEADER_LEN,
+};
 use crate::segment::{self, Segment, SegmentMeta};
 
 pub(crate) const CF_KV: &str = "kv";
@@ -373,7 +375,26 @@ impl Store {
     /// call fail with an error for which [`Error::is_miss`] is true; bytes that did not
     /// verify are never returned.
     pub fn get_batch(&self, ns: NamespaceId, tokens: &[u32], up_to: usize) -> Result<KvData> {
-        self.inner.get_batch(ns, tokens, up_to)
+        let mut bytes = Vec::new();
+        let layout = self.inner.get_batch_into(ns, tokens, up_to, &mut bytes)?;
+        Ok(KvData {
+            layout,
+            tokens: up_to,
+            bytes,
+        })
+    }
+
+    /// [`Store::get_batch`] into a caller's buffer, which is resized to fit and reused: a
+    /// loader that keeps its buffers pays no allocation or page faults per read. On error the
+    /// buffer's contents are unspecified.
+    pub fn get_batch_into(
+        &self,
+        ns: NamespaceId,
+        tokens: &[u32],
+        up_to: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<KvLayout> {
+        self.inner.get_batch_into(ns, tokens, up_to, out)
     }
 
     /// Drops the blocks of `tokens` from the block containing token `from` on, and every
@@ -1037,12 +1058,17 @@ impl Inner {
                 .map_err(Error::index("probe"))?
                 .is_some())
         };
-        if !exists(0)? {
+        // Stored sequences are prefix-closed: if block i is stored, so is every block before it.
+        // The common case is a whole chunk that is cached: one lookup of its last block.
+        let last = blocks.len() - 1;
+        if exists(last)? {
+            return Ok(blocks[last].end);
+        }
+        if last == 0 || !exists(0)? {
             bump(&self.counters.empty_probes, 1);
             return Ok(0);
         }
-        // Stored sequences are prefix-closed: if block i is stored, so is every block before it.
-        let (mut lo, mut hi) = (0usize, blocks.len() - 1);
+        let (mut lo, mut hi) = (0usize, last - 1);
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
             if exists(mid)? {
@@ -1054,7 +1080,13 @@ impl Inner {
         Ok(blocks[lo].end)
     }
 
-    fn get_batch(&self, ns: NamespaceId, tokens: &[u32], up_to: usize) -> Result<KvData> {
+    fn get_batch_into(
+        &self,
+        ns: NamespaceId,
+        tokens: &[u32],
+        up_to: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<KvLayout> {
         if up_to == 0 || up_to > tokens.len() {
             return Err(Error::Invalid {
                 what: "get_batch up_to",
@@ -1069,9 +1101,16 @@ impl Inner {
             });
         };
         let blocks = key::blocks(&ns, &tokens[..up_to], self.opts.block_tokens);
+        // Every byte of `out` is overwritten below; only growth needs initializing.
+        let need = info.layout.bytes_for(up_to);
+        if out.len() > need {
+            out.truncate(need);
+        } else {
+            out.resize(need, 0);
+        }
         let mut attempt = 0;
         loop {
-            match self.read_blocks(&blocks, up_to, &info.layout) {
+            match self.read_blocks(&blocks, up_to, &info.layout, out) {
                 Err(Retry::Again) if attempt < 3 => attempt += 1,
                 Err(Retry::Again) => {
                     return Err(Error::Invalid {
@@ -1089,39 +1128,41 @@ impl Inner {
                     }
                     return Err(e);
                 }
-                Ok(bytes) => {
+                Ok(()) => {
                     bump(&self.counters.hits, 1);
-                    return Ok(KvData {
-                        layout: info.layout,
-                        tokens: up_to,
-                        bytes,
-                    });
+                    return Ok(info.layout);
                 }
             }
         }
     }
 
+    /// Reads `blocks` into `out` (already sized for `total` tokens). Records of a run that is
+    /// contiguous on disk are read with one `preadv` whose pieces land directly in their
+    /// layer-major place in `out` (headers and trailers go to a scratch buffer); checksums are
+    /// then computed over those pieces. On any error `out` holds garbage and is not returned.
     fn read_blocks(
         &self,
         blocks: &[BlockRef],
         total: usize,
         layout: &KvLayout,
-    ) -> std::result::Result<Vec<u8>, Retry> {
-        let mut out = vec![0u8; layout.bytes_for(total)];
+        out: &mut [u8],
+    ) -> std::result::Result<(), Retry> {
+        let tb = layout.plane_token_bytes();
+        let planes = layout.planes();
         let mut pending = Vec::with_capacity(blocks.len());
         for (i, b) in blocks.iter().enumerate() {
             match self.hot.get(&b.key) {
                 Some(h)
                     if h.digest == b.digest && h.layout == *layout && h.tokens == b.tokens() =>
                 {
-                    scatter(&mut out, total, &h.bytes, b.start, b.tokens(), layout);
+                    scatter(out, total, &h.bytes, b.start, b.tokens(), layout);
                     bump(&self.counters.hot_hits, 1);
                 }
                 _ => pending.push(i),
             }
         }
         if pending.is_empty() {
-            return Ok(out);
+            return Ok(());
         }
         let cf = self.cf(CF_KV);
         let keys: Vec<&[u8]> = pending.iter().map(|&i| blocks[i].key.as_slice()).collect();
@@ -1142,7 +1183,11 @@ impl Inner {
             };
             let loc =
                 Location::decode(&v).map_err(|e| Retry::Fail(Error::schema("location")(e)))?;
-            if loc.digest != b.digest || loc.tokens as usize != b.tokens() || loc.layout != *layout
+            let fixed = RECORD_HEADER_LEN + b.key.len() + RECORD_TRAILER_LEN;
+            if loc.digest != b.digest
+                || loc.tokens as usize != b.tokens()
+                || loc.layout != *layout
+                || (loc.length as usize) < fixed
             {
                 return Err(Retry::Fail(Error::Corrupt {
                     segment: loc.segment,
@@ -1176,24 +1221,84 @@ impl Inner {
                 }
                 return Err(Retry::Again);
             };
-            let mut buf = vec![0u8; len];
-            seg.read_at(locs[r].offset, &mut buf).map_err(|e| match e {
-                Error::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    Retry::Fail(Error::Corrupt {
-                        segment: seg_id,
-                        offset: locs[r].offset,
-                        what: "record extends past the end of the segment".into(),
-                    })
+
+            // The read plan, in file order.
+            let mut scratch_len = 0;
+            let mut side: Vec<Vec<u8>> = Vec::new(); // encoded payloads of compressed records
+            for k in r..e {
+                let b = &blocks[pending[k]];
+                scratch_len += RECORD_HEADER_LEN + b.key.len() + RECORD_TRAILER_LEN;
+                if locs[k].codec != Codec::None {
+                    side.push(vec![
+                        0u8;
+                        locs[k].length as usize
+                            - RECORD_HEADER_LEN
+                            - b.key.len()
+                            - RECORD_TRAILER_LEN
+                    ]);
                 }
-                e => Retry::Fail(e),
-            })?;
+            }
+            let mut scratch = vec![0u8; scratch_len];
+            let mut iovs: Vec<libc::iovec> = Vec::new();
+            let iov = |ptr: *mut u8, len: usize| libc::iovec {
+                iov_base: ptr as *mut libc::c_void,
+                iov_len: len,
+            };
+            {
+                let (out_ptr, scratch_ptr) = (out.as_mut_ptr(), scratch.as_mut_ptr());
+                let mut sc = 0;
+                let mut si = 0;
+                for k in r..e {
+                    let b = &blocks[pending[k]];
+                    let head = RECORD_HEADER_LEN + b.key.len();
+                    let payload = locs[k].length as usize - head - RECORD_TRAILER_LEN;
+                    // SAFETY: every range is in bounds of its buffer (sizes computed above) and
+                    // the ranges are disjoint; the buffers outlive the read and are not moved.
+                    unsafe {
+                        iovs.push(iov(scratch_ptr.add(sc), head));
+                        sc += head;
+                        if locs[k].codec == Codec::None {
+                            if payload != layout.bytes_for(b.tokens()) {
+                                return Err(Retry::Fail(Error::Corrupt {
+                                    segment: seg_id,
+                                    offset: locs[k].offset,
+                                    what: "record length does not match its layout".into(),
+                                }));
+                            }
+                            for p in 0..planes {
+                                iovs.push(iov(
+                                    out_ptr.add((p * total + b.start) * tb),
+                                    b.tokens() * tb,
+                                ));
+                            }
+                        } else {
+                            iovs.push(iov(side[si].as_mut_ptr(), payload));
+                            si += 1;
+                        }
+                        iovs.push(iov(scratch_ptr.add(sc), RECORD_TRAILER_LEN));
+                        sc += RECORD_TRAILER_LEN;
+                    }
+                }
+            }
+            seg.read_vectored_at(locs[r].offset, &mut iovs)
+                .map_err(|e| match e {
+                    Error::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        Retry::Fail(Error::Corrupt {
+                            segment: seg_id,
+                            offset: locs[r].offset,
+                            what: "record extends past the end of the segment".into(),
+                        })
+                    }
+                    e => Retry::Fail(e),
+                })?;
             bump(&self.counters.bytes_read, len as u64);
-            let mut pos = 0;
+
+            // Verify, then decode compressed records into place.
+            let mut sc = 0;
+            let mut si = 0;
             for k in r..e {
                 let loc = &locs[k];
                 let b = &blocks[pending[k]];
-                let rec = &buf[pos..pos + loc.length as usize];
-                pos += loc.length as usize;
                 let corrupt = |what: String| {
                     Retry::Fail(Error::Corrupt {
                         segment: loc.segment,
@@ -1201,45 +1306,64 @@ impl Inner {
                         what,
                     })
                 };
-                let v = record::decode_record(rec).map_err(corrupt)?;
-                if v.key != b.key.as_slice() {
+                let head = RECORD_HEADER_LEN + b.key.len();
+                let (header, key) =
+                    record::decode_header(&scratch[sc..sc + head]).map_err(corrupt)?;
+                let stored_crc =
+                    u32::from_le_bytes(scratch[sc + head..sc + head + 4].try_into().unwrap());
+                sc += head + RECORD_TRAILER_LEN;
+                if key != b.key.as_slice() {
                     return Err(corrupt("record belongs to another key".into()));
                 }
-                if v.header.digest != b.digest || v.payload_crc != loc.payload_crc {
-                    return Err(corrupt(
-                        "record digest or checksum differs from the index".into(),
-                    ));
+                if header.digest != b.digest
+                    || header.codec != loc.codec
+                    || header.record_len() != loc.length as usize
+                {
+                    return Err(corrupt("record header differs from the index".into()));
                 }
-                if v.header.layout != *layout
-                    || v.header.tokens as usize != b.tokens()
-                    || v.header.raw_len != layout.bytes_for(b.tokens())
+                if header.layout != *layout
+                    || header.tokens as usize != b.tokens()
+                    || header.raw_len != layout.bytes_for(b.tokens())
                 {
                     return Err(corrupt("record shape differs from the index".into()));
                 }
-                let raw: std::borrow::Cow<'_, [u8]> = if v.header.codec == Codec::None {
-                    std::borrow::Cow::Borrowed(v.payload)
+                let n = b.tokens();
+                let crc = if loc.codec == Codec::None {
+                    (0..planes).fold(0u32, |crc, p| {
+                        let d = (p * total + b.start) * tb;
+                        crc32c::crc32c_append(crc, &out[d..d + n * tb])
+                    })
                 } else {
-                    let mut raw = vec![0u8; v.header.raw_len];
-                    codec::decode_into(v.header.codec, layout, b.tokens(), v.payload, &mut raw)
-                        .map_err(|e| corrupt(format!("payload does not decode: {e}")))?;
-                    std::borrow::Cow::Owned(raw)
+                    crc32c::crc32c(&side[si])
                 };
-                scatter(&mut out, total, &raw, b.start, b.tokens(), layout);
+                if crc != stored_crc || crc != loc.payload_crc {
+                    return Err(corrupt(format!(
+                        "payload checksum mismatch (stored {stored_crc:#010x}, index {:#010x}, computed {crc:#010x})",
+                        loc.payload_crc
+                    )));
+                }
+                if loc.codec != Codec::None {
+                    let mut raw = vec![0u8; header.raw_len];
+                    codec::decode_into(loc.codec, layout, n, &side[si], &mut raw)
+                        .map_err(|e| corrupt(format!("payload does not decode: {e}")))?;
+                    scatter(out, total, &raw, b.start, n, layout);
+                    si += 1;
+                }
                 if self.opts.hot_tier_bytes > 0 {
                     self.hot.insert(
                         b.key.clone(),
                         Arc::new(HotBlock {
                             digest: b.digest,
                             layout: *layout,
-                            tokens: b.tokens(),
-                            bytes: raw.into_owned(),
+                            tokens: n,
+                            bytes: gather(out, total, b.start, n, layout),
                         }),
                     );
                 }
             }
             r = e;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn verify(&self) -> Result<VerifyReport> {

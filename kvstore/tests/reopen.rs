@@ -248,3 +248,39 @@ fn explicit_delete_drops_the_suffix_and_everything_extending_it() {
     assert_eq!(store.probe(NS, &ext).unwrap(), 32);
     assert_eq!(store.stats().entries, 2);
 }
+
+#[test]
+fn hot_tier_serves_repeated_reads_with_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(
+        dir.path(),
+        kvstore::StoreOptions {
+            hot_tier_bytes: 1 << 20,
+            ..small_options()
+        },
+    );
+    let t = sequence(11);
+    let kv = kv_for(&layout(), &t);
+    store
+        .put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens: &t,
+                kv: &kv,
+                doc: Some("d"),
+            }],
+        )
+        .unwrap();
+    let mut buf = Vec::new();
+    store.get_batch_into(NS, &t, t.len(), &mut buf).unwrap();
+    assert_eq!(buf, kv);
+    let disk_reads = store.stats().bytes_read;
+    store.get_batch_into(NS, &t, t.len(), &mut buf).unwrap();
+    assert_eq!(buf, kv);
+    let s = store.stats();
+    assert!(s.hot_hits > 0 && s.bytes_read == disk_reads, "{s:?}");
+    // Deleting drops the blocks from the hot tier too.
+    store.delete_document("d").unwrap();
+    assert!(store.get_batch(NS, &t, t.len()).unwrap_err().is_miss());
+}

@@ -55,6 +55,8 @@ pub struct ModelConfig {
     pub rms_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: Option<RopeScaling>,
+    /// Per-frequency divisors (GGUF `rope_freqs.weight`, how llama.cpp stores Llama 3 scaling).
+    pub rope_freq_factors: Option<Vec<f64>>,
     pub rope_style: RopeStyle,
     pub tie_embeddings: bool,
     pub attn_bias: bool,
@@ -83,8 +85,12 @@ impl ModelConfig {
     /// A description of the position scheme, part of the KV namespace fingerprint.
     pub fn positions_fingerprint(&self) -> String {
         format!(
-            "rope theta={} style={:?} scaling={:?} head_dim={}",
-            self.rope_theta, self.rope_style, self.rope_scaling, self.head_dim
+            "rope theta={} style={:?} scaling={:?} factors={:?} head_dim={}",
+            self.rope_theta,
+            self.rope_style,
+            self.rope_scaling,
+            self.rope_freq_factors,
+            self.head_dim
         )
     }
 }
@@ -182,6 +188,7 @@ impl HfConfig {
             rms_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
             rope_scaling,
+            rope_freq_factors: None,
             rope_style: RopeStyle::Half,
             tie_embeddings: self.tie_word_embeddings,
             attn_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),

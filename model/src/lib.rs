@@ -197,8 +197,13 @@ impl Model {
     /// `tokenizer.json`, `tokenizer_config.json`), q/k weights in HF order. Used to test the
     /// safetensors path and to run other runtimes on the same weights.
     pub fn export_hf(&self, dir: &Path) -> Result<()> {
-        fs_err::create_dir_all(dir)?;
         let c = self.config();
+        if c.rope_freq_factors.is_some() {
+            return Err(Error::Unsupported {
+                what: "exporting a GGUF model with rope_freqs factors to an HF directory".into(),
+            });
+        }
+        fs_err::create_dir_all(dir)?;
         let tensors: HashMap<String, Tensor> = self.weights.to_hf(c)?;
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))
             .ctx("writing safetensors")?;

@@ -41,6 +41,11 @@ impl Rope {
                 }
             }
         }
+        if let Some(factors) = &cfg.rope_freq_factors {
+            for (f, d) in inv_freq.iter_mut().zip(factors) {
+                *f /= d;
+            }
+        }
         Rope {
             inv_freq,
             style: cfg.rope_style,
@@ -101,5 +106,73 @@ impl Rope {
         let seq = k.dim(2).ctx("rope dims")?;
         let (cos, sin) = self.tables(std::iter::repeat_n(delta, seq), k.device(), k.dtype())?;
         self.apply(k, &cos, &sin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Arch, RopeScaling};
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 10,
+            hidden: 64,
+            intermediate: 128,
+            layers: 1,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            rms_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling: None,
+            rope_freq_factors: None,
+            rope_style: RopeStyle::Half,
+            tie_embeddings: true,
+            attn_bias: false,
+            max_positions: 8192,
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let plain = Rope::new(&cfg());
+        let scaled = Rope::new(&ModelConfig {
+            rope_scaling: Some(RopeScaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            ..cfg()
+        });
+        assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
+        let last = plain.inv_freq.len() - 1;
+        assert!((scaled.inv_freq[last] - plain.inv_freq[last] / 8.0).abs() < 1e-15);
+        // Frequency factors (GGUF rope_freqs) divide the frequencies one by one.
+        let factors: Vec<f64> = (0..32).map(|i| 1.0 + i as f64).collect();
+        let f = Rope::new(&ModelConfig {
+            rope_freq_factors: Some(factors.clone()),
+            ..cfg()
+        });
+        for i in 0..32 {
+            assert!((f.inv_freq[i] - plain.inv_freq[i] / factors[i]).abs() < 1e-15);
+        }
+    }
+
+    #[test]
+    fn shifting_composes_with_rotation() -> Result<()> {
+        let rope = Rope::new(&cfg());
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 5, 64), &Device::Cpu).ctx("randn")?;
+        let at3 = rope.forward(&x, 3)?;
+        let shifted = rope.shift(&rope.forward(&x, 0)?, 3)?;
+        let d = (at3 - shifted)
+            .and_then(|t| t.abs())
+            .and_then(|t| t.max_all())
+            .and_then(|t| t.to_scalar::<f32>())
+            .ctx("diff")?;
+        assert!(d < 1e-5, "{d}");
+        Ok(())
     }
 }

@@ -200,6 +200,7 @@ pub(crate) fn load_gguf(
         rms_eps: meta.f64(&k("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.f64(&k("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
+        rope_freq_factors: None,
         rope_style: if arch == Arch::Llama {
             RopeStyle::Interleaved
         } else {
@@ -209,10 +210,22 @@ pub(crate) fn load_gguf(
         attn_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
         max_positions: meta.usize(&k("context_length")).unwrap_or(4096),
     };
+    let mut cfg = cfg;
     if content.tensor_infos.contains_key("rope_freqs.weight") {
-        return Err(Error::Unsupported {
-            what: "GGUF rope_freqs (Llama 3 frequency factors) are not supported yet; use the HF directory".into(),
-        });
+        let factors = content
+            .tensor(&mut file, "rope_freqs.weight", &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f64>())
+            .ctx("reading rope_freqs.weight")?;
+        if factors.len() != cfg.head_dim / 2 {
+            return Err(Error::Weight {
+                name: "rope_freqs.weight".into(),
+                why: format!("{} factors for head dim {}", factors.len(), cfg.head_dim),
+            });
+        }
+        cfg.rope_freq_factors = Some(factors);
     }
     cfg.validate()?;
 
