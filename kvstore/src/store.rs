@@ -273,10 +273,16 @@ impl Store {
             bb.set_cache_index_and_filter_blocks(true);
             bb.set_pin_l0_filter_and_index_blocks_in_cache(true);
             let mut o = rocksdb::Options::default();
-            o.set_block_based_table_factory(&bb);
             if name == CF_KV {
+                // Point lookups dominate: a hash index inside data blocks, and a whole-key
+                // bloom filter in the memtable as well as in the tables.
+                bb.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
+                bb.set_data_block_hash_ratio(0.75);
+                o.set_memtable_whole_key_filtering(true);
+                o.set_memtable_prefix_bloom_ratio(0.1);
                 o.set_compression_type(rocksdb::DBCompressionType::Lz4);
             }
+            o.set_block_based_table_factory(&bb);
             ColumnFamilyDescriptor::new(name, o)
         };
         let index_dir = dir.join("index");
@@ -432,6 +438,38 @@ impl Store {
     /// Syncs the active segment and the index WAL.
     pub fn sync(&self) -> Result<()> {
         self.inner.sync_now()
+    }
+
+    /// After a bulk load: flushes the index's memtables and waits (up to `limit`) until
+    /// RocksDB has no compaction running or pending, so that reads do not compete with
+    /// background compaction. Returns how long it waited.
+    pub fn settle(&self, limit: Duration) -> Result<Duration> {
+        let t = std::time::Instant::now();
+        let db = &self.inner.db;
+        for name in CFS {
+            let cf = self.inner.cf(name);
+            db.flush_cf(cf).map_err(Error::index("flush"))?;
+        }
+        loop {
+            let prop = |p: &str| {
+                db.property_int_value(p)
+                    .map_err(Error::index("property"))
+                    .map(|v| v.unwrap_or(0))
+            };
+            let busy = prop("rocksdb.num-running-compactions")? > 0
+                || CFS.iter().try_fold(false, |acc, n| -> Result<bool> {
+                    Ok(acc
+                        || db
+                            .property_int_value_cf(self.inner.cf(n), "rocksdb.compaction-pending")
+                            .map_err(Error::index("property"))?
+                            .unwrap_or(0)
+                            > 0)
+                })?;
+            if !busy || t.elapsed() >= limit {
+                return Ok(t.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Counters and space accounting.

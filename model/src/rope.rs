@@ -156,8 +156,8 @@ mod tests {
             rope_freq_factors: Some(factors.clone()),
             ..cfg()
         });
-        for i in 0..32 {
-            assert!((f.inv_freq[i] - plain.inv_freq[i] / factors[i]).abs() < 1e-15);
+        for ((got, base), d) in f.inv_freq.iter().zip(&plain.inv_freq).zip(&factors) {
+            assert!((got - base / d).abs() < 1e-15);
         }
     }
 
