@@ -13,4 +13,12 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragkv/target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 cargo fmt --all -- --check
-cargo test --workspace --locked
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
+# One closing line with the totals over every test binary (cargo prints one line per binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i) ~ /^passed/) p += $(i-1); if ($(i) ~ /^failed/) f += $(i-1); if ($(i) ~ /^ignored/) g += $(i-1) } }
+     END { printf "%d passed, %d failed, %d skipped\n", p, f, g }' "$log"
+exit "$status"

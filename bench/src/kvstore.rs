@@ -596,6 +596,27 @@ fn bandwidth(store: &Store, ns: NamespaceId, chunks: &[Vec<u32>]) -> Result<Band
     })
 }
 
+/// SmolLM2-135M's KV layout in f16: 23,040 bytes per token.
+const SMOLLM2_F16: KvLayout = KvLayout {
+    layers: 30,
+    kv_heads: 3,
+    head_dim: 64,
+    dtype: DType::F16,
+};
+
+/// A store for a throw-away measurement: no hot tier, no background merges, no fsync.
+fn scratch_store(dir: &Path) -> Result<Store, Error> {
+    Ok(Store::open(
+        dir,
+        StoreOptions {
+            hot_tier_bytes: 0,
+            background_merge: false,
+            sync: SyncPolicy::Never,
+            ..StoreOptions::default()
+        },
+    )?)
+}
+
 /// Bandwidth on realistically sized KV: SmolLM2-135M's layout in f16 (23 KB per token), chunks
 /// of `tokens_per_chunk` (11.8 MB at 512), 64-token blocks, `total_bytes` in all.
 fn bandwidth_realistic(
@@ -604,21 +625,8 @@ fn bandwidth_realistic(
     tokens_per_chunk: usize,
 ) -> Result<Bandwidth, Error> {
     let dir = root.join("bandwidth");
-    let store = Store::open(
-        &dir,
-        StoreOptions {
-            hot_tier_bytes: 0,
-            background_merge: false,
-            sync: SyncPolicy::Never,
-            ..StoreOptions::default()
-        },
-    )?;
-    let l = KvLayout {
-        layers: 30,
-        kv_heads: 3,
-        head_dim: 64,
-        dtype: DType::F16,
-    };
+    let store = scratch_store(&dir)?;
+    let l = SMOLLM2_F16;
     let n = (total_bytes / l.bytes_for(tokens_per_chunk) as u64).max(1) as usize;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(3);
     let mut kv = vec![0u8; l.bytes_for(tokens_per_chunk)];
@@ -648,12 +656,7 @@ fn bandwidth_realistic(
 /// values with a per-channel scale (keys have a few large channels, as real keys do). Real
 /// model KV replaces this once the model crate exists.
 fn synthetic_kv(tokens: usize) -> (KvLayout, Vec<u8>) {
-    let l = KvLayout {
-        layers: 30,
-        kv_heads: 3,
-        head_dim: 64,
-        dtype: DType::F16,
-    };
+    let l = SMOLLM2_F16;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
     let per_plane = l.plane_token_bytes() / 2;
     let scales: Vec<f32> = (0..l.planes() * per_plane)
@@ -688,15 +691,7 @@ fn codecs(root: &Path, tokens: usize) -> Result<Vec<Line>, Error> {
     let mut figures = Vec::new();
     for codec in schema::Codec::ALL {
         let dir = root.join(format!("codec-{codec}"));
-        let store = Store::open(
-            &dir,
-            StoreOptions {
-                hot_tier_bytes: 0,
-                background_merge: false,
-                sync: SyncPolicy::Never,
-                ..StoreOptions::default()
-            },
-        )?;
+        let store = scratch_store(&dir)?;
         store.register_namespace(NS, l, codec)?;
         store.put_batch(
             NS,

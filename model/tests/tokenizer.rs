@@ -57,3 +57,12 @@ fn smollm2_gguf_tokenizer_matches_reference_ids() {
         include_str!("reference/smollm2_tokens.json"),
     );
 }
+
+#[test]
+#[ignore = "needs the benchmark model: RAGKV_MODELS=bench scripts/setup.sh, then cargo test -- --ignored"]
+fn qwen2_gguf_tokenizer_matches_reference_ids() {
+    check(
+        model::QWEN_CODER_FILE,
+        include_str!("reference/qwen2_5_coder_tokens.json"),
+    );
+}

@@ -8,6 +8,7 @@ metadata is read with `gguf` and handed to the converter as transformers' reader
 
     python3 -m venv /tmp/tokref && /tmp/tokref/bin/pip install transformers gguf sentencepiece
     /tmp/tokref/bin/python make_tokenizer_refs.py ~/.cache/ragkv/models/SmolLM2-135M-Instruct.Q4_1.gguf > smollm2_tokens.json
+    /tmp/tokref/bin/python make_tokenizer_refs.py ~/.cache/ragkv/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf > qwen2_5_coder_tokens.json
 """
 import importlib.metadata
 import json
