@@ -215,3 +215,93 @@ fn bad_inputs_are_clear_errors() {
     )
     .is_err());
 }
+
+#[test]
+fn kv_round_trips_in_every_storable_dtype_and_concatenates_in_order() {
+    let m = smollm();
+    let toks = m.tokenizer().encode(CHUNK).unwrap();
+    let (kv, _) = m.prefill(&toks, 0).unwrap();
+    for dtype in [model::DType::F32, model::DType::F16, model::DType::BF16] {
+        let layout = kv.layout(dtype).unwrap();
+        let bytes = kv.to_bytes(dtype).unwrap();
+        assert_eq!(bytes.len(), layout.bytes_for(toks.len()));
+        let back = Kv::from_bytes(&bytes, &layout, m.device()).unwrap();
+        assert_eq!(back.to_bytes(dtype).unwrap(), bytes, "{dtype:?}");
+        // Importing into the compute dtype is a separate step.
+        let f32 = back.to(m.device(), m.dtype()).unwrap();
+        let err = max_abs_diff(&f32.layers[3].0, &kv.layers[3].0);
+        assert!(
+            err < if dtype == model::DType::F32 {
+                1e-9
+            } else {
+                0.1
+            },
+            "{dtype:?}: {err}"
+        );
+    }
+    // concat(a, b) holds a's tokens, then b's, layer by layer.
+    let a = kv.prefix(10).unwrap();
+    let joined = Kv::concat(&[a.clone(), kv.clone()]).unwrap();
+    assert_eq!(joined.len(), 10 + kv.len());
+    for ((jk, jv), ((ak, _), (k, v))) in joined.layers.iter().zip(a.layers.iter().zip(&kv.layers)) {
+        assert_eq!(max_abs_diff(&jk.narrow(2, 0, 10).unwrap(), ak), 0.0);
+        assert_eq!(max_abs_diff(&jk.narrow(2, 10, kv.len()).unwrap(), k), 0.0);
+        assert_eq!(max_abs_diff(&jv.narrow(2, 10, kv.len()).unwrap(), v), 0.0);
+    }
+}
+
+#[test]
+fn sampling_options_behave() {
+    let m = smollm();
+    let prompt = m
+        .chat_tokens(&[Message::new("user", "Write one sentence about the sea.")])
+        .unwrap();
+    let run = |p: GenerateParams| m.generate(&prompt, &p, |_| true).unwrap();
+    let greedy = run(GenerateParams {
+        max_tokens: 8,
+        ..GenerateParams::default()
+    });
+    // top-k 1 and a tiny top-p leave only the most likely token: greedy, whatever the temperature.
+    for p in [
+        GenerateParams {
+            max_tokens: 8,
+            temperature: 1.0,
+            top_k: 1,
+            ..GenerateParams::default()
+        },
+        GenerateParams {
+            max_tokens: 8,
+            temperature: 1.0,
+            top_p: 1e-6,
+            ..GenerateParams::default()
+        },
+    ] {
+        assert_eq!(run(p).tokens, greedy.tokens);
+    }
+    // Sampling is reproducible for a seed and varies across seeds.
+    let hot = |seed| GenerateParams {
+        max_tokens: 12,
+        temperature: 1.5,
+        seed,
+        ..GenerateParams::default()
+    };
+    assert_eq!(run(hot(7)).tokens, run(hot(7)).tokens);
+    let distinct: std::collections::HashSet<Vec<u32>> =
+        (0..4).map(|s| run(hot(s)).tokens).collect();
+    assert!(distinct.len() > 1, "four seeds gave the same sample");
+    // Stop strings cut the text; max_tokens bounds it.
+    let first_word = greedy.text.split_whitespace().next().unwrap().to_string();
+    let stopped = run(GenerateParams {
+        max_tokens: 8,
+        stop_strings: vec![first_word.clone()],
+        ..GenerateParams::default()
+    });
+    assert!(
+        !stopped.text.contains(&first_word),
+        "{:?} still holds {first_word:?}",
+        stopped.text
+    );
+    assert_eq!(stopped.finish, model::FinishReason::Stop);
+    assert_eq!(greedy.tokens.len(), 8);
+    assert_eq!(greedy.finish, model::FinishReason::Length);
+}
