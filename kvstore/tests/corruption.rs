@@ -5,7 +5,7 @@ mod common;
 use std::os::unix::fs::FileExt;
 
 use common::*;
-use kvstore::{Error, PutItem};
+use kvstore::Error;
 
 #[test]
 fn flipped_bytes_are_detected_never_returned() {
@@ -15,18 +15,7 @@ fn flipped_bytes_are_detected_never_returned() {
         let store = open(dir.path(), small_options());
         for i in &ids {
             let t = sequence(*i);
-            let kv = kv_for(&layout(), &t);
-            store
-                .put_batch(
-                    NS,
-                    layout(),
-                    &[PutItem {
-                        tokens: &t,
-                        kv: &kv,
-                        doc: None,
-                    }],
-                )
-                .unwrap();
+            put_seq(&store, &t, None);
         }
     }
     // Flip one byte every 7919 bytes of every segment, past the header.

@@ -191,18 +191,7 @@ fn documents_share_blocks_and_delete_only_what_no_one_else_uses() {
     let mut b = shared.clone();
     b.extend(2000..2040);
     for (t, d) in [(&a, "A"), (&b, "B"), (&a, "C")] {
-        let kv = kv_for(&layout(), t);
-        store
-            .put_batch(
-                NS,
-                layout(),
-                &[PutItem {
-                    tokens: t,
-                    kv: &kv,
-                    doc: Some(d),
-                }],
-            )
-            .unwrap();
+        put_seq(&store, t, Some(d));
     }
     assert_eq!(store.document_sequences("A").unwrap(), vec![(NS, 72)]);
     // A and C attach the same sequence: deleting A keeps it.
@@ -229,18 +218,7 @@ fn explicit_delete_drops_the_suffix_and_everything_extending_it() {
     let mut ext = t.clone();
     ext.extend(500..532);
     for s in [&t, &ext] {
-        let kv = kv_for(&layout(), s);
-        store
-            .put_batch(
-                NS,
-                layout(),
-                &[PutItem {
-                    tokens: s,
-                    kv: &kv,
-                    doc: None,
-                }],
-            )
-            .unwrap();
+        put_seq(&store, s, None);
     }
     let r = store.delete(NS, &t, 32).unwrap();
     assert_eq!(r.blocks, 4); // blocks 2, 3 of t and blocks 4, 5 of ext
@@ -263,18 +241,8 @@ fn hot_tier_serves_repeated_reads_with_the_same_bytes() {
         },
     );
     let t = sequence(11);
+    put_seq(&store, &t, Some("d"));
     let kv = kv_for(&layout(), &t);
-    store
-        .put_batch(
-            NS,
-            layout(),
-            &[PutItem {
-                tokens: &t,
-                kv: &kv,
-                doc: Some("d"),
-            }],
-        )
-        .unwrap();
     let mut buf = Vec::new();
     store.get_batch_into(NS, &t, t.len(), &mut buf).unwrap();
     assert_eq!(buf, kv);

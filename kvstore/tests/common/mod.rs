@@ -52,6 +52,22 @@ pub fn kv_for(layout: &KvLayout, tokens: &[u32]) -> Vec<u8> {
     out
 }
 
+/// Stores `tokens` with their deterministic KV (`kv_for`), attached to `doc` if given.
+pub fn put_seq(store: &Store, tokens: &[u32], doc: Option<&str>) -> kvstore::PutReport {
+    let kv = kv_for(&layout(), tokens);
+    store
+        .put_batch(
+            NS,
+            layout(),
+            &[kvstore::PutItem {
+                tokens,
+                kv: &kv,
+                doc,
+            }],
+        )
+        .expect("put")
+}
+
 /// Sequence `i`: a deterministic token list; every third one shares a 48-token prefix with
 /// its neighbours so that blocks are shared and deduplicated.
 pub fn sequence(i: u64) -> Vec<u32> {
