@@ -76,8 +76,9 @@ pub struct StoreOptions {
     pub merge: MergePolicy,
     /// Run the merger on a background thread. Default true. `Store::merge_now` works either way.
     pub background_merge: bool,
-    /// RocksDB block cache for the index. Default 64 MiB: location records are 60 bytes, so
-    /// this keeps about a million hot entries in memory.
+    /// RocksDB block cache for the index's data blocks (filters and index blocks are held by
+    /// the table readers, ~3.5 MB per million keys). Default 64 MiB: location records are 60
+    /// bytes, so this keeps about half a million hot entries in memory.
     pub index_cache_bytes: usize,
     /// Bloom filter bits per key for the index. Default 10 (≈1 % false positives); probes of
     /// absent prefixes then cost no disk read.
