@@ -224,41 +224,16 @@ fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
     Ok(())
 }
 
+/// The store's bytes are little-endian, as the machines ragkv runs on are; candle reads them
+/// as native-endian elements.
 fn tensor_from_bytes(
     b: &[u8],
     dtype: DType,
     shape: (usize, usize, usize),
     device: &Device,
 ) -> Result<Tensor> {
-    let t = match dtype {
-        DType::F32 => {
-            let v: Vec<f32> = b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            Tensor::from_vec(v, shape, device)
-        }
-        DType::F16 => {
-            let v: Vec<half::f16> = b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            Tensor::from_vec(v, shape, device)
-        }
-        DType::BF16 => {
-            let v: Vec<half::bf16> = b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            Tensor::from_vec(v, shape, device)
-        }
-        other => {
-            return Err(Error::Kv {
-                why: format!("dtype {other:?} cannot be stored"),
-            })
-        }
-    };
-    t.ctx("kv from bytes")
+    const _: () = assert!(cfg!(target_endian = "little"), "KV bytes are little-endian");
+    Tensor::from_raw_buffer(b, dtype, &[shape.0, shape.1, shape.2], device).ctx("kv from bytes")
 }
 
 /// A preallocated per-sequence cache: appends write into place (`slice_set`), growing by
