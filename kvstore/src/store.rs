@@ -53,6 +53,8 @@ const MAX_RUN_BYTES: usize = 64 << 20;
 #[derive(Debug, Clone, Copy)]
 pub struct PutItem<'a> {
     pub tokens: &'a [u32],
+    /// Layer-major KV of `tokens`. Empty: the sequence is already stored and is only
+    /// attached to `doc` (an [`Error::Miss`] if any of its blocks is absent).
     pub kv: &'a [u8],
     /// Attach the sequence to this document, so `delete_document` can drop it later.
     /// Sequences stored without a document stay until deleted explicitly.
@@ -415,6 +417,11 @@ impl Store {
     /// still uses.
     pub fn delete_document(&self, doc: &str) -> Result<DeleteReport> {
         self.inner.delete_document(doc)
+    }
+
+    /// Every document id with at least one attached sequence, sorted.
+    pub fn documents(&self) -> Result<Vec<String>> {
+        self.inner.documents()
     }
 
     /// Sequences attached to `doc`: `(namespace, token count)` for each.
@@ -919,7 +926,8 @@ impl Inner {
                 });
             }
             let expected = layout.bytes_for(item.tokens.len());
-            if item.kv.len() != expected {
+            // Empty KV: attach an already stored sequence to the item's document.
+            if !item.kv.is_empty() && item.kv.len() != expected {
                 return Err(Error::KvSize {
                     got: item.kv.len(),
                     expected,
@@ -942,6 +950,9 @@ impl Inner {
         let mut seen = HashSet::new();
         let mut candidates: Vec<(usize, usize)> = Vec::new(); // (item, block)
         for (i, blocks) in plans.iter().enumerate() {
+            if items[i].kv.is_empty() {
+                continue;
+            }
             for (j, b) in blocks.iter().enumerate() {
                 if seen.insert(b.key.as_slice()) {
                     candidates.push((i, j));
@@ -982,6 +993,18 @@ impl Inner {
 
         let mut w = self.writer.lock();
         self.check_poisoned()?;
+        // Attach-only items need every block stored already (the lock keeps them there).
+        for (item, blocks) in items.iter().zip(&plans) {
+            if item.kv.is_empty() {
+                let present = self.exists_many(blocks.iter().map(|b| b.key.as_slice()))?;
+                if let Some(first_absent) = present.iter().position(|p| !p) {
+                    return Err(Error::Miss {
+                        requested: item.tokens.len(),
+                        cached: blocks[first_absent].start,
+                    });
+                }
+            }
+        }
         let before = w.clone();
         // Another writer may have stored some of them meanwhile.
         let still = self.exists_many(
@@ -1588,6 +1611,30 @@ impl Inner {
         }
         it.status().map_err(Error::index("seqs scan"))?;
         Ok(false)
+    }
+
+    fn documents(&self) -> Result<Vec<String>> {
+        let mut out: Vec<String> = Vec::new();
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_DOCS));
+        it.seek_to_first();
+        while let Some(k) = it.key() {
+            let len = k
+                .get(..2)
+                .map_or(0, |b| u16::from_be_bytes([b[0], b[1]]) as usize);
+            let Some(id) = k.get(2..2 + len) else {
+                return Err(Error::Invalid {
+                    what: "docs family key",
+                    why: "shorter than its length prefix".into(),
+                });
+            };
+            let id = String::from_utf8_lossy(id).into_owned();
+            if out.last() != Some(&id) {
+                out.push(id);
+            }
+            it.next();
+        }
+        it.status().map_err(Error::index("docs scan"))?;
+        Ok(out)
     }
 
     fn document_sequences(&self, doc: &str) -> Result<Vec<(NamespaceId, usize)>> {

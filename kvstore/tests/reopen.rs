@@ -194,6 +194,7 @@ fn documents_share_blocks_and_delete_only_what_no_one_else_uses() {
         put_seq(&store, t, Some(d));
     }
     assert_eq!(store.document_sequences("A").unwrap(), vec![(NS, 72)]);
+    assert_eq!(store.documents().unwrap(), vec!["A", "B", "C"]);
     // A and C attach the same sequence: deleting A keeps it.
     let r = store.delete_document("A").unwrap();
     assert_eq!((r.sequences, r.blocks), (1, 0));
@@ -204,10 +205,42 @@ fn documents_share_blocks_and_delete_only_what_no_one_else_uses() {
     assert_eq!(store.probe(NS, &a).unwrap(), 32);
     assert_eq!(store.probe(NS, &b).unwrap(), 72);
     store.delete_document("B").unwrap();
+    assert!(store.documents().unwrap().is_empty());
     assert_eq!(store.probe(NS, &b).unwrap(), 0);
     assert_eq!(store.stats().entries, 0);
     // Deleting an unknown document is a no-op.
     assert_eq!(store.delete_document("nope").unwrap().sequences, 0);
+}
+
+#[test]
+fn empty_kv_attaches_a_stored_sequence_to_another_document() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let t = sequence(4);
+    put_seq(&store, &t, Some("A"));
+    let attach = |tokens: &[u32], doc| {
+        store.put_batch(
+            NS,
+            layout(),
+            &[PutItem {
+                tokens,
+                kv: &[],
+                doc: Some(doc),
+            }],
+        )
+    };
+    let r = attach(&t, "B").unwrap();
+    assert_eq!((r.blocks_written, r.bytes_written), (0, 0));
+    assert_eq!(store.documents().unwrap(), vec!["A", "B"]);
+    store.delete_document("A").unwrap();
+    assert_eq!(store.probe(NS, &t).unwrap(), t.len());
+    // A sequence that is not fully stored cannot be attached.
+    let mut longer = t.clone();
+    longer.extend(9000..9040);
+    assert!(attach(&longer, "C").unwrap_err().is_miss());
+    assert_eq!(store.documents().unwrap(), vec!["B"]);
+    store.delete_document("B").unwrap();
+    assert_eq!(store.probe(NS, &t).unwrap(), 0);
 }
 
 #[test]

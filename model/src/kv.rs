@@ -18,7 +18,8 @@ pub struct Kv {
     len: usize,
 }
 
-pub(crate) fn to_schema_dtype(d: DType) -> Result<schema::DType> {
+/// The `schema` dtype that stores a candle dtype (f32, f16, bf16).
+pub fn to_schema_dtype(d: DType) -> Result<schema::DType> {
     Ok(match d {
         DType::F32 => schema::DType::F32,
         DType::F16 => schema::DType::F16,

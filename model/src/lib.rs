@@ -31,7 +31,7 @@ pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
 pub use decoder::{Decoder, Logits};
 pub use error::{Error, Result};
 pub use generate::{generate, FinishReason, GenerateParams, Generation, Sampler};
-pub use kv::{Kv, KvCache};
+pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
 pub use template::{chatml, Message};
 pub use tokenizer::{TokenStream, Tokenizer};
 pub use weights::ModelSource;

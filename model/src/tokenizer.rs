@@ -117,6 +117,23 @@ impl Tokenizer {
         Ok(tok)
     }
 
+    /// The tokenizer of a model, without loading its weights (GGUF: metadata only).
+    pub fn load(source: &crate::ModelSource) -> Result<Tokenizer> {
+        match source {
+            crate::ModelSource::Gguf(path) => {
+                let mut file = fs_err::File::open(path)?;
+                let content =
+                    candle_core::quantized::gguf_file::Content::read(&mut file).map_err(|e| {
+                        Error::Config {
+                            why: format!("{} is not a readable GGUF file: {e}", path.display()),
+                        }
+                    })?;
+                Tokenizer::from_gguf(&content.metadata)
+            }
+            crate::ModelSource::HfDir(dir) => Tokenizer::from_hf_dir(dir),
+        }
+    }
+
     /// Builds the tokenizer a GGUF file describes. Supports byte-level BPE vocabularies
     /// (`tokenizer.ggml.model = "gpt2"`) with the GPT-2, SmolLM/StarCoder, Qwen2 and Llama 3
     /// pre-tokenizers.
@@ -226,7 +243,7 @@ impl Tokenizer {
             .filter(|(_, ty)| **ty == 3 || **ty == 4)
             .map(|(t, ty)| AddedToken::from(t.clone(), *ty == 3))
             .collect();
-        inner.add_special_tokens(&specials);
+        inner.add_special_tokens(specials).map_err(tk_err)?;
 
         let id = |k: &str| meta.usize(k).ok().map(|x| x as u32);
         let add_bos = matches!(

@@ -1,0 +1,130 @@
+//! Consistency of the vector index with the KV store: what `ragkv verify` reports.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use retrieval::SearchFilter;
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::pipeline::{kv_doc, kv_key, split_kv_doc, Engine};
+
+/// What [`Engine::check`] found. `problems` is empty when everything holds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CheckReport {
+    pub documents: usize,
+    pub points: usize,
+    /// Points whose KV was read back and verified (checksums, key, token digest).
+    pub kv_verified: usize,
+    /// Points indexed without KV (lazy or none materialization).
+    pub kv_absent: usize,
+    /// Points found by searching with their own text (when `search` was asked).
+    pub searchable: usize,
+    pub problems: Vec<String>,
+}
+
+impl CheckReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl Engine {
+    /// Checks every invariant ingest promises: each document's points are one complete version
+    /// (ordinals `0..doc_chunks`, one hash); each point that names a KV key has that KV stored,
+    /// readable and verified, attached to its document version; no KV document lacks points.
+    /// With `search`, each chunk must also come back in the top 3 when searching its own text.
+    pub fn check(&self, search: bool) -> Result<CheckReport> {
+        let mut r = CheckReport::default();
+        let points = self.index.points()?;
+        r.points = points.len();
+        let mut by_doc: BTreeMap<String, Vec<(uuid::Uuid, retrieval::ChunkPayload)>> =
+            BTreeMap::new();
+        for p in points {
+            by_doc.entry(p.1.doc_id.clone()).or_default().push(p);
+        }
+        r.documents = by_doc.len();
+        let mut versions: HashMap<String, String> = HashMap::new();
+        let mut buf = Vec::new();
+        for (doc, mut pts) in by_doc {
+            pts.sort_by_key(|(_, p)| p.ordinal);
+            let hashes: HashSet<&str> = pts.iter().map(|(_, p)| p.doc_hash.as_str()).collect();
+            if hashes.len() != 1 {
+                r.problems
+                    .push(format!("{doc}: points of {} versions", hashes.len()));
+            }
+            let n = pts[0].1.doc_chunks as usize;
+            let ordinals: Vec<u32> = pts.iter().map(|(_, p)| p.ordinal).collect();
+            if pts.len() != n || ordinals.iter().enumerate().any(|(i, o)| *o as usize != i) {
+                r.problems.push(format!(
+                    "{doc}: {} points with ordinals {ordinals:?}, expected 0..{n}",
+                    pts.len()
+                ));
+            }
+            let hash = pts[0].1.doc_hash.clone();
+            let attached: HashSet<usize> = self
+                .store
+                .document_sequences(&kv_doc(&doc, &hash))?
+                .into_iter()
+                .filter(|(ns, _)| *ns == self.namespace())
+                .map(|(_, n)| n)
+                .collect();
+            for (id, p) in &pts {
+                let tokens = self.chunk_tokens(&p.text)?;
+                if tokens.len() != p.tokens as usize {
+                    r.problems.push(format!(
+                        "{doc}#{}: text has {} tokens, payload says {}",
+                        p.ordinal,
+                        tokens.len(),
+                        p.tokens
+                    ));
+                }
+                if p.kv_key.is_empty() {
+                    r.kv_absent += 1;
+                } else if kv_key(&tokens) != p.kv_key {
+                    r.problems.push(format!(
+                        "{doc}#{}: KV key does not match its text",
+                        p.ordinal
+                    ));
+                } else {
+                    match self.store.get_batch_into(
+                        self.namespace(),
+                        &tokens,
+                        tokens.len(),
+                        &mut buf,
+                    ) {
+                        Ok(_) => r.kv_verified += 1,
+                        Err(e) => r
+                            .problems
+                            .push(format!("{doc}#{}: KV unreadable: {e}", p.ordinal)),
+                    }
+                    if !attached.contains(&tokens.len()) {
+                        r.problems.push(format!(
+                            "{doc}#{}: KV not attached to document version {hash}",
+                            p.ordinal
+                        ));
+                    }
+                }
+                if search {
+                    let v = self.embedder.embed_one(&p.text)?;
+                    let hits = self.index.search(&v, 3, &SearchFilter::default())?;
+                    if hits.iter().any(|h| h.id == *id) {
+                        r.searchable += 1;
+                    } else {
+                        r.problems
+                            .push(format!("{doc}#{}: not found by its own text", p.ordinal));
+                    }
+                }
+            }
+            versions.insert(doc, hash);
+        }
+        for d in self.store.documents()? {
+            if let Some((doc, hash)) = split_kv_doc(&d) {
+                if versions.get(doc).map(String::as_str) != Some(hash) {
+                    r.problems
+                        .push(format!("KV document {d} has no points (orphaned)"));
+                }
+            }
+        }
+        Ok(r)
+    }
+}

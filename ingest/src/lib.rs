@@ -1,0 +1,22 @@
+//! ragkv ingestion: document sources, token-aware chunking, and the pipeline that embeds
+//! chunks into the vector index and materializes their KV into the store
+//! ([`Engine::ingest`]; the commit order that makes it crash-safe is documented in
+//! [`pipeline`]).
+
+mod check;
+pub mod chunk;
+mod error;
+pub mod pipeline;
+pub mod progress;
+mod report;
+pub mod source;
+
+pub use check::CheckReport;
+pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
+pub use error::{Error, Result};
+pub use pipeline::{
+    kv_doc, kv_key, split_kv_doc, Engine, IngestConfig, Materialize, RunOptions, CHUNK_TEMPLATE,
+};
+pub use progress::{Counters, Progress, ProgressMode};
+pub use report::{Failure, Report, StageTimes};
+pub use source::{Doc, Item, Source};

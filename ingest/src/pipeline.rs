@@ -1,0 +1,760 @@
+//! The ingest pipeline.
+//!
+//! Stages run on named threads joined by bounded queues, so the slowest stage (prefill) sets
+//! the pace and the others overlap with it:
+//!
+//! ```text
+//! read ─▶ plan+chunk ─▶ embed ─▶ prefill (model) ─▶ write
+//!  (sources)   (index lookup,     (ONNX)    (KV per chunk)   (KV puts as they come;
+//!               skip unchanged)                               vectors last, per document)
+//! ```
+//!
+//! # Commit order (crash safety)
+//! For a document `D` whose content hash is `H`:
+//! 1. every chunk's KV is stored and attached to the KV-store document `D@H` (synced per the
+//!    store's policy);
+//! 2. all of `D`'s points are upserted in one index operation (atomic through Qdrant's WAL),
+//!    each carrying `doc_hash = H` and `doc_chunks`: from here `D` is searchable;
+//! 3. points of an older version that the new one does not overwrite are deleted, then the
+//!    older versions' KV documents `D@H0` are detached (their blocks freed unless shared).
+//!
+//! A crash before 2 leaves KV that no point references; a crash inside 3 leaves stale points or
+//! KV. The next run treats a document as unchanged only if all of its points carry `H`, their
+//! ordinals are exactly `0..doc_chunks`, and (eager) its KV is attached; otherwise it is redone,
+//! which re-uses the KV already stored (probe first, attach without prefilling). A final
+//! reconciliation detaches KV documents that no point references. So no point ever lacks its
+//! KV (eager), no point is duplicated (ids derive from document and ordinal), and nothing is
+//! orphaned once a run completes.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use kvstore::{KvLayout, NamespaceId, PutItem, Store};
+use model::Model;
+use parking_lot::Mutex;
+use retrieval::{ChunkPayload, ChunkPoint, Embedder, SearchFilter, VectorIndex};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::chunk::{chunk_text, Chunk, ChunkerConfig};
+use crate::error::{Error, Result};
+use crate::progress::Counters;
+use crate::report::{secs, Failure, Report, StageTimes};
+use crate::source::{self, Doc, Item, ReadLimits, Source};
+
+/// When chunk KV is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Materialize {
+    /// Prefill every chunk during ingest.
+    Eager,
+    /// Leave it to the first query that retrieves the chunk.
+    Lazy,
+    /// Index vectors only.
+    None,
+}
+
+impl std::str::FromStr for Materialize {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "eager" => Ok(Materialize::Eager),
+            "lazy" => Ok(Materialize::Lazy),
+            "none" => Ok(Materialize::None),
+            other => Err(format!("{other:?} (expected eager, lazy or none)")),
+        }
+    }
+}
+
+/// `[ingest]` configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IngestConfig {
+    pub chunk_tokens: usize,
+    pub overlap_tokens: usize,
+    /// Documents larger than this are skipped with a reason.
+    pub max_doc_bytes: u64,
+    /// Capacity of each queue between stages (documents).
+    pub queue_depth: usize,
+    /// Default materialization (`eager`, `lazy`, `none`).
+    pub materialize: Materialize,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            chunk_tokens: 512,
+            overlap_tokens: 0,
+            max_doc_bytes: 16 << 20,
+            queue_depth: 4,
+            materialize: Materialize::Eager,
+        }
+    }
+}
+
+impl IngestConfig {
+    pub fn chunker(&self) -> ChunkerConfig {
+        ChunkerConfig {
+            chunk_tokens: self.chunk_tokens,
+            overlap_tokens: self.overlap_tokens,
+        }
+    }
+
+    /// Checks ranges; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        self.chunker().validate().map_err(|why| Error::Invalid {
+            what: "ingest",
+            why,
+        })?;
+        if self.max_doc_bytes == 0 || !(1..=1024).contains(&self.queue_depth) {
+            return Err(Error::Invalid {
+                what: "ingest",
+                why: "max_doc_bytes must be positive and queue_depth in 1..=1024".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Options of one run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub materialize: Materialize,
+    /// Delete indexed documents that none of the sources yielded.
+    pub prune: bool,
+}
+
+/// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble.
+pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
+
+/// Everything ingest writes to, and the model that computes KV.
+#[derive(Debug)]
+pub struct Engine {
+    pub store: Arc<Store>,
+    pub index: Arc<VectorIndex>,
+    pub embedder: Arc<Embedder>,
+    pub model: Arc<Model>,
+    pub config: IngestConfig,
+    ns: NamespaceId,
+    layout: KvLayout,
+    kv_dtype: model::DType,
+}
+
+/// KV-store document id of version `hash` of document `doc`.
+pub fn kv_doc(doc: &str, hash: &str) -> String {
+    format!("{doc}@{hash}")
+}
+
+/// Splits a KV-store document id into (document, hash).
+pub fn split_kv_doc(kv_doc: &str) -> Option<(&str, &str)> {
+    kv_doc.rsplit_once('@')
+}
+
+/// Hex key of a chunk's KV: the token digest of its tokens.
+pub fn kv_key(tokens: &[u32]) -> String {
+    let d = schema::TokenDigest::of(tokens);
+    d.0.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Engine {
+    /// Binds the parts together and registers the model's KV namespace (fingerprint of the
+    /// weights, tokenizer, positions, KV layout in `kv_dtype`, chunker and chunk template).
+    pub fn new(
+        store: Arc<Store>,
+        index: Arc<VectorIndex>,
+        embedder: Arc<Embedder>,
+        model: Arc<Model>,
+        config: IngestConfig,
+        kv_dtype: model::DType,
+    ) -> Result<Engine> {
+        config.validate()?;
+        if embedder.dim() != index.dim() {
+            return Err(Error::Invalid {
+                what: "embedder",
+                why: format!(
+                    "produces {}-dimensional vectors but the index holds {}",
+                    embedder.dim(),
+                    index.dim()
+                ),
+            });
+        }
+        let mut fp = model.fingerprint(&config.chunker().id(), CHUNK_TEMPLATE)?;
+        fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
+        let layout = fp.layout;
+        let ns = fp.namespace();
+        store.register_namespace(ns, layout, store.options().default_codec)?;
+        Ok(Engine {
+            store,
+            index,
+            embedder,
+            model,
+            config,
+            ns,
+            layout,
+            kv_dtype,
+        })
+    }
+
+    /// The KV namespace chunks are stored under.
+    pub fn namespace(&self) -> NamespaceId {
+        self.ns
+    }
+
+    /// Layout of stored chunk KV.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Tokens of a stored chunk's text (what was prefilled).
+    pub fn chunk_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.model.tokenizer().encode(text)?)
+    }
+
+    /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
+    pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
+        let (kv, _) = self.model.prefill(tokens, 0)?;
+        Ok(kv.to_bytes(self.kv_dtype)?)
+    }
+
+    /// Removes a document: its points, then its KV (every version). Returns whether it existed.
+    pub fn delete_document(&self, doc: &str) -> Result<bool> {
+        let points = self.index.count(&SearchFilter::document(doc))?;
+        self.index.delete_document(doc)?;
+        self.index.flush()?;
+        let mut kv_docs = 0;
+        for d in self.store.documents()? {
+            if split_kv_doc(&d).is_some_and(|(id, _)| id == doc) {
+                self.store.delete_document(&d)?;
+                kv_docs += 1;
+            }
+        }
+        Ok(points > 0 || kv_docs > 0)
+    }
+
+    /// Runs the pipeline over `sources`.
+    pub fn ingest(
+        &self,
+        sources: &[Source],
+        opts: &RunOptions,
+        counters: &Counters,
+    ) -> Result<Report> {
+        let start = Instant::now();
+        let shared = Shared {
+            report: Mutex::new(Report::default()),
+            fatal: Mutex::new(None),
+            stop: std::sync::atomic::AtomicBool::new(false),
+            counters,
+        };
+        let depth = self.config.queue_depth;
+        let (read_tx, read_rx) = bounded::<Doc>(depth);
+        let (plan_tx, plan_rx) = bounded::<Planned>(depth);
+        let (embed_tx, embed_rx) = bounded::<Embedded>(depth);
+        let (write_tx, write_rx) = bounded::<ToWriter>(depth * 4);
+        let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
+        let mut times = StageTimes::default();
+        std::thread::scope(|s| -> Result<()> {
+            let reader = std::thread::Builder::new()
+                .name("ragkv-read".into())
+                .spawn_scoped(s, || self.read_stage(sources, read_tx, &shared, &seen))
+                .map_err(spawn_err)?;
+            let planner = std::thread::Builder::new()
+                .name("ragkv-chunk".into())
+                .spawn_scoped(s, || self.plan_stage(opts, read_rx, plan_tx, &shared))
+                .map_err(spawn_err)?;
+            let embedder = std::thread::Builder::new()
+                .name("ragkv-embed".into())
+                .spawn_scoped(s, || self.embed_stage(plan_rx, embed_tx, &shared))
+                .map_err(spawn_err)?;
+            let prefiller = std::thread::Builder::new()
+                .name("ragkv-prefill".into())
+                .spawn_scoped(s, || self.prefill_stage(opts, embed_rx, write_tx, &shared))
+                .map_err(spawn_err)?;
+            let (write_kv, upsert) = self.write_stage(opts, write_rx, &shared);
+            times.read_s = join(reader);
+            times.chunk_s = join(planner);
+            times.embed_s = join(embedder);
+            times.prefill_s = join(prefiller);
+            times.write_kv_s = write_kv;
+            times.upsert_s = upsert;
+            Ok(())
+        })?;
+        if let Some(e) = shared.fatal.lock().take() {
+            return Err(e);
+        }
+        self.index.flush()?;
+        self.store.sync()?;
+        let mut report = shared.report.into_inner();
+        let seen = seen.into_inner();
+        self.finish(opts, &seen, &mut report)?;
+        report.stages = times;
+        report.elapsed_s = secs(start.elapsed());
+        Ok(report)
+    }
+
+    /// Prune (when asked), build the HNSW index, and detach KV no point references.
+    fn finish(&self, opts: &RunOptions, seen: &HashSet<String>, report: &mut Report) -> Result<()> {
+        let mut versions: HashMap<String, HashSet<String>> = HashMap::new();
+        for (_, p) in self.index.points()? {
+            versions.entry(p.doc_id).or_default().insert(p.doc_hash);
+        }
+        // A source that could not be listed would look like a source whose documents all
+        // vanished: never prune then.
+        let unlisted = report
+            .failures
+            .iter()
+            .any(|f| f.reason.starts_with("cannot list") || f.reason.starts_with("cannot open"));
+        if opts.prune && unlisted {
+            report.failures.push(Failure {
+                origin: "--prune".into(),
+                reason: "skipped: a source could not be read completely".into(),
+            });
+            report.docs_failed += 1;
+        } else if opts.prune {
+            let gone: Vec<String> = versions
+                .keys()
+                .filter(|d| !seen.contains(*d))
+                .cloned()
+                .collect();
+            for d in gone {
+                self.index.delete_document(&d)?;
+                versions.remove(&d);
+                report.docs_deleted += 1;
+            }
+            self.index.flush()?;
+        }
+        for d in self.store.documents()? {
+            let live = split_kv_doc(&d)
+                .is_some_and(|(id, h)| versions.get(id).is_some_and(|hs| hs.contains(h)));
+            // KV documents are `doc@hash`; anything else was not written by ingest.
+            if !live && split_kv_doc(&d).is_some() {
+                self.store.delete_document(&d)?;
+                report.orphans_removed += 1;
+            }
+        }
+        self.index.optimize()?;
+        self.index.flush()?;
+        Ok(())
+    }
+
+    fn read_stage(
+        &self,
+        sources: &[Source],
+        tx: Sender<Doc>,
+        shared: &Shared<'_>,
+        seen: &Mutex<HashSet<String>>,
+    ) -> f64 {
+        let limits = ReadLimits {
+            max_doc_bytes: self.config.max_doc_bytes,
+        };
+        let mut busy = Duration::ZERO;
+        let mut t = Instant::now();
+        for src in sources {
+            let ok = source::read(src, limits, &mut |item| {
+                if shared.stopped() {
+                    return false;
+                }
+                shared.counters.docs_seen.fetch_add(1, Ordering::Relaxed);
+                match item {
+                    Item::Skipped { origin, reason } => {
+                        shared.fail(origin, reason);
+                        true
+                    }
+                    Item::Doc(doc) => {
+                        if !seen.lock().insert(doc.id.clone()) {
+                            shared.fail(
+                                doc.origin.clone(),
+                                format!("duplicate document id {:?} in this run", doc.id),
+                            );
+                            return true;
+                        }
+                        busy += t.elapsed();
+                        let sent = tx.send(doc).is_ok();
+                        t = Instant::now();
+                        sent
+                    }
+                }
+            });
+            if !ok {
+                break;
+            }
+        }
+        busy += t.elapsed();
+        secs(busy)
+    }
+
+    fn plan_stage(
+        &self,
+        opts: &RunOptions,
+        rx: Receiver<Doc>,
+        tx: Sender<Planned>,
+        shared: &Shared<'_>,
+    ) -> f64 {
+        let chunker = self.config.chunker();
+        let mut busy = Duration::ZERO;
+        for doc in rx {
+            let t = Instant::now();
+            let hash = doc.content_hash();
+            let old = match self.index.document(&doc.id) {
+                Ok(o) => o,
+                Err(e) => {
+                    shared.fatal(e.into());
+                    break;
+                }
+            };
+            if self.is_current(&doc.id, &hash, &old, opts.materialize) {
+                shared.report.lock().docs_unchanged += 1;
+                shared.counters.docs_done.fetch_add(1, Ordering::Relaxed);
+                busy += t.elapsed();
+                continue;
+            }
+            let chunks = chunk_text(&doc.text, self.model.tokenizer(), &chunker);
+            if chunks.is_empty() {
+                shared.fail(doc.origin.clone(), "no text to index after chunking".into());
+                continue;
+            }
+            let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+            shared
+                .counters
+                .chunks_total
+                .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+            shared
+                .counters
+                .tokens_total
+                .fetch_add(tokens as u64, Ordering::Relaxed);
+            busy += t.elapsed();
+            if tx
+                .send(Planned {
+                    doc,
+                    hash,
+                    old,
+                    chunks,
+                })
+                .is_err()
+            {
+                break;
+            }
+        }
+        secs(busy)
+    }
+
+    /// Whether the index already holds exactly version `hash` of `doc`, materialized as asked.
+    fn is_current(
+        &self,
+        doc: &str,
+        hash: &str,
+        old: &[(Uuid, ChunkPayload)],
+        materialize: Materialize,
+    ) -> bool {
+        let Some((_, first)) = old.first() else {
+            return false;
+        };
+        let n = first.doc_chunks as usize;
+        let complete = old.len() == n
+            && old
+                .iter()
+                .enumerate()
+                .all(|(i, (_, p))| p.doc_hash == hash && p.ordinal as usize == i);
+        if !complete {
+            return false;
+        }
+        match materialize {
+            Materialize::Eager => {
+                old.iter().all(|(_, p)| !p.kv_key.is_empty())
+                    && self
+                        .store
+                        .document_sequences(&kv_doc(doc, hash))
+                        .is_ok_and(|s| !s.is_empty())
+            }
+            Materialize::Lazy | Materialize::None => true,
+        }
+    }
+
+    fn embed_stage(&self, rx: Receiver<Planned>, tx: Sender<Embedded>, shared: &Shared<'_>) -> f64 {
+        let mut busy = Duration::ZERO;
+        for planned in rx {
+            let t = Instant::now();
+            let texts: Vec<&str> = planned.chunks.iter().map(|c| c.text.as_str()).collect();
+            let vectors = match self.embedder.embed(&texts) {
+                Ok(v) => v,
+                Err(e) => {
+                    shared.fail(planned.doc.id.clone(), format!("embedding failed: {e}"));
+                    continue;
+                }
+            };
+            busy += t.elapsed();
+            if tx.send(Embedded { planned, vectors }).is_err() {
+                break;
+            }
+        }
+        secs(busy)
+    }
+
+    fn prefill_stage(
+        &self,
+        opts: &RunOptions,
+        rx: Receiver<Embedded>,
+        tx: Sender<ToWriter>,
+        shared: &Shared<'_>,
+    ) -> f64 {
+        let mut busy = Duration::ZERO;
+        'docs: for e in rx {
+            if opts.materialize == Materialize::Eager {
+                let kv_doc = kv_doc(&e.planned.doc.id, &e.planned.hash);
+                for c in &e.planned.chunks {
+                    if shared.stopped() {
+                        break 'docs;
+                    }
+                    let t = Instant::now();
+                    // Stored already (an identical chunk, or an interrupted earlier run)?
+                    let kv = match self.store.probe(self.ns, &c.tokens) {
+                        Ok(n) if n == c.tokens.len() => None,
+                        Ok(_) => match self.prefill_bytes(&c.tokens) {
+                            Ok(b) => Some(b),
+                            Err(err) => {
+                                shared.fail(
+                                    e.planned.doc.id.clone(),
+                                    format!("prefill failed: {err}"),
+                                );
+                                let _ = tx.send(ToWriter::Abandon);
+                                continue 'docs;
+                            }
+                        },
+                        Err(err) => {
+                            shared.fatal(err.into());
+                            break 'docs;
+                        }
+                    };
+                    busy += t.elapsed();
+                    let msg = ToWriter::Kv {
+                        kv_doc: kv_doc.clone(),
+                        tokens: c.tokens.clone(),
+                        bytes: kv,
+                    };
+                    if tx.send(msg).is_err() {
+                        break 'docs;
+                    }
+                }
+            }
+            if tx.send(ToWriter::Doc(e)).is_err() {
+                break;
+            }
+        }
+        secs(busy)
+    }
+
+    /// Runs on the calling thread; returns (KV write time, index time).
+    fn write_stage(
+        &self,
+        opts: &RunOptions,
+        rx: Receiver<ToWriter>,
+        shared: &Shared<'_>,
+    ) -> (f64, f64) {
+        let mut kv_time = Duration::ZERO;
+        let mut index_time = Duration::ZERO;
+        for msg in rx {
+            if shared.stopped() {
+                continue; // drain so upstream stages can exit
+            }
+            match msg {
+                ToWriter::Abandon => {}
+                ToWriter::Kv {
+                    kv_doc,
+                    tokens,
+                    bytes,
+                } => {
+                    let t = Instant::now();
+                    let r = self.store.put_batch(
+                        self.ns,
+                        self.layout,
+                        &[PutItem {
+                            tokens: &tokens,
+                            kv: bytes.as_deref().unwrap_or(&[]),
+                            doc: Some(&kv_doc),
+                        }],
+                    );
+                    kv_time += t.elapsed();
+                    match r {
+                        Ok(r) => {
+                            let mut rep = shared.report.lock();
+                            rep.kv_bytes += r.bytes_written;
+                            if bytes.is_some() {
+                                rep.chunks_prefilled += 1;
+                                rep.tokens_prefilled += tokens.len();
+                            }
+                        }
+                        Err(e) => shared.fatal(e.into()),
+                    }
+                    shared.counters.chunks_done.fetch_add(1, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .tokens_done
+                        .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+                }
+                ToWriter::Doc(e) => {
+                    let t = Instant::now();
+                    if let Err(err) = self.commit_doc(opts, e, shared) {
+                        shared.fatal(err);
+                    }
+                    index_time += t.elapsed();
+                    shared.counters.docs_done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        (secs(kv_time), secs(index_time))
+    }
+
+    /// Steps 2 and 3 of the commit order (the KV is stored already).
+    fn commit_doc(&self, opts: &RunOptions, e: Embedded, shared: &Shared<'_>) -> Result<()> {
+        let Embedded { planned, vectors } = e;
+        let Planned {
+            doc,
+            hash,
+            old,
+            chunks,
+        } = planned;
+        let n = chunks.len() as u32;
+        let eager = opts.materialize == Materialize::Eager;
+        let points: Vec<ChunkPoint> = chunks
+            .iter()
+            .zip(vectors)
+            .map(|(c, v)| {
+                ChunkPoint::new(
+                    v,
+                    ChunkPayload {
+                        doc_id: doc.id.clone(),
+                        ordinal: c.ordinal,
+                        text: c.text.clone(),
+                        tokens: c.tokens.len() as u32,
+                        kv_key: if eager {
+                            kv_key(&c.tokens)
+                        } else {
+                            String::new()
+                        },
+                        doc_hash: hash.clone(),
+                        doc_chunks: n,
+                        metadata: doc.metadata.clone(),
+                    },
+                )
+            })
+            .collect();
+        self.index.upsert(&points)?;
+        let fresh: HashSet<Uuid> = points.iter().map(|p| p.id).collect();
+        let stale: Vec<Uuid> = old
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| !fresh.contains(id))
+            .collect();
+        self.index.delete_points(&stale)?;
+        let old_hashes: HashSet<&str> = old
+            .iter()
+            .map(|(_, p)| p.doc_hash.as_str())
+            .filter(|h| *h != hash)
+            .collect();
+        for h in &old_hashes {
+            self.store.delete_document(&kv_doc(&doc.id, h))?;
+        }
+        let mut rep = shared.report.lock();
+        if old.is_empty() {
+            rep.docs_new += 1;
+        } else {
+            rep.docs_replaced += 1;
+        }
+        rep.chunks += chunks.len();
+        rep.tokens += chunks.iter().map(|c| c.tokens.len()).sum::<usize>();
+        if !eager {
+            shared
+                .counters
+                .chunks_done
+                .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+struct Planned {
+    doc: Doc,
+    hash: String,
+    old: Vec<(Uuid, ChunkPayload)>,
+    chunks: Vec<Chunk>,
+}
+
+struct Embedded {
+    planned: Planned,
+    vectors: Vec<Vec<f32>>,
+}
+
+enum ToWriter {
+    /// One chunk's KV (`None`: already stored, attach only).
+    Kv {
+        kv_doc: String,
+        tokens: Vec<u32>,
+        bytes: Option<Vec<u8>>,
+    },
+    /// All of a document's KV was sent: commit its vectors.
+    Doc(Embedded),
+    /// The document's prefill failed; its KV so far stays unreferenced until reconciliation.
+    Abandon,
+}
+
+struct Shared<'a> {
+    report: Mutex<Report>,
+    fatal: Mutex<Option<Error>>,
+    stop: std::sync::atomic::AtomicBool,
+    counters: &'a Counters,
+}
+
+impl Shared<'_> {
+    fn fail(&self, origin: String, reason: String) {
+        tracing::warn!(%origin, %reason, "document skipped");
+        let mut r = self.report.lock();
+        r.docs_failed += 1;
+        r.failures.push(Failure { origin, reason });
+        self.counters.docs_done.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fatal(&self, e: Error) {
+        tracing::error!(error = %e, "ingest stopped");
+        self.stop.store(true, Ordering::Relaxed);
+        self.fatal.lock().get_or_insert(e);
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+}
+
+fn spawn_err(e: std::io::Error) -> Error {
+    Error::Io {
+        what: "spawning a pipeline thread".into(),
+        source: e,
+    }
+}
+
+fn join(h: std::thread::ScopedJoinHandle<'_, f64>) -> f64 {
+    match h.join() {
+        Ok(t) => t,
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_doc_ids_split_at_the_last_at_sign() {
+        let d = kv_doc("mail/a@b.txt", "ff00");
+        assert_eq!(split_kv_doc(&d), Some(("mail/a@b.txt", "ff00")));
+        assert_eq!(kv_key(&[1, 2, 3]).len(), 32);
+        assert_ne!(kv_key(&[1, 2, 3]), kv_key(&[1, 2, 4]));
+    }
+
+    #[test]
+    fn materialize_parses() {
+        assert_eq!("lazy".parse::<Materialize>().unwrap(), Materialize::Lazy);
+        assert!("sometimes".parse::<Materialize>().is_err());
+    }
+}

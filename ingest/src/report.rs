@@ -1,0 +1,93 @@
+//! What an ingest run did.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Time one pipeline stage spent working (not waiting on its queues).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StageTimes {
+    pub read_s: f64,
+    pub chunk_s: f64,
+    pub embed_s: f64,
+    pub prefill_s: f64,
+    pub write_kv_s: f64,
+    pub upsert_s: f64,
+}
+
+/// One document that failed or was skipped, with the reason.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failure {
+    /// Document id, or the file/line it would have come from.
+    pub origin: String,
+    pub reason: String,
+}
+
+/// The final report of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    pub docs_new: usize,
+    pub docs_unchanged: usize,
+    pub docs_replaced: usize,
+    pub docs_deleted: usize,
+    /// Documents that could not be ingested (bad input or a failing stage).
+    pub docs_failed: usize,
+    /// Chunks written (new and replaced documents).
+    pub chunks: usize,
+    /// Model tokens in those chunks.
+    pub tokens: usize,
+    /// Chunks prefilled now (the rest were stored already, or not materialized).
+    pub chunks_prefilled: usize,
+    /// Tokens prefilled now.
+    pub tokens_prefilled: usize,
+    /// KV bytes appended to the tensor log.
+    pub kv_bytes: u64,
+    /// Orphaned KV (left by an interrupted earlier run) removed.
+    pub orphans_removed: usize,
+    pub elapsed_s: f64,
+    pub stages: StageTimes,
+    pub failures: Vec<Failure>,
+}
+
+impl Report {
+    /// Whether anything failed (the command's exit status).
+    pub fn ok(&self) -> bool {
+        self.docs_failed == 0
+    }
+
+    /// A short human summary.
+    pub fn summary(&self) -> String {
+        let s = &self.stages;
+        let rate = if self.elapsed_s > 0.0 {
+            self.tokens_prefilled as f64 / self.elapsed_s
+        } else {
+            0.0
+        };
+        format!(
+            "documents: {} new, {} unchanged, {} replaced, {} deleted, {} failed\n\
+             chunks: {} ({} tokens), prefilled {} ({} tokens, {rate:.0} tokens/s), KV written {:.1} MiB\n\
+             time: {:.1} s (read {:.1}, chunk {:.1}, embed {:.1}, prefill {:.1}, write KV {:.1}, upsert {:.1})",
+            self.docs_new,
+            self.docs_unchanged,
+            self.docs_replaced,
+            self.docs_deleted,
+            self.docs_failed,
+            self.chunks,
+            self.tokens,
+            self.chunks_prefilled,
+            self.tokens_prefilled,
+            self.kv_bytes as f64 / (1u64 << 20) as f64,
+            self.elapsed_s,
+            s.read_s,
+            s.chunk_s,
+            s.embed_s,
+            s.prefill_s,
+            s.write_kv_s,
+            s.upsert_s,
+        )
+    }
+}
+
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}

@@ -1,0 +1,523 @@
+//! Document sources: directories, JSONL files (or stdin), single files.
+//!
+//! Every document gets a stable id: the path relative to the directory given (with `/`
+//! separators), the `id` field of a JSONL line, or the file name of a single file. Files that
+//! cannot become documents (unsupported type, unreadable, not UTF-8, binary, empty, too large)
+//! are reported as [`Item::Skipped`] with the reason; they never stop the run.
+
+use std::io::{BufRead, Read};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// A place documents come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// A directory, walked recursively; `.txt`, `.md`, `.html`/`.htm` files are documents.
+    Dir(PathBuf),
+    /// A JSONL file: one `{"id", "text", "metadata"?}` object per line.
+    Jsonl(PathBuf),
+    /// JSONL on standard input.
+    Stdin,
+    /// One text file.
+    File(PathBuf),
+    /// Documents already in memory (the server's `POST /v1/documents`).
+    Docs(Vec<Doc>),
+}
+
+impl Source {
+    /// The source a command-line argument names: `-` is stdin, a directory, a `.jsonl` file,
+    /// or another file.
+    pub fn from_arg(arg: &str) -> Source {
+        if arg == "-" {
+            return Source::Stdin;
+        }
+        let p = PathBuf::from(arg);
+        if p.is_dir() {
+            Source::Dir(p)
+        } else if p.extension().is_some_and(|e| e == "jsonl") {
+            Source::Jsonl(p)
+        } else {
+            Source::File(p)
+        }
+    }
+}
+
+/// A document read from a source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Doc {
+    pub id: String,
+    pub text: String,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// Where it came from (path, or `file:line`), for reports.
+    pub origin: String,
+}
+
+impl Doc {
+    /// Content hash (hex): the text and metadata, so editing either replaces the document.
+    pub fn content_hash(&self) -> String {
+        let mut h = blake3::Hasher::new();
+        h.update(&(self.text.len() as u64).to_le_bytes());
+        h.update(self.text.as_bytes());
+        h.update(
+            serde_json::Value::Object(self.metadata.clone())
+                .to_string()
+                .as_bytes(),
+        );
+        h.finalize().to_hex()[..32].to_string()
+    }
+}
+
+/// One thing a source yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Item {
+    Doc(Doc),
+    Skipped { origin: String, reason: String },
+}
+
+/// Limits applied while reading.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadLimits {
+    pub max_doc_bytes: u64,
+}
+
+#[derive(Deserialize)]
+struct JsonDoc {
+    id: serde_json::Value,
+    text: String,
+    #[serde(default)]
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Calls `f` with every item of `source`, in a stable order (directories sorted by path).
+/// Stops early, returning `false`, when `f` returns `false`.
+pub fn read(source: &Source, limits: ReadLimits, f: &mut dyn FnMut(Item) -> bool) -> bool {
+    match source {
+        Source::Dir(root) => {
+            let mut files = Vec::new();
+            let mut errors = Vec::new();
+            walk(root, &mut files, &mut errors);
+            files.sort();
+            for (origin, reason) in errors {
+                if !f(Item::Skipped { origin, reason }) {
+                    return false;
+                }
+            }
+            for path in files {
+                let rel = path.strip_prefix(root).unwrap_or(&path);
+                let id = rel
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join("/");
+                if !f(read_file(&path, id, limits)) {
+                    return false;
+                }
+            }
+            true
+        }
+        Source::File(path) => {
+            let id = path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            f(read_file(path, id, limits))
+        }
+        Source::Jsonl(path) => match std::fs::File::open(path) {
+            Ok(file) => read_jsonl(
+                std::io::BufReader::new(file),
+                &path.display().to_string(),
+                limits,
+                f,
+            ),
+            Err(e) => f(Item::Skipped {
+                origin: path.display().to_string(),
+                reason: format!("cannot open: {e}"),
+            }),
+        },
+        Source::Stdin => read_jsonl(std::io::stdin().lock(), "stdin", limits, f),
+        Source::Docs(docs) => {
+            for d in docs {
+                let item = match check_text(&d.text, limits) {
+                    Some(reason) => Item::Skipped {
+                        origin: d.origin.clone(),
+                        reason,
+                    },
+                    None if d.id.is_empty() || d.id.len() > 1024 => Item::Skipped {
+                        origin: d.origin.clone(),
+                        reason: "id must be 1 to 1024 bytes".into(),
+                    },
+                    None => Item::Doc(d.clone()),
+                };
+                if !f(item) {
+                    return false;
+                }
+            }
+            true
+        }
+    }
+}
+
+fn walk(dir: &Path, files: &mut Vec<PathBuf>, errors: &mut Vec<(String, String)>) {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            errors.push((dir.display().to_string(), format!("cannot list: {e}")));
+            return;
+        }
+    };
+    for entry in entries {
+        let Ok(entry) = entry else { continue };
+        let path = entry.path();
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with('.') {
+            continue; // hidden files and directories (.git, editor swap files)
+        }
+        match entry.file_type() {
+            Ok(t) if t.is_dir() => walk(&path, files, errors),
+            Ok(t) if t.is_file() => files.push(path),
+            Ok(_) => {} // symlinks and special files are not followed
+            Err(e) => errors.push((path.display().to_string(), format!("cannot stat: {e}"))),
+        }
+    }
+}
+
+/// The document kind of a file name, or why it is not one.
+fn kind(path: &Path) -> Result<Kind, String> {
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "txt" | "md" | "markdown" | "text" => Ok(Kind::Text),
+        "html" | "htm" => Ok(Kind::Html),
+        "" => Err("no file extension (supported: .txt, .md, .html)".into()),
+        other => Err(format!(
+            "unsupported file type .{other} (supported: .txt, .md, .html)"
+        )),
+    }
+}
+
+enum Kind {
+    Text,
+    Html,
+}
+
+fn read_file(path: &Path, id: String, limits: ReadLimits) -> Item {
+    let origin = path.display().to_string();
+    let skipped = |reason: String| Item::Skipped {
+        origin: origin.clone(),
+        reason,
+    };
+    let kind = match kind(path) {
+        Ok(k) => k,
+        Err(reason) => return skipped(reason),
+    };
+    let mut bytes = Vec::new();
+    match std::fs::File::open(path)
+        .and_then(|f| f.take(limits.max_doc_bytes + 1).read_to_end(&mut bytes))
+    {
+        Ok(_) => {}
+        Err(e) => return skipped(format!("unreadable: {e}")),
+    }
+    if bytes.len() as u64 > limits.max_doc_bytes {
+        return skipped(format!(
+            "larger than the {} byte limit",
+            limits.max_doc_bytes
+        ));
+    }
+    if bytes.contains(&0) {
+        return skipped("binary content (NUL bytes)".into());
+    }
+    let text = match String::from_utf8(bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            return skipped(format!(
+                "not valid UTF-8 (first bad byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ))
+        }
+    };
+    let text = match kind {
+        Kind::Text => text,
+        Kind::Html => html_to_text(&text),
+    };
+    match check_text(&text, limits) {
+        Some(reason) => skipped(reason),
+        None => Item::Doc(Doc {
+            id,
+            text,
+            metadata: Default::default(),
+            origin,
+        }),
+    }
+}
+
+fn check_text(text: &str, limits: ReadLimits) -> Option<String> {
+    if text.trim().is_empty() {
+        Some("empty document".into())
+    } else if text.len() as u64 > limits.max_doc_bytes {
+        Some(format!(
+            "larger than the {} byte limit",
+            limits.max_doc_bytes
+        ))
+    } else {
+        None
+    }
+}
+
+fn read_jsonl(
+    input: impl BufRead,
+    name: &str,
+    limits: ReadLimits,
+    f: &mut dyn FnMut(Item) -> bool,
+) -> bool {
+    for (n, line) in input.split(b'\n').enumerate() {
+        let origin = format!("{name}:{}", n + 1);
+        let item = match line {
+            Err(e) => Item::Skipped {
+                origin,
+                reason: format!("unreadable: {e}"),
+            },
+            Ok(bytes) if bytes.iter().all(u8::is_ascii_whitespace) => continue,
+            Ok(bytes) => parse_json_doc(&bytes, origin, limits),
+        };
+        if !f(item) {
+            return false;
+        }
+    }
+    true
+}
+
+fn parse_json_doc(bytes: &[u8], origin: String, limits: ReadLimits) -> Item {
+    let skipped = |reason: String| Item::Skipped {
+        origin: origin.clone(),
+        reason,
+    };
+    let doc: JsonDoc = match serde_json::from_slice(bytes) {
+        Ok(d) => d,
+        Err(e) => return skipped(format!("not a {{\"id\", \"text\"}} JSON object: {e}")),
+    };
+    let id = match doc.id {
+        serde_json::Value::String(s) if !s.is_empty() => s,
+        serde_json::Value::Number(n) => n.to_string(),
+        _ => return skipped("\"id\" must be a non-empty string or a number".into()),
+    };
+    if id.len() > 1024 {
+        return skipped("\"id\" is longer than 1024 bytes".into());
+    }
+    if let Some(reason) = check_text(&doc.text, limits) {
+        return skipped(reason);
+    }
+    Item::Doc(Doc {
+        id,
+        text: doc.text,
+        metadata: doc.metadata.unwrap_or_default(),
+        origin,
+    })
+}
+
+/// Visible text of an HTML page: tags dropped, `script`/`style` contents dropped, block
+/// elements turned into line breaks, the common entities decoded.
+pub fn html_to_text(html: &str) -> String {
+    let mut out = String::with_capacity(html.len() / 2);
+    let lower = html.to_ascii_lowercase();
+    let mut i = 0;
+    while i < html.len() {
+        let rest = &html[i..];
+        if rest.starts_with('<') {
+            let lrest = &lower[i..];
+            for skip in ["script", "style"] {
+                if lrest.starts_with(&format!("<{skip}")) {
+                    if let Some(end) = lrest.find(&format!("</{skip}")) {
+                        i += end;
+                    }
+                }
+            }
+            let rest = &html[i..];
+            let Some(close) = rest.find('>') else { break };
+            let tag = lower[i + 1..i + close]
+                .trim_start_matches('/')
+                .split(|c: char| c.is_whitespace() || c == '/')
+                .next()
+                .unwrap_or("");
+            if matches!(
+                tag,
+                "p" | "br"
+                    | "div"
+                    | "li"
+                    | "tr"
+                    | "h1"
+                    | "h2"
+                    | "h3"
+                    | "h4"
+                    | "h5"
+                    | "h6"
+                    | "section"
+                    | "article"
+                    | "pre"
+                    | "blockquote"
+                    | "title"
+            ) && !out.ends_with("\n\n")
+            {
+                out.push_str(if tag == "br" || tag == "li" || tag == "tr" {
+                    "\n"
+                } else {
+                    "\n\n"
+                });
+            }
+            i += close + 1;
+        } else if rest.starts_with('&') {
+            let (ch, len) = entity(rest);
+            out.push_str(ch);
+            i += len;
+        } else {
+            let next = rest.find(['<', '&']).unwrap_or(rest.len());
+            out.push_str(&rest[..next]);
+            i += next;
+        }
+    }
+    out.trim().to_string()
+}
+
+fn entity(s: &str) -> (&'static str, usize) {
+    for (name, ch) in [
+        ("&amp;", "&"),
+        ("&lt;", "<"),
+        ("&gt;", ">"),
+        ("&quot;", "\""),
+        ("&#39;", "'"),
+        ("&apos;", "'"),
+        ("&nbsp;", " "),
+    ] {
+        if s.starts_with(name) {
+            return (ch, name.len());
+        }
+    }
+    ("&", 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: ReadLimits = ReadLimits {
+        max_doc_bytes: 1000,
+    };
+
+    fn collect(source: &Source) -> Vec<Item> {
+        let mut v = Vec::new();
+        read(source, LIMITS, &mut |i| {
+            v.push(i);
+            true
+        });
+        v
+    }
+
+    #[test]
+    fn directories_yield_documents_with_relative_ids_and_skip_bad_files_with_reasons() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::create_dir_all(d.join("sub/deeper")).unwrap();
+        std::fs::write(d.join("a.txt"), "alpha").unwrap();
+        std::fs::write(d.join("sub/b.md"), "# beta").unwrap();
+        std::fs::write(d.join("sub/deeper/c.html"), "<p>gamma &amp; delta</p>").unwrap();
+        std::fs::write(d.join("image.png"), [0x89, b'P', b'N', b'G']).unwrap();
+        std::fs::write(d.join("empty.txt"), "  \n").unwrap();
+        std::fs::write(d.join("latin1.txt"), [b'c', b'a', b'f', 0xe9]).unwrap();
+        std::fs::write(d.join("nul.txt"), b"a\0b").unwrap();
+        std::fs::write(d.join("big.txt"), "x".repeat(1001)).unwrap();
+        std::fs::write(d.join(".hidden.txt"), "secret").unwrap();
+        let items = collect(&Source::Dir(d.to_path_buf()));
+        let docs: Vec<(&str, &str)> = items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Doc(doc) => Some((doc.id.as_str(), doc.text.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            docs,
+            vec![
+                ("a.txt", "alpha"),
+                ("sub/b.md", "# beta"),
+                ("sub/deeper/c.html", "gamma & delta")
+            ]
+        );
+        let reasons: Vec<String> = items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Skipped { origin, reason } => Some(format!("{origin}: {reason}")),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reasons.len(), 5, "{reasons:?}");
+        for (file, why) in [
+            ("image.png", "unsupported file type .png"),
+            ("empty.txt", "empty"),
+            ("latin1.txt", "UTF-8"),
+            ("nul.txt", "binary"),
+            ("big.txt", "limit"),
+        ] {
+            assert!(
+                reasons.iter().any(|r| r.contains(file) && r.contains(why)),
+                "{file}: {reasons:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn jsonl_lines_become_documents_and_bad_lines_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("docs.jsonl");
+        std::fs::write(
+            &p,
+            "{\"id\": \"x\", \"text\": \"one\", \"metadata\": {\"lang\": \"en\"}}\n\
+             \n\
+             {\"id\": 7, \"text\": \"two\"}\n\
+             not json\n\
+             {\"id\": \"\", \"text\": \"three\"}\n\
+             {\"id\": \"e\", \"text\": \"\"}\n",
+        )
+        .unwrap();
+        let items = collect(&Source::Jsonl(p));
+        let Item::Doc(x) = &items[0] else {
+            panic!("{items:?}")
+        };
+        assert_eq!((x.id.as_str(), x.text.as_str()), ("x", "one"));
+        assert_eq!(x.metadata["lang"], "en");
+        assert!(x.origin.ends_with(":1"));
+        let Item::Doc(y) = &items[1] else {
+            panic!("{items:?}")
+        };
+        assert_eq!(y.id, "7");
+        assert_eq!(items.len(), 5);
+        assert!(items[2..].iter().all(|i| matches!(i, Item::Skipped { .. })));
+    }
+
+    #[test]
+    fn content_hash_covers_text_and_metadata() {
+        let mut d = Doc {
+            id: "a".into(),
+            text: "t".into(),
+            metadata: Default::default(),
+            origin: String::new(),
+        };
+        let h = d.content_hash();
+        d.metadata.insert("k".into(), "v".into());
+        assert_ne!(d.content_hash(), h);
+        d.metadata.clear();
+        assert_eq!(d.content_hash(), h);
+        d.text.push('!');
+        assert_ne!(d.content_hash(), h);
+    }
+
+    #[test]
+    fn html_drops_markup_scripts_and_styles() {
+        let t = html_to_text(
+            "<html><head><title>T</title><style>p{}</style></head><body><p>A &lt;b&gt;</p>\
+             <script>alert(1)</script><div>C<br>D</div></body></html>",
+        );
+        assert_eq!(t, "T\n\nA <b>\n\nC\nD");
+    }
+}

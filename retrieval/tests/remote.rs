@@ -1,0 +1,35 @@
+//! The vector-index suite against a real Qdrant server. Skipped unless `QDRANT_URL` names one
+//! (gRPC port, e.g. `QDRANT_URL=http://localhost:6334`; `QDRANT_API_KEY` if it needs a key):
+//!
+//! ```text
+//! QDRANT_URL=http://localhost:6334 cargo test -p ragkv-retrieval --test remote -- --ignored
+//! ```
+//!
+//! `scripts/test.sh` does that by itself when `QDRANT_URL` is set.
+
+mod common;
+
+use retrieval::{IndexConfig, VectorIndex};
+
+#[test]
+#[ignore = "needs a Qdrant server: set QDRANT_URL (see retrieval/tests/remote.rs)"]
+fn remote_backend_suite() {
+    let url = std::env::var("QDRANT_URL").expect("QDRANT_URL is not set");
+    let collection = format!("ragkv_test_{}", uuid::Uuid::new_v4().simple());
+    let config = IndexConfig {
+        url: url.clone(),
+        collection: collection.clone(),
+        ..IndexConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    common::suite(&|dim| VectorIndex::open(dir.path(), dim, &config));
+    // Leave the server as we found it.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = qdrant_client::Qdrant::from_url(&url)
+            .api_key(std::env::var("QDRANT_API_KEY").ok())
+            .build()
+            .unwrap();
+        client.delete_collection(collection).await.unwrap();
+    });
+}

@@ -1,0 +1,73 @@
+//! `[serve]` configuration.
+
+use serde::{Deserialize, Serialize};
+
+/// Server settings; validated before binding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address to listen on. A non-loopback address requires `admin_token`.
+    pub bind: String,
+    /// Bearer token for document add/delete. Empty: admin routes are open (loopback only).
+    pub admin_token: String,
+    /// Requests admitted at once (retrieving, loading, queued or generating); more get 429.
+    pub max_inflight: usize,
+    /// A request is cancelled after this long.
+    pub request_timeout_ms: u64,
+    pub max_question_chars: usize,
+    pub default_top_k: usize,
+    pub max_top_k: usize,
+    pub default_max_tokens: usize,
+    pub max_tokens_limit: usize,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// System prompt placed before the retrieved chunks.
+    pub system_prompt: String,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            bind: "127.0.0.1:8080".into(),
+            admin_token: String::new(),
+            max_inflight: 16,
+            request_timeout_ms: 120_000,
+            max_question_chars: 4_000,
+            default_top_k: 4,
+            max_top_k: 16,
+            default_max_tokens: 128,
+            max_tokens_limit: 1_024,
+            max_body_bytes: 8 << 20,
+            system_prompt: "Answer the question using the context. Be brief.".into(),
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Checks ranges and the bind/token rule; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let addr: std::net::SocketAddr = self
+            .bind
+            .parse()
+            .map_err(|e| format!("serve.bind: {:?}: {e}", self.bind))?;
+        if !addr.ip().is_loopback() && self.admin_token.is_empty() {
+            return Err(format!(
+                "serve.bind: refusing to listen on non-loopback {addr} without serve.admin_token"
+            ));
+        }
+        if self.max_inflight == 0 || self.max_inflight > 4096 {
+            return Err("serve.max_inflight: must be in 1..=4096".into());
+        }
+        if self.default_top_k == 0 || self.default_top_k > self.max_top_k || self.max_top_k > 256 {
+            return Err("serve.default_top_k/max_top_k: need 1 <= default <= max <= 256".into());
+        }
+        if self.default_max_tokens == 0 || self.default_max_tokens > self.max_tokens_limit {
+            return Err("serve.default_max_tokens: need 1 <= default <= max_tokens_limit".into());
+        }
+        if self.request_timeout_ms == 0 || self.max_question_chars == 0 || self.max_body_bytes == 0
+        {
+            return Err("serve: timeouts and limits must be positive".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,606 @@
+//! HTTP routes.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, Path, Query as UrlQuery, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::Stream;
+use model::GenerateParams;
+use retrieval::SearchFilter;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use crate::rag::{Event, Final, KvMode, Query, Rag};
+
+/// Shared state of the routes.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub rag: Arc<Rag>,
+    admission: Arc<Semaphore>,
+}
+
+impl AppState {
+    pub fn new(rag: Arc<Rag>) -> AppState {
+        let n = rag.config.max_inflight;
+        AppState {
+            rag,
+            admission: Arc::new(Semaphore::new(n)),
+        }
+    }
+}
+
+/// The router: every route of the API (see the crate docs).
+pub fn app(state: AppState) -> Router {
+    let limit = state.rag.config.max_body_bytes;
+    Router::new()
+        .route("/v1/query", post(query))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/documents", post(add_documents))
+        .route(
+            "/v1/documents/{id}",
+            get(get_document).delete(delete_document),
+        )
+        .route("/v1/stats", get(stats))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// An error response: `{"error": {"message", "type"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+    fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status.as_u16() {
+            400 | 413 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            _ => "server_error",
+        };
+        let mut r = (
+            self.status,
+            Json(json!({"error": {"message": self.message, "type": kind}})),
+        )
+            .into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Body of `POST /v1/query`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueryBody {
+    pub question: String,
+    pub top_k: Option<usize>,
+    /// Stream SSE events (default) or answer with one JSON object.
+    pub stream: Option<bool>,
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<u64>,
+    /// `on` (default) or `off` (recompute every chunk's KV).
+    pub kv: Option<String>,
+    /// Only retrieve from these documents.
+    pub documents: Option<Vec<String>>,
+}
+
+/// `?kv=off`.
+#[derive(Debug, Deserialize)]
+pub struct KvParam {
+    pub kv: Option<String>,
+}
+
+fn kv_mode(s: Option<&str>) -> ApiResult<KvMode> {
+    match s {
+        None | Some("on") => Ok(KvMode::On),
+        Some("off") => Ok(KvMode::Off),
+        Some(o) => Err(ApiError::bad(format!("kv: {o:?} (on or off)"))),
+    }
+}
+
+struct GenOptions {
+    max_tokens: Option<usize>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<u64>,
+}
+
+fn build_query(
+    rag: &Rag,
+    question: String,
+    top_k: Option<usize>,
+    gen: GenOptions,
+    kv: KvMode,
+    documents: Option<Vec<String>>,
+) -> ApiResult<Query> {
+    let c = &rag.config;
+    let question = question.trim().to_string();
+    if question.is_empty() {
+        return Err(ApiError::bad("question: empty"));
+    }
+    if question.chars().count() > c.max_question_chars {
+        return Err(ApiError::bad(format!(
+            "question: longer than {} characters",
+            c.max_question_chars
+        )));
+    }
+    let top_k = top_k.unwrap_or(c.default_top_k);
+    if top_k == 0 || top_k > c.max_top_k {
+        return Err(ApiError::bad(format!(
+            "top_k: {top_k} is outside 1..={}",
+            c.max_top_k
+        )));
+    }
+    let max_tokens = gen.max_tokens.unwrap_or(c.default_max_tokens);
+    if max_tokens == 0 || max_tokens > c.max_tokens_limit {
+        return Err(ApiError::bad(format!(
+            "max_tokens: {max_tokens} is outside 1..={}",
+            c.max_tokens_limit
+        )));
+    }
+    let params = GenerateParams {
+        max_tokens,
+        temperature: gen.temperature.unwrap_or(0.0),
+        top_p: gen.top_p.unwrap_or(1.0),
+        seed: gen.seed.unwrap_or(0),
+        ..GenerateParams::default()
+    };
+    params
+        .validate()
+        .map_err(|e| ApiError::bad(e.to_string()))?;
+    let documents = documents.unwrap_or_default();
+    if documents.len() > 1024 {
+        return Err(ApiError::bad("documents: at most 1024 ids"));
+    }
+    Ok(Query {
+        question,
+        top_k,
+        filter: SearchFilter {
+            doc_ids: documents,
+            metadata: Vec::new(),
+        },
+        params,
+        kv,
+    })
+}
+
+/// An admitted query: its permit (held until the response ends) and its event channel.
+struct Running {
+    _permit: OwnedSemaphorePermit,
+    rx: mpsc::Receiver<Event>,
+    deadline: tokio::time::Instant,
+}
+
+impl Running {
+    /// The next event; an error event once the deadline passes.
+    async fn next(&mut self) -> Option<Event> {
+        match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+            Ok(e) => e,
+            Err(_) => {
+                self.rx.close();
+                Some(Event::Error("request timed out".into()))
+            }
+        }
+    }
+}
+
+/// Admission, retrieval (blocking pool), hand-off to the loader.
+fn start(state: &AppState, q: Query) -> ApiResult<Running> {
+    let rag = state.rag.clone();
+    let m = &rag.metrics;
+    let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
+        m.rejected.fetch_add(1, Ordering::Relaxed);
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!(
+                "server at capacity ({} queries in flight)",
+                rag.config.max_inflight
+            ),
+            retry_after: Some(1),
+        }
+    })?;
+    m.requests.fetch_add(1, Ordering::Relaxed);
+    m.inflight.fetch_add(1, Ordering::Relaxed);
+    let arrived = Instant::now();
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(rag.config.request_timeout_ms);
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(async move {
+        let t = Instant::now();
+        let r2 = rag.clone();
+        let q2 = q.clone();
+        let hits = tokio::task::spawn_blocking(move || r2.retrieve(&q2))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r);
+        let outcome = hits.and_then(|hits| rag.submit(q, hits, tx.clone(), arrived, t.elapsed()));
+        if let Err(e) = outcome {
+            rag.metrics.failed.fetch_add(1, Ordering::Relaxed);
+            rag.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+            let _ = tx.send(Event::Error(e)).await;
+        }
+    });
+    Ok(Running {
+        _permit: permit,
+        rx,
+        deadline,
+    })
+}
+
+/// Drains a query into its final result (non-streaming responses).
+async fn collect(mut run: Running) -> ApiResult<Final> {
+    while let Some(e) = run.next().await {
+        match e {
+            Event::Token(_) => {}
+            Event::Done(f) => return Ok(*f),
+            Event::Error(e) => return Err(ApiError::internal(e)),
+        }
+    }
+    Err(ApiError::internal("the query ended without a result"))
+}
+
+async fn query(
+    State(state): State<AppState>,
+    UrlQuery(p): UrlQuery<KvParam>,
+    body: Result<Json<QueryBody>, axum::extract::rejection::JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let kv = kv_mode(p.kv.as_deref().or(b.kv.as_deref()))?;
+    let q = build_query(
+        &state.rag,
+        b.question,
+        b.top_k,
+        GenOptions {
+            max_tokens: b.max_tokens,
+            temperature: b.temperature,
+            top_p: b.top_p,
+            seed: b.seed,
+        },
+        kv,
+        b.documents,
+    )?;
+    let run = start(&state, q)?;
+    if b.stream == Some(false) {
+        return Ok(Json(collect(run).await?).into_response());
+    }
+    Ok(Sse::new(query_events(run))
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn query_events(mut run: Running) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    async_stream::stream! {
+        while let Some(e) = run.next().await {
+            match e {
+                Event::Token(t) => {
+                    yield Ok(SseEvent::default().event("token").data(json!({"text": t}).to_string()));
+                }
+                Event::Done(f) => {
+                    yield Ok(SseEvent::default().event("done").data(serde_json::to_string(&*f).unwrap_or_default()));
+                    break;
+                }
+                Event::Error(e) => {
+                    yield Ok(SseEvent::default().event("error").data(json!({"error": {"message": e}}).to_string()));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Body of `POST /v1/chat/completions` (the fields ragkv uses; others are ignored).
+#[derive(Debug, Deserialize)]
+pub struct ChatBody {
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    pub stream: Option<bool>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<u64>,
+    /// ragkv extension: chunks to retrieve.
+    pub top_k: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Value,
+}
+
+fn message_text(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        // [{"type": "text", "text": ...}, ...]
+        Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        _ => None,
+    }
+}
+
+async fn chat(
+    State(state): State<AppState>,
+    UrlQuery(p): UrlQuery<KvParam>,
+    body: Result<Json<ChatBody>, axum::extract::rejection::JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let question = b
+        .messages
+        .iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .and_then(|m| message_text(&m.content))
+        .ok_or_else(|| ApiError::bad("messages: no user message with text content"))?;
+    let q = build_query(
+        &state.rag,
+        question,
+        b.top_k,
+        GenOptions {
+            max_tokens: b.max_completion_tokens.or(b.max_tokens),
+            temperature: b.temperature,
+            top_p: b.top_p,
+            seed: b.seed,
+        },
+        kv_mode(p.kv.as_deref())?,
+        None,
+    )?;
+    let model = b.model.unwrap_or_else(|| "ragkv".into());
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let run = start(&state, q)?;
+    if b.stream != Some(true) {
+        let f = collect(run).await?;
+        return Ok(Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.answer},
+                         "finish_reason": openai_finish(&f.finish_reason)}],
+            "usage": {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+                      "total_tokens": f.prompt_tokens + f.completion_tokens},
+            "ragkv": {"citations": f.citations, "kv_hits": f.kv_hits, "kv_misses": f.kv_misses,
+                      "timings": f.timings},
+        }))
+        .into_response());
+    }
+    let stream = async_stream::stream! {
+        let mut run = run;
+        let chunk = |delta: Value, finish: Value| json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        });
+        yield Ok::<_, Infallible>(SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), Value::Null).to_string()));
+        while let Some(e) = run.next().await {
+            match e {
+                Event::Token(t) => {
+                    yield Ok(SseEvent::default().data(chunk(json!({"content": t}), Value::Null).to_string()));
+                }
+                Event::Done(f) => {
+                    let mut last = chunk(json!({}), json!(openai_finish(&f.finish_reason)));
+                    last["ragkv"] = json!({"citations": f.citations, "kv_hits": f.kv_hits,
+                                           "kv_misses": f.kv_misses, "timings": f.timings});
+                    yield Ok(SseEvent::default().data(last.to_string()));
+                    break;
+                }
+                Event::Error(e) => {
+                    yield Ok(SseEvent::default().data(json!({"error": {"message": e, "type": "server_error"}}).to_string()));
+                    break;
+                }
+            }
+        }
+        yield Ok(SseEvent::default().data("[DONE]"));
+    };
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn openai_finish(reason: &str) -> &'static str {
+    match reason {
+        "length" => "length",
+        _ => "stop",
+    }
+}
+
+fn check_admin(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
+    let token = &state.rag.config.admin_token;
+    if token.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "admin routes need Authorization: Bearer <serve.admin_token>",
+        ))
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Body of `POST /v1/documents`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentsBody {
+    pub documents: Vec<DocumentIn>,
+    /// `eager` (default), `lazy` or `none`.
+    pub materialize: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentIn {
+    pub id: String,
+    pub text: String,
+    #[serde(default)]
+    pub metadata: serde_json::Map<String, Value>,
+}
+
+async fn add_documents(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<DocumentsBody>, axum::extract::rejection::JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    if b.documents.is_empty() {
+        return Err(ApiError::bad("documents: empty"));
+    }
+    let materialize = match b.materialize.as_deref() {
+        None => state.rag.engine.config.materialize,
+        Some(m) => m
+            .parse::<ingest::Materialize>()
+            .map_err(|e| ApiError::bad(format!("materialize: {e}")))?,
+    };
+    let docs: Vec<ingest::Doc> = b
+        .documents
+        .into_iter()
+        .map(|d| ingest::Doc {
+            origin: d.id.clone(),
+            id: d.id,
+            text: d.text,
+            metadata: d.metadata,
+        })
+        .collect();
+    let engine = state.rag.engine.clone();
+    let report = tokio::task::spawn_blocking(move || {
+        engine.ingest(
+            &[ingest::Source::Docs(docs)],
+            &ingest::RunOptions {
+                materialize,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?
+    .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
+}
+
+async fn get_document(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let engine = state.rag.engine.clone();
+    let id2 = id.clone();
+    let chunks = tokio::task::spawn_blocking(move || engine.index.document(&id2))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    if chunks.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no document {id:?}"),
+        ));
+    }
+    let first = &chunks[0].1;
+    Ok(Json(json!({
+        "id": id,
+        "hash": first.doc_hash,
+        "metadata": first.metadata,
+        "chunks": chunks.iter().map(|(pid, p)| json!({
+            "ordinal": p.ordinal, "point_id": pid, "tokens": p.tokens,
+            "kv_key": p.kv_key, "text": p.text,
+        })).collect::<Vec<_>>(),
+    })))
+}
+
+async fn delete_document(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    let engine = state.rag.engine.clone();
+    let id2 = id.clone();
+    let existed = tokio::task::spawn_blocking(move || engine.delete_document(&id2))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    if !existed {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no document {id:?}"),
+        ));
+    }
+    Ok(Json(json!({"id": id, "deleted": true})))
+}
+
+async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
+    let engine = state.rag.engine.clone();
+    let (s, info) =
+        tokio::task::spawn_blocking(move || (engine.store.stats(), engine.index.info()))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+    let info = info.map_err(|e| ApiError::internal(e.to_string()))?;
+    let m = &state.rag.metrics;
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    Ok(Json(json!({
+        "kv": {"entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
+               "segments": s.segments.len(), "namespace": state.rag.engine.namespace().to_hex()},
+        "index": info,
+        "queries": {"admitted": g(&m.requests), "rejected": g(&m.rejected), "failed": g(&m.failed),
+                    "cancelled": g(&m.cancelled), "inflight": g(&m.inflight),
+                    "kv_hits": g(&m.kv_hits), "kv_misses": g(&m.kv_misses),
+                    "kv_bytes_loaded": g(&m.kv_bytes_loaded), "rematerialized": g(&m.rematerialized)},
+    })))
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.rag.metrics.render(),
+    )
+}

@@ -1,0 +1,21 @@
+//! ragkv's HTTP RAG endpoint.
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/query` | `{question, top_k?, stream?, max_tokens?, temperature?, top_p?, seed?, kv?, documents?}`: SSE `token` events, then `done` (citations, KV hits, timings) or `error`; one JSON object when `stream` is false. `?kv=off` recomputes every chunk. |
+//! | `POST /v1/chat/completions` | OpenAI-compatible, RAG over the last user message; streaming ends with `data: [DONE]` |
+//! | `POST /v1/documents` | add or replace documents through the ingest pipeline (admin) |
+//! | `GET /v1/documents/{id}` | a document's chunks |
+//! | `DELETE /v1/documents/{id}` | remove its vectors and KV references (admin) |
+//! | `GET /v1/stats`, `GET /metrics`, `GET /healthz` | counters (JSON), Prometheus, liveness |
+//!
+//! The request path and its threads are described in [`rag`].
+
+pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod rag;
+
+pub use config::ServeConfig;
+pub use http::{app, AppState};
+pub use rag::{Citation, Event, Final, KvMode, KvSource, Query, Rag, Timings};

@@ -1,0 +1,211 @@
+//! Prometheus metrics, rendered by hand in the text exposition format.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A histogram over fixed bucket bounds (seconds).
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, seconds: f64) {
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            if seconds <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sum_us
+            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{b}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+        let n = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count {n}");
+    }
+}
+
+const TTFT_BOUNDS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+const ITL_BOUNDS: &[f64] = &[0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0];
+
+/// Every metric the server exports.
+#[derive(Debug)]
+pub struct Metrics {
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub requests: AtomicU64,
+    pub rejected: AtomicU64,
+    pub failed: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub kv_hits: AtomicU64,
+    pub kv_misses: AtomicU64,
+    pub kv_bytes_loaded: AtomicU64,
+    pub rematerialized: AtomicU64,
+    pub inflight: AtomicU64,
+    pub load_queue: AtomicU64,
+    pub compute_queue: AtomicU64,
+    pub tokens_generated: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            ttft: Histogram::new(TTFT_BOUNDS),
+            itl: Histogram::new(ITL_BOUNDS),
+            requests: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            kv_hits: AtomicU64::new(0),
+            kv_misses: AtomicU64::new(0),
+            kv_bytes_loaded: AtomicU64::new(0),
+            rematerialized: AtomicU64::new(0),
+            inflight: AtomicU64::new(0),
+            load_queue: AtomicU64::new(0),
+            compute_queue: AtomicU64::new(0),
+            tokens_generated: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        self.ttft.render(
+            "ragkv_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            &mut out,
+        );
+        self.itl.render(
+            "ragkv_inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            &mut out,
+        );
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        for (name, kind, help, v) in [
+            (
+                "ragkv_requests_total",
+                "counter",
+                "Queries admitted.",
+                g(&self.requests),
+            ),
+            (
+                "ragkv_requests_rejected_total",
+                "counter",
+                "Queries refused with 429.",
+                g(&self.rejected),
+            ),
+            (
+                "ragkv_requests_failed_total",
+                "counter",
+                "Queries that ended in an error.",
+                g(&self.failed),
+            ),
+            (
+                "ragkv_requests_cancelled_total",
+                "counter",
+                "Queries whose client went away or timed out.",
+                g(&self.cancelled),
+            ),
+            (
+                "ragkv_kv_hits_total",
+                "counter",
+                "Retrieved chunks served from stored KV.",
+                g(&self.kv_hits),
+            ),
+            (
+                "ragkv_kv_misses_total",
+                "counter",
+                "Retrieved chunks prefilled inline (missing or corrupt KV).",
+                g(&self.kv_misses),
+            ),
+            (
+                "ragkv_kv_bytes_loaded_total",
+                "counter",
+                "Stored KV bytes read.",
+                g(&self.kv_bytes_loaded),
+            ),
+            (
+                "ragkv_kv_rematerialized_total",
+                "counter",
+                "Chunks whose KV was written back in the background.",
+                g(&self.rematerialized),
+            ),
+            (
+                "ragkv_tokens_generated_total",
+                "counter",
+                "Tokens generated.",
+                g(&self.tokens_generated),
+            ),
+            (
+                "ragkv_inflight_requests",
+                "gauge",
+                "Queries admitted and not finished.",
+                g(&self.inflight),
+            ),
+            (
+                "ragkv_load_queue_depth",
+                "gauge",
+                "Queries waiting for the KV loader.",
+                g(&self.load_queue),
+            ),
+            (
+                "ragkv_compute_queue_depth",
+                "gauge",
+                "Loaded queries waiting for the model.",
+                g(&self.compute_queue),
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let m = Metrics::default();
+        m.ttft.observe(0.02);
+        m.ttft.observe(3.0);
+        let text = m.render();
+        assert!(text.contains("ragkv_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"));
+        assert!(text.contains("ragkv_time_to_first_token_seconds_bucket{le=\"5\"} 2"));
+        assert!(text.contains("ragkv_time_to_first_token_seconds_count 2"));
+    }
+}

@@ -1,0 +1,556 @@
+//! The request path: retrieve → load stored KV → assemble → prefill the question → decode.
+//!
+//! Three named threads, joined by bounded queues:
+//! - `ragkv-loader` reads each admitted query's chunk KV from the store (verified) and imports
+//!   it into tensors. It works ahead of the model: the queue to the model holds one loaded
+//!   query, so query N+1's KV is read while query N decodes.
+//! - `ragkv-model` assembles the prompt cache (the system prefix, computed once, then every
+//!   chunk's KV rotated to consecutive positions), prefills the question and decodes, sending
+//!   text to the query's own channel. A chunk whose KV is missing or fails verification is
+//!   prefilled inline, and its KV is queued for writing back.
+//! - `ragkv-materialize` writes those KVs back to the store, attached to the chunk's
+//!   document version, so the next query finds them.
+//!
+//! Retrieval (embedding the question, vector search) runs in `spawn_blocking` before a query
+//! enters the loader queue. Admission is bounded by `max_inflight`; the queues are sized so that
+//! an admitted query never blocks a sender.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+use ingest::Engine;
+use kvstore::PutItem;
+use model::{Device, GenerateParams, Kv, KvCache};
+use retrieval::{Hit, SearchFilter};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::config::ServeConfig;
+use crate::metrics::Metrics;
+
+/// Whether stored KV is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvMode {
+    /// Load stored KV; prefill (and write back) only what is missing.
+    On,
+    /// Recompute every chunk's KV now, exactly as ingest computes it (same positions, same
+    /// dtype rounding), then assemble identically: for comparison and debugging.
+    Off,
+}
+
+/// A validated query.
+#[derive(Debug, Clone)]
+pub struct Query {
+    pub question: String,
+    pub top_k: usize,
+    pub filter: SearchFilter,
+    pub params: GenerateParams,
+    pub kv: KvMode,
+}
+
+/// Where a retrieved chunk's KV came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvSource {
+    Stored,
+    /// Missing or failed verification: prefilled inline, written back in the background.
+    Recomputed,
+    /// `kv=off`.
+    Off,
+}
+
+/// One retrieved chunk, as reported to the client.
+#[derive(Debug, Clone, Serialize)]
+pub struct Citation {
+    pub doc_id: String,
+    pub chunk: u32,
+    pub score: f32,
+    pub tokens: usize,
+    pub kv: KvSource,
+}
+
+/// Milliseconds spent in each stage of one query.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Timings {
+    pub retrieve_ms: f64,
+    /// Waiting for the loader and the model (queues).
+    pub queue_ms: f64,
+    pub load_ms: f64,
+    pub assemble_ms: f64,
+    /// Question prefill up to the first token.
+    pub prefill_ms: f64,
+    /// From arrival to the first token.
+    pub first_token_ms: f64,
+    pub decode_ms: f64,
+    pub total_ms: f64,
+}
+
+/// The last event of a query.
+#[derive(Debug, Clone, Serialize)]
+pub struct Final {
+    pub answer: String,
+    pub citations: Vec<Citation>,
+    pub kv_hits: usize,
+    pub kv_misses: usize,
+    /// Tokens of the assembled prompt (prefix + chunks + question) and of the answer.
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// `stop`, `length` or `cancelled`.
+    pub finish_reason: String,
+    pub timings: Timings,
+}
+
+/// What a query's channel receives: text pieces, then one `Done` or `Error`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Token(String),
+    Done(Box<Final>),
+    Error(String),
+}
+
+struct LoadJob {
+    query: Query,
+    hits: Vec<Hit>,
+    events: mpsc::Sender<Event>,
+    arrived: Instant,
+    timings: Timings,
+}
+
+struct Loaded {
+    hit: Hit,
+    tokens: Vec<u32>,
+    kv: Option<Kv>,
+}
+
+struct ComputeJob {
+    job: LoadJob,
+    chunks: Vec<Loaded>,
+    queued_at: Instant,
+}
+
+struct Writeback {
+    kv_doc: String,
+    tokens: Vec<u32>,
+    bytes: Vec<u8>,
+}
+
+/// The system prompt's KV, computed once.
+struct Prefix {
+    tokens: Vec<u32>,
+    kv: Kv,
+}
+
+/// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
+/// once their queues drain.
+pub struct Rag {
+    pub engine: Arc<Engine>,
+    pub config: ServeConfig,
+    pub metrics: Arc<Metrics>,
+    load_tx: Sender<LoadJob>,
+}
+
+impl std::fmt::Debug for Rag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rag")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// ChatML markup around the context (SmolLM2 and Qwen2.5 both use ChatML).
+fn prefix_text(system: &str) -> String {
+    format!("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nContext:\n")
+}
+
+fn suffix_text(question: &str) -> String {
+    format!("\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+impl Rag {
+    /// Starts the loader, model and write-back threads.
+    pub fn start(engine: Arc<Engine>, config: ServeConfig) -> Result<Arc<Rag>, String> {
+        config.validate()?;
+        let tok = engine.model.tokenizer();
+        if tok.token_to_id("<|im_start|>").is_none() {
+            return Err(
+                "the model's tokenizer has no <|im_start|> token: the server assembles \
+                        prompts with ChatML markup (SmolLM2, Qwen2.5)"
+                    .into(),
+            );
+        }
+        let tokens = tok
+            .encode(&prefix_text(&config.system_prompt))
+            .map_err(|e| e.to_string())?;
+        let (kv, _) = engine
+            .model
+            .prefill(&tokens, 0)
+            .map_err(|e| e.to_string())?;
+        let prefix = Arc::new(Prefix { tokens, kv });
+        let metrics = Arc::new(Metrics::default());
+        let (load_tx, load_rx) = bounded::<LoadJob>(config.max_inflight);
+        // One loaded query waits while another computes: the loader runs one ahead.
+        let (compute_tx, compute_rx) = bounded::<ComputeJob>(1);
+        let (wb_tx, wb_rx) = bounded::<Writeback>(64);
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map(drop)
+                .map_err(|e| format!("spawning {name}: {e}"))
+        };
+        {
+            let (e, m) = (engine.clone(), metrics.clone());
+            spawn(
+                "ragkv-loader",
+                Box::new(move || loader(&e, &m, load_rx, compute_tx)),
+            )?;
+        }
+        {
+            let (e, m, p) = (engine.clone(), metrics.clone(), prefix.clone());
+            spawn(
+                "ragkv-model",
+                Box::new(move || compute(&e, &m, &p, compute_rx, wb_tx)),
+            )?;
+        }
+        {
+            let (e, m) = (engine.clone(), metrics.clone());
+            spawn(
+                "ragkv-materialize",
+                Box::new(move || writeback(&e, &m, wb_rx)),
+            )?;
+        }
+        Ok(Arc::new(Rag {
+            engine,
+            config,
+            metrics,
+            load_tx,
+        }))
+    }
+
+    /// Retrieval: blocking (embedding, vector search); call from `spawn_blocking`.
+    pub fn retrieve(&self, q: &Query) -> Result<Vec<Hit>, String> {
+        let v = self
+            .engine
+            .embedder
+            .embed_one(&q.question)
+            .map_err(|e| e.to_string())?;
+        self.engine
+            .index
+            .search(&v, q.top_k, &q.filter)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Hands a retrieved query to the loader. Never blocks for admitted queries (the queue
+    /// holds `max_inflight`); fails if the pipeline is gone.
+    pub fn submit(
+        &self,
+        query: Query,
+        hits: Vec<Hit>,
+        events: mpsc::Sender<Event>,
+        arrived: Instant,
+        retrieve: Duration,
+    ) -> Result<(), String> {
+        let job = LoadJob {
+            query,
+            hits,
+            events,
+            arrived,
+            timings: Timings {
+                retrieve_ms: ms(retrieve),
+                ..Timings::default()
+            },
+        };
+        self.metrics.load_queue.fetch_add(1, Ordering::Relaxed);
+        match self.load_tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => {
+                self.metrics.load_queue.fetch_sub(1, Ordering::Relaxed);
+                Err("the loader queue is full".into())
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.metrics.load_queue.fetch_sub(1, Ordering::Relaxed);
+                Err("the serving pipeline has stopped".into())
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn loader(engine: &Engine, m: &Metrics, rx: Receiver<LoadJob>, tx: Sender<ComputeJob>) {
+    let layout = engine.layout();
+    let mut buf = Vec::new();
+    for mut job in rx {
+        m.load_queue.fetch_sub(1, Ordering::Relaxed);
+        if job.events.is_closed() {
+            m.cancelled.fetch_add(1, Ordering::Relaxed);
+            m.inflight.fetch_sub(1, Ordering::Relaxed);
+            continue;
+        }
+        let t = Instant::now();
+        job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
+        let mut chunks = Vec::with_capacity(job.hits.len());
+        let mut failed = None;
+        for hit in std::mem::take(&mut job.hits) {
+            let tokens = match engine.chunk_tokens(&hit.payload.text) {
+                Ok(t) if !t.is_empty() => t,
+                Ok(_) => continue,
+                Err(e) => {
+                    failed = Some(e.to_string());
+                    break;
+                }
+            };
+            let kv = if job.query.kv == KvMode::On {
+                match engine.store.get_batch_into(
+                    engine.namespace(),
+                    &tokens,
+                    tokens.len(),
+                    &mut buf,
+                ) {
+                    Ok(_) => {
+                        m.kv_bytes_loaded
+                            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                        Kv::from_bytes(&buf, &layout, &Device::Cpu)
+                            .and_then(|kv| kv.to(&Device::Cpu, engine.model.dtype()))
+                            .ok()
+                    }
+                    Err(e) => {
+                        if !e.is_miss() {
+                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
+                        }
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            chunks.push(Loaded { hit, tokens, kv });
+        }
+        if let Some(e) = failed {
+            finish_err(m, &job.events, format!("loading chunks: {e}"));
+            continue;
+        }
+        job.timings.load_ms = ms(t.elapsed());
+        m.compute_queue.fetch_add(1, Ordering::Relaxed);
+        let queued_at = Instant::now();
+        if tx
+            .send(ComputeJob {
+                job,
+                chunks,
+                queued_at,
+            })
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, e: String) {
+    tracing::warn!(error = %e, "query failed");
+    m.failed.fetch_add(1, Ordering::Relaxed);
+    m.inflight.fetch_sub(1, Ordering::Relaxed);
+    let _ = events.blocking_send(Event::Error(e));
+}
+
+fn compute(
+    engine: &Engine,
+    m: &Metrics,
+    prefix: &Prefix,
+    rx: Receiver<ComputeJob>,
+    wb: Sender<Writeback>,
+) {
+    for cj in rx {
+        m.compute_queue.fetch_sub(1, Ordering::Relaxed);
+        let events = cj.job.events.clone();
+        if events.is_closed() {
+            m.cancelled.fetch_add(1, Ordering::Relaxed);
+            m.inflight.fetch_sub(1, Ordering::Relaxed);
+            continue;
+        }
+        match answer(engine, m, prefix, cj, &wb) {
+            Ok(Some(f)) => {
+                m.inflight.fetch_sub(1, Ordering::Relaxed);
+                if f.finish_reason == "cancelled" {
+                    m.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = events.blocking_send(Event::Done(Box::new(f)));
+            }
+            Ok(None) => {
+                m.cancelled.fetch_add(1, Ordering::Relaxed);
+                m.inflight.fetch_sub(1, Ordering::Relaxed);
+            }
+            Err(e) => finish_err(m, &events, e),
+        }
+    }
+}
+
+/// Assembles, prefills and decodes one query. `Ok(None)`: the client went away.
+fn answer(
+    engine: &Engine,
+    m: &Metrics,
+    prefix: &Prefix,
+    cj: ComputeJob,
+    wb: &Sender<Writeback>,
+) -> Result<Option<Final>, String> {
+    let ComputeJob {
+        job,
+        chunks,
+        queued_at,
+    } = cj;
+    let LoadJob {
+        query,
+        events,
+        arrived,
+        mut timings,
+        ..
+    } = job;
+    timings.queue_ms += ms(queued_at.elapsed());
+    let model = &engine.model;
+    let layout = engine.layout();
+    let s = |e: model::Error| e.to_string();
+
+    // Assemble: prefix, then each chunk rotated to its place.
+    let t = Instant::now();
+    let mut parts = vec![prefix.kv.clone()];
+    let mut pos = prefix.tokens.len();
+    let mut citations = Vec::with_capacity(chunks.len());
+    let (mut hits, mut misses) = (0, 0);
+    for c in chunks {
+        let (kv, source) = match c.kv {
+            Some(kv) => {
+                hits += 1;
+                (kv, KvSource::Stored)
+            }
+            None => {
+                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
+                let bytes = engine.prefill_bytes(&c.tokens).map_err(|e| e.to_string())?;
+                let kv = Kv::from_bytes(&bytes, &layout, &Device::Cpu)
+                    .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
+                    .map_err(s)?;
+                if query.kv == KvMode::On {
+                    misses += 1;
+                    let wbm = Writeback {
+                        kv_doc: ingest::kv_doc(&c.hit.payload.doc_id, &c.hit.payload.doc_hash),
+                        tokens: c.tokens.clone(),
+                        bytes,
+                    };
+                    if wb.try_send(wbm).is_err() {
+                        tracing::warn!("write-back queue full; chunk stays unmaterialized");
+                    }
+                    (kv, KvSource::Recomputed)
+                } else {
+                    (kv, KvSource::Off)
+                }
+            }
+        };
+        let kv = if pos > 0 {
+            model.reposition(&kv, pos as i64).map_err(s)?
+        } else {
+            kv
+        };
+        pos += kv.len();
+        citations.push(Citation {
+            doc_id: c.hit.payload.doc_id.clone(),
+            chunk: c.hit.payload.ordinal,
+            score: c.hit.score,
+            tokens: c.tokens.len(),
+            kv: source,
+        });
+        parts.push(kv);
+    }
+    m.kv_hits.fetch_add(hits as u64, Ordering::Relaxed);
+    m.kv_misses.fetch_add(misses as u64, Ordering::Relaxed);
+    let question = model
+        .tokenizer()
+        .encode(&suffix_text(&query.question))
+        .map_err(s)?;
+    let all = Kv::concat(&parts).map_err(s)?;
+    let mut cache =
+        KvCache::from_kv(&all, question.len() + query.params.max_tokens + 1).map_err(s)?;
+    timings.assemble_ms = ms(t.elapsed());
+
+    // Prefill the question, decode.
+    let t = Instant::now();
+    let mut first: Option<Instant> = None;
+    let mut last = Instant::now();
+    let mut gone = false;
+    let generation = model::generate(
+        model.decoder(),
+        model.tokenizer(),
+        &mut cache,
+        &question,
+        &query.params,
+        |piece| {
+            let now = Instant::now();
+            match first {
+                None => {
+                    first = Some(now);
+                    m.ttft.observe((now - arrived).as_secs_f64());
+                }
+                Some(_) => m.itl.observe((now - last).as_secs_f64()),
+            }
+            last = now;
+            if events
+                .blocking_send(Event::Token(piece.to_string()))
+                .is_err()
+            {
+                gone = true;
+                return false;
+            }
+            true
+        },
+    )
+    .map_err(s)?;
+    if gone {
+        return Ok(None);
+    }
+    let end = Instant::now();
+    let first = first.unwrap_or(end);
+    timings.prefill_ms = ms(first - t);
+    timings.first_token_ms = ms(first - arrived);
+    timings.decode_ms = ms(end - first);
+    timings.total_ms = ms(end - arrived);
+    m.tokens_generated
+        .fetch_add(generation.tokens.len() as u64, Ordering::Relaxed);
+    Ok(Some(Final {
+        answer: generation.text,
+        citations,
+        kv_hits: hits,
+        kv_misses: misses,
+        prompt_tokens: pos + question.len(),
+        completion_tokens: generation.tokens.len(),
+        finish_reason: match generation.finish {
+            model::FinishReason::Stop => "stop",
+            model::FinishReason::Length => "length",
+            model::FinishReason::Cancelled => "cancelled",
+        }
+        .into(),
+        timings,
+    }))
+}
+
+fn writeback(engine: &Engine, m: &Metrics, rx: Receiver<Writeback>) {
+    for w in rx {
+        let r = engine.store.put_batch(
+            engine.namespace(),
+            engine.layout(),
+            &[PutItem {
+                tokens: &w.tokens,
+                kv: &w.bytes,
+                doc: Some(&w.kv_doc),
+            }],
+        );
+        match r {
+            Ok(_) => {
+                m.rematerialized.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, doc = %w.kv_doc, "KV write-back failed"),
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! Router tests through `app()`, and a real-socket SSE test: SmolLM2-135M, MiniLM and the
+//! example corpus (fetched/shipped by the project).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use serve::{AppState, Rag, ServeConfig};
+use tower::ServiceExt;
+
+/// Fields drop in order: the engine (and its index) before the directory it lives in.
+struct Fixture {
+    engine: Arc<ingest::Engine>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// Waits for the server threads (which hold the engine) to exit once their app is gone.
+    fn close(self) {
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&self.engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        kvstore::Store::open(dir.path().join("kv"), kvstore::StoreOptions::default()).unwrap();
+    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
+    let index = retrieval::VectorIndex::open(
+        &dir.path().join("vectors"),
+        embedder.dim(),
+        &retrieval::IndexConfig::default(),
+    )
+    .unwrap();
+    let path = model::models_dir().join(model::SMOLLM2_FILE);
+    let llm = model::Model::load(
+        &model::ModelSource::from_path(&path).unwrap(),
+        &model::LoadOptions::default(),
+    )
+    .unwrap();
+    let engine = ingest::Engine::new(
+        Arc::new(store),
+        Arc::new(index),
+        Arc::new(embedder),
+        Arc::new(llm),
+        ingest::IngestConfig::default(),
+        model::DType::F16,
+    )
+    .unwrap();
+    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let report = engine
+        .ingest(
+            &[ingest::Source::Dir(corpus)],
+            &ingest::RunOptions {
+                materialize: ingest::Materialize::Eager,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+        .unwrap();
+    assert_eq!(report.docs_new, 6, "{report:?}");
+    Fixture {
+        engine: Arc::new(engine),
+        _dir: dir,
+    }
+}
+
+fn app_with(f: &Fixture, config: ServeConfig) -> axum::Router {
+    serve::app(AppState::new(Rag::start(f.engine.clone(), config).unwrap()))
+}
+
+async fn call(
+    app: &axum::Router,
+    method: &str,
+    uri: &str,
+    body: Option<Value>,
+    token: Option<&str>,
+) -> (StatusCode, Value, String) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let req = req
+        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+    (status, json, text)
+}
+
+const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_routes_validate_answer_and_match_full_recompute() {
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let app = app_with(&f, ServeConfig::default());
+
+    let (s, _, body) = call(&app, "GET", "/healthz", None, None).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "ok"));
+
+    // Bad input: clear 4xx with a message naming the problem.
+    for (body, needle) in [
+        (json!({"question": "  "}), "question"),
+        (json!({"question": "x", "top_k": 0}), "top_k"),
+        (json!({"question": "x", "top_k": 999}), "top_k"),
+        (json!({"question": "x", "max_tokens": 100000}), "max_tokens"),
+        (json!({"question": "x", "temperature": -1.0}), "temperature"),
+        (json!({"question": "x", "kv": "maybe"}), "kv"),
+        (json!({"question": "x".repeat(5000)}), "question"),
+        (json!({"question": "x", "colour": "blue"}), "colour"),
+    ] {
+        let (s, j, text) = call(&app, "POST", "/v1/query", Some(body.clone()), None).await;
+        assert!(s.is_client_error(), "{body}: {s} {text}");
+        let msg = j["error"]["message"].as_str().unwrap_or(&text).to_string();
+        assert!(msg.contains(needle), "{body}: {msg}");
+    }
+
+    // A retrieved question answered from stored KV.
+    let q = json!({"question": QUESTION, "top_k": 1, "stream": false, "max_tokens": 24});
+    let (s, on, text) = call(&app, "POST", "/v1/query", Some(q.clone()), None).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(on["citations"][0]["doc_id"], "varrow-lighthouse.md", "{on}");
+    assert_eq!(on["citations"][0]["kv"], "stored");
+    assert_eq!(
+        (on["kv_hits"].as_u64(), on["kv_misses"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert!(on["timings"]["first_token_ms"].as_f64().unwrap() > 0.0);
+    assert!(!on["answer"].as_str().unwrap().is_empty());
+
+    // kv=off recomputes the chunk: greedy output is identical.
+    let (s, off, _) = call(&app, "POST", "/v1/query?kv=off", Some(q.clone()), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(off["citations"][0]["kv"], "off");
+    assert_eq!(off["answer"], on["answer"], "stored KV changed the answer");
+
+    // A chunk whose KV is gone is prefilled inline (same answer) and written back.
+    let hash = f.engine.index.document("varrow-lighthouse.md").unwrap()[0]
+        .1
+        .doc_hash
+        .clone();
+    f.engine
+        .store
+        .delete_document(&ingest::kv_doc("varrow-lighthouse.md", &hash))
+        .unwrap();
+    let (_, miss, _) = call(&app, "POST", "/v1/query", Some(q.clone()), None).await;
+    assert_eq!(miss["citations"][0]["kv"], "recomputed", "{miss}");
+    assert_eq!(miss["kv_misses"], 1);
+    assert_eq!(miss["answer"], on["answer"]);
+    let mut back = Value::Null;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        back = call(&app, "POST", "/v1/query", Some(q.clone()), None)
+            .await
+            .1;
+        if back["kv_hits"] == 1 {
+            break;
+        }
+    }
+    assert_eq!(back["kv_hits"], 1, "the KV was not written back: {back}");
+
+    // OpenAI-compatible, non-streaming.
+    let chat = json!({"model": "ragkv", "messages": [
+        {"role": "system", "content": "ignored"}, {"role": "user", "content": QUESTION}],
+        "max_tokens": 24});
+    let (s, j, text) = call(&app, "POST", "/v1/chat/completions", Some(chat), None).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["choices"][0]["message"]["role"], "assistant");
+    assert!(j["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+
+    // Metrics and stats.
+    let (_, _, metrics) = call(&app, "GET", "/metrics", None, None).await;
+    assert!(
+        metrics.contains("ragkv_time_to_first_token_seconds_count"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("ragkv_kv_hits_total"));
+    let (_, stats, _) = call(&app, "GET", "/v1/stats", None, None).await;
+    assert!(
+        stats["queries"]["admitted"].as_u64().unwrap() >= 4,
+        "{stats}"
+    );
+    drop(app);
+    tokio::task::spawn_blocking(move || f.close())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_need_the_token_and_documents_round_trip() {
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let app = app_with(
+        &f,
+        ServeConfig {
+            admin_token: "s3cret".into(),
+            ..ServeConfig::default()
+        },
+    );
+    let doc = json!({"documents": [{"id": "notes/ferry.txt",
+        "text": "The Keller Bay ferry leaves at 7:10 every morning and takes forty minutes."}]});
+    let (s, _, _) = call(&app, "POST", "/v1/documents", Some(doc.clone()), None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = call(
+        &app,
+        "POST",
+        "/v1/documents",
+        Some(doc.clone()),
+        Some("wrong"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, r, text) = call(&app, "POST", "/v1/documents", Some(doc), Some("s3cret")).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(r["docs_new"], 1, "{r}");
+    let (s, d, _) = call(&app, "GET", "/v1/documents/notes%2Fferry.txt", None, None).await;
+    assert_eq!(s, StatusCode::OK, "{d}");
+    assert_eq!(d["chunks"].as_array().unwrap().len(), 1);
+    let q = json!({"question": "When does the Keller Bay ferry leave?", "top_k": 1,
+                   "stream": false, "max_tokens": 16, "documents": ["notes/ferry.txt"]});
+    let (_, a, _) = call(&app, "POST", "/v1/query", Some(q), None).await;
+    assert_eq!(a["citations"][0]["doc_id"], "notes/ferry.txt", "{a}");
+    assert_eq!(a["kv_hits"], 1);
+    let (s, _, _) = call(
+        &app,
+        "DELETE",
+        "/v1/documents/notes%2Fferry.txt",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = call(
+        &app,
+        "DELETE",
+        "/v1/documents/notes%2Fferry.txt",
+        None,
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _, _) = call(&app, "GET", "/v1/documents/notes%2Fferry.txt", None, None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(f.engine.check(false).unwrap().ok());
+    drop(app);
+    tokio::task::spawn_blocking(move || f.close())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let app = app_with(
+        &f,
+        ServeConfig {
+            max_inflight: 1,
+            ..ServeConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let body = json!({"question": QUESTION, "top_k": 2, "max_tokens": 48}).to_string();
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+
+    // While it runs, a second query is refused with 429 and Retry-After.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut s2 = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s2.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s2.read(&mut buf).await.unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+    assert!(head.starts_with("http/1.1 429"), "{head}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+
+    // The first streams token events, then a done event with citations and timings.
+    let mut text = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while !text.contains("event: done") {
+        let n = tokio::time::timeout_at(deadline, sock.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "connection closed early: {text}");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(
+        text.to_lowercase()
+            .contains("content-type: text/event-stream"),
+        "{text}"
+    );
+    assert!(text.matches("event: token").count() >= 2, "{text}");
+    let done = text.split("event: done").nth(1).unwrap();
+    assert!(
+        done.contains("\"citations\"") && done.contains("\"first_token_ms\""),
+        "{done}"
+    );
+}
