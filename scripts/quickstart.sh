@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The project's main job, end to end: set-up, ingest the example corpus, start the server,
-# ask a question through the HTTP endpoint.
+# The project's main job, end to end, on a fresh machine: set-up (apt packages, models), build,
+# ingest the example corpus (chunk, embed, index, prefill and store every chunk's KV), start the
+# HTTP server, ask a question, print the streamed answer with its citations and timings, and
+# stop the server.
 #
-# Not yet: ingestion (issue 5) and the HTTP endpoint (issue 6) have not landed. Until they do,
-# this script builds the binary and exercises what exists: the KV store's operations.
+#   scripts/quickstart.sh ["your question"]
+#
+# Environment: RAGKV_DATA (default: a temporary directory, removed afterwards),
+# CARGO_TARGET_DIR (default ~/.cache/ragkv/target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,9 +15,53 @@ scripts/setup.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragkv/target}"
 cargo build --release --locked -p ragkv
 bin="$CARGO_TARGET_DIR/release/ragkv"
-data="$(mktemp -d)"
-trap 'rm -rf "$data"' EXIT
-"$bin" --data-dir "$data" stats
-"$bin" --data-dir "$data" verify
-echo "not yet: ingest and serve are not implemented; see README.md (Status)." >&2
-exit 2
+question="${1:-Who was the last resident keeper of the Varrow Point Lighthouse, and what did she do in October 1972?}"
+
+if [ -n "${RAGKV_DATA:-}" ]; then
+  data="$RAGKV_DATA"
+else
+  data="$(mktemp -d)"
+  trap 'rm -rf "$data"' EXIT
+fi
+
+echo "== ingest examples/corpus into $data" >&2
+"$bin" --data-dir "$data" ingest examples/corpus
+
+echo "== serve" >&2
+"$bin" --data-dir "$data" serve --bind 127.0.0.1:0 &
+server=$!
+stop() { kill -TERM "$server" 2>/dev/null && wait "$server" 2>/dev/null || true; }
+trap 'stop; [ -z "${RAGKV_DATA:-}" ] && rm -rf "$data"' EXIT
+for _ in $(seq 1 600); do
+  [ -s "$data/server.json" ] && break
+  kill -0 "$server" 2>/dev/null || { echo "the server exited" >&2; exit 1; }
+  sleep 0.1
+done
+url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["url"])' "$data/server.json")
+curl -sf "$url/healthz" >/dev/null
+
+echo "== POST $url/v1/query" >&2
+echo "Q: $question"
+body=$(python3 -c 'import json,sys; print(json.dumps({"question": sys.argv[1], "top_k": 2, "max_tokens": 96}))' "$question")
+curl -sN -X POST "$url/v1/query" -H 'content-type: application/json' -d "$body" | python3 -c '
+import json, sys
+event = None
+for line in sys.stdin:
+    line = line.rstrip("\n")
+    if line.startswith("event:"):
+        event = line[6:].strip()
+    elif line.startswith("data:"):
+        data = json.loads(line[5:].strip())
+        if event == "token":
+            if not getattr(sys, "_started", False):
+                sys.stdout.write("A: "); sys._started = True
+            sys.stdout.write(data["text"]); sys.stdout.flush()
+        elif event == "done":
+            print()
+            for c in data["citations"]:
+                print(f"  cited {c[\"doc_id\"]} chunk {c[\"chunk\"]} (score {c[\"score\"]:.3f}, KV {c[\"kv\"]})")
+            t = data["timings"]
+            print("  timings (ms): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in t.items()))
+        elif event == "error":
+            print("\nerror:", data["error"]["message"], file=sys.stderr); sys.exit(1)
+'

@@ -128,7 +128,7 @@ fn place_block(out: &mut [u8], l: &KvLayout, total: usize, j: usize, payload: &[
 }
 
 /// Drops the page cache of `path` (after syncing it, since dirty pages cannot be dropped).
-fn drop_pages(path: &Path) -> Result<(), Error> {
+pub(crate) fn drop_pages(path: &Path) -> Result<(), Error> {
     let f = File::open(path).map_err(io(format!("opening {}", path.display())))?;
     f.sync_all()
         .map_err(io(format!("syncing {}", path.display())))?;

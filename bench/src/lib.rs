@@ -3,8 +3,13 @@
 //! `{"bench", "ours", "baseline", "ratio", "unit", ...}` where `ratio` says how many times better
 //! ours is (throughput: ours / baseline; latency and counts: baseline / ours).
 
+pub mod dataset;
+pub mod engine;
+pub mod ingest;
 pub mod kvstore;
 pub mod model;
+pub mod retrieval;
+pub mod ttft;
 
 use serde::Serialize;
 
@@ -24,6 +29,9 @@ pub struct Line {
     pub bar: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub meets_bar: Option<bool>,
+    /// Supporting figures of the same run (counts, per-stage times).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<serde_json::Value>,
 }
 
 impl Line {
@@ -54,6 +62,7 @@ impl Line {
             baseline_name: baseline_name.into(),
             bar: None,
             meets_bar: None,
+            detail: None,
         }
     }
 

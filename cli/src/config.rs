@@ -11,9 +11,33 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// Root of all state: `kv/` (index and tensor log), later the vector index.
+    /// Root of all state: `kv/` (KV index and tensor log), `vectors/` (embedded vector index).
     pub data_dir: PathBuf,
     pub kvstore: KvStoreConfig,
+    pub model: ModelConfig,
+    pub embedder: retrieval::EmbedderConfig,
+    pub index: retrieval::IndexConfig,
+    pub ingest: ingest::IngestConfig,
+    pub serve: serve::ServeConfig,
+}
+
+/// `[model]`: the LLM whose KV is materialized.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// GGUF file or HF directory. Empty: SmolLM2-135M-Instruct in the model cache.
+    pub path: PathBuf,
+    /// Dtype stored chunk KV is kept in: f16 (default, half the bytes), bf16 or f32.
+    pub kv_dtype: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            path: PathBuf::new(),
+            kv_dtype: "f16".into(),
+        }
+    }
 }
 
 /// `[kvstore]`: the KV storage engine.
@@ -40,6 +64,11 @@ impl Default for Config {
         Config {
             data_dir: PathBuf::from("ragkv-data"),
             kvstore: KvStoreConfig::default(),
+            model: ModelConfig::default(),
+            embedder: retrieval::EmbedderConfig::default(),
+            index: retrieval::IndexConfig::default(),
+            ingest: ingest::IngestConfig::default(),
+            serve: serve::ServeConfig::default(),
         }
     }
 }
@@ -91,7 +120,41 @@ impl Config {
 
     /// Checks every value; the error names the key.
     pub fn validate(&self) -> Result<()> {
-        self.store_options().map(drop)
+        self.store_options()?;
+        self.kv_dtype()?;
+        self.embedder.validate()?;
+        self.index.validate()?;
+        self.ingest.validate()?;
+        self.serve.validate().map_err(anyhow::Error::msg)?;
+        Ok(())
+    }
+
+    /// `model.kv_dtype` as a candle dtype.
+    pub fn kv_dtype(&self) -> Result<model::DType> {
+        match self.model.kv_dtype.as_str() {
+            "f16" => Ok(model::DType::F16),
+            "bf16" => Ok(model::DType::BF16),
+            "f32" => Ok(model::DType::F32),
+            other => bail!("model.kv_dtype: {other:?} (f16, bf16, f32)"),
+        }
+    }
+
+    /// The model file or directory.
+    pub fn model_path(&self) -> PathBuf {
+        if self.model.path.as_os_str().is_empty() {
+            model::models_dir().join(model::SMOLLM2_FILE)
+        } else {
+            self.model.path.clone()
+        }
+    }
+
+    /// Written by a running server: how `ingest` and `delete` reach it.
+    pub fn server_file(&self) -> PathBuf {
+        self.data_dir.join("server.json")
+    }
+
+    pub fn vectors_dir(&self) -> PathBuf {
+        self.data_dir.join("vectors")
     }
 
     /// The store options this configuration describes.

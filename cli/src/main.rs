@@ -28,15 +28,54 @@ enum Command {
     Stats,
     /// Reclaim space: rewrite every segment holding deleted records.
     Gc,
-    /// Read and verify every stored KV block; exits non-zero if any fails.
-    Verify,
+    /// Read and verify every stored KV block, and check the vector index against the KV
+    /// store (complete documents, every point's KV present, no orphans); exits non-zero on
+    /// any problem.
+    Verify {
+        /// Also check that every chunk is found by searching its own text.
+        #[arg(long)]
+        search: bool,
+    },
     /// Print the effective configuration (defaults, file, environment, flags) as TOML.
     Config,
+    /// Ingest documents: chunk, embed, index, and materialize their KV.
+    Ingest(IngestArgs),
+    /// Serve the HTTP RAG endpoint (owns the data directory while it runs).
+    Serve {
+        /// Listen address (overrides `serve.bind`).
+        #[arg(long)]
+        bind: Option<String>,
+    },
+    /// Delete documents: their vectors, then their KV (space returns on the next GC).
+    Delete {
+        /// Document ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
     /// Benchmarks that print JSON lines comparing ragkv with a baseline.
     Bench {
         #[command(subcommand)]
         which: BenchCommand,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct IngestArgs {
+    /// Directories (recursive), `.jsonl` files, text files, or `-` for JSONL on stdin.
+    #[arg(required = true)]
+    paths: Vec<String>,
+    /// eager (prefill now), lazy (at first retrieval), none (vectors only).
+    #[arg(long)]
+    materialize: Option<ingest::Materialize>,
+    /// Delete indexed documents that the given sources no longer contain.
+    #[arg(long)]
+    prune: bool,
+    /// auto, bars, lines or quiet.
+    #[arg(long, default_value = "auto")]
+    progress: String,
+    /// Print the final report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -45,6 +84,12 @@ enum BenchCommand {
     Kvstore(bench::kvstore::Args),
     /// The model runtime vs candle-transformers' stock Llama on the same weights.
     Model(bench::model::Args),
+    /// Embedding throughput, vector search latency and recall, answer recall@5.
+    Retrieval(bench::retrieval::Args),
+    /// The ingest pipeline vs bare prefill of the same chunks.
+    Ingest(bench::ingest::Args),
+    /// Time to first token with stored KV vs full recompute; loader/decode overlap.
+    Ttft(bench::ttft::Args),
 }
 
 fn main() {
@@ -98,28 +143,29 @@ fn run(cli: Cli) -> Result<()> {
                     "bytes_reclaimed": r.bytes_reclaimed, "corrupt_dropped": r.corrupt_dropped})
             );
         }
-        Command::Verify => {
-            let store = open_store(&config)?;
-            let r = store.verify()?;
-            for (key, e) in &r.failures {
-                eprintln!("block {}: {e}", hex(key));
+        Command::Ingest(args) => return ingest_cmd(&config, args),
+        Command::Serve { bind } => {
+            if let Some(b) = bind {
+                config.serve.bind = b;
+                config.validate()?;
             }
-            println!(
-                "{}",
-                serde_json::json!({"entries": r.entries, "ok": r.ok, "failed": r.failures.len()})
-            );
-            if !r.failures.is_empty() {
-                anyhow::bail!(
-                    "{} of {} blocks failed verification",
-                    r.failures.len(),
-                    r.entries
-                );
+            return serve_cmd(&config);
+        }
+        Command::Delete { ids } => {
+            let engine = open_engine(&config)?;
+            for id in &ids {
+                let existed = engine.delete_document(id)?;
+                println!("{}", serde_json::json!({"id": id, "deleted": existed}));
             }
         }
+        Command::Verify { search } => return verify_cmd(&config, search),
         Command::Bench { which } => {
             let lines = match which {
                 BenchCommand::Kvstore(args) => bench::kvstore::run(&args)?,
                 BenchCommand::Model(args) => bench::model::run(&args)?,
+                BenchCommand::Retrieval(args) => bench::retrieval::run(&args)?,
+                BenchCommand::Ingest(args) => bench::ingest::run(&args)?,
+                BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
             };
             for line in lines {
                 println!("{}", serde_json::to_string(&line)?);
@@ -127,6 +173,149 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn serve_cmd(config: &Config) -> Result<()> {
+    let engine = std::sync::Arc::new(open_engine(config)?);
+    let rag = serve::Rag::start(engine, config.serve.clone()).map_err(anyhow::Error::msg)?;
+    let app = serve::app(serve::AppState::new(rag));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ragkv-http")
+        .enable_all()
+        .build()?;
+    let server_file = config.server_file();
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&config.serve.bind)
+            .await
+            .with_context(|| format!("binding {}", config.serve.bind))?;
+        let addr = listener.local_addr()?;
+        let info = serde_json::json!({"url": format!("http://{addr}"), "pid": std::process::id()});
+        std::fs::write(&server_file, info.to_string())
+            .with_context(|| format!("writing {}", server_file.display()))?;
+        eprintln!("ragkv serving on http://{addr}");
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await;
+        let _ = std::fs::remove_file(&server_file);
+        served.context("serving")
+    })?;
+    eprintln!("ragkv: shut down");
+    Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+fn verify_cmd(config: &Config, search: bool) -> Result<()> {
+    let (store, check) = if config.vectors_dir().exists() {
+        let engine = open_engine(config)?;
+        let check = engine.check(search)?;
+        (engine.store.clone(), Some(check))
+    } else {
+        (std::sync::Arc::new(open_store(config)?), None)
+    };
+    let r = store.verify()?;
+    for (key, e) in &r.failures {
+        eprintln!("block {}: {e}", hex(key));
+    }
+    let mut problems = r.failures.len();
+    if let Some(c) = &check {
+        for p in &c.problems {
+            eprintln!("index: {p}");
+        }
+        problems += c.problems.len();
+    }
+    println!(
+        "{}",
+        serde_json::json!({"entries": r.entries, "ok": r.ok, "failed": r.failures.len(), "index": check})
+    );
+    anyhow::ensure!(problems == 0, "verification found {problems} problems");
+    Ok(())
+}
+
+/// Exit status of an ingest run in which some documents failed (the rest were committed).
+const EXIT_PARTIAL: i32 = 3;
+
+fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
+    let mode = match args.progress.as_str() {
+        "auto" => ingest::ProgressMode::Auto,
+        "bars" => ingest::ProgressMode::Bars,
+        "lines" => ingest::ProgressMode::Lines,
+        "quiet" => ingest::ProgressMode::Quiet,
+        other => anyhow::bail!("--progress: {other:?} (auto, bars, lines, quiet)"),
+    };
+    let sources: Vec<ingest::Source> = args
+        .paths
+        .iter()
+        .map(|p| ingest::Source::from_arg(p))
+        .collect();
+    for s in &sources {
+        if let ingest::Source::File(p) | ingest::Source::Jsonl(p) = s {
+            anyhow::ensure!(p.exists(), "{} does not exist", p.display());
+        }
+    }
+    let engine = open_engine(config)?;
+    let opts = ingest::RunOptions {
+        materialize: args.materialize.unwrap_or(config.ingest.materialize),
+        prune: args.prune,
+    };
+    let progress = ingest::Progress::start(mode);
+    let report = engine.ingest(&sources, &opts, &progress.counters)?;
+    drop(progress);
+    for f in &report.failures {
+        eprintln!("skipped {}: {}", f.origin, f.reason);
+    }
+    eprintln!("{}", report.summary());
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if !report.ok() {
+        std::process::exit(EXIT_PARTIAL);
+    }
+    Ok(())
+}
+
+/// Store, vector index, embedder and model, bound into an ingest engine.
+fn open_engine(config: &Config) -> Result<ingest::Engine> {
+    let store = std::sync::Arc::new(open_store(config)?);
+    let embedder =
+        retrieval::Embedder::new(&config.embedder).context("loading the embedding model")?;
+    let index = retrieval::VectorIndex::open(&config.vectors_dir(), embedder.dim(), &config.index)
+        .context("opening the vector index")?;
+    let path = config.model_path();
+    let source = model::ModelSource::from_path(&path).with_context(|| {
+        format!(
+            "model {} (run scripts/setup.sh to fetch it)",
+            path.display()
+        )
+    })?;
+    let llm = model::Model::load(&source, &model::LoadOptions::default())
+        .with_context(|| format!("loading {}", path.display()))?;
+    Ok(ingest::Engine::new(
+        store,
+        std::sync::Arc::new(index),
+        std::sync::Arc::new(embedder),
+        std::sync::Arc::new(llm),
+        config.ingest.clone(),
+        config.kv_dtype()?,
+    )?)
 }
 
 fn open_store(config: &Config) -> Result<kvstore::Store> {

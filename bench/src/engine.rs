@@ -1,0 +1,58 @@
+//! Builds an ingest engine (store, embedded index, embedder, model) in a scratch directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::Error;
+
+fn e(what: &str) -> impl Fn(String) -> Error + '_ {
+    move |why| Error::Check(format!("{what}: {why}"))
+}
+
+/// The engine benchmarks run: SmolLM2 by default, KV stored as f16.
+pub fn open(
+    dir: &Path,
+    model_path: Option<&PathBuf>,
+    chunk_tokens: usize,
+) -> Result<ingest::Engine, Error> {
+    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default())?;
+    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default())
+        .map_err(|x| e("embedder")(x.to_string()))?;
+    let index = retrieval::VectorIndex::open(
+        &dir.join("vectors"),
+        embedder.dim(),
+        &retrieval::IndexConfig::default(),
+    )
+    .map_err(|x| e("index")(x.to_string()))?;
+    let path = model_path
+        .cloned()
+        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let llm = model::ModelSource::from_path(&path)
+        .and_then(|s| model::Model::load(&s, &model::LoadOptions::default()))
+        .map_err(|x| e("model")(x.to_string()))?;
+    ingest::Engine::new(
+        Arc::new(store),
+        Arc::new(index),
+        Arc::new(embedder),
+        Arc::new(llm),
+        ingest::IngestConfig {
+            chunk_tokens,
+            ..ingest::IngestConfig::default()
+        },
+        model::DType::F16,
+    )
+    .map_err(|x| e("engine")(x.to_string()))
+}
+
+/// Dataset documents as in-memory ingest documents.
+pub fn docs(dataset: &[crate::dataset::Document]) -> Vec<ingest::Doc> {
+    dataset
+        .iter()
+        .map(|d| ingest::Doc {
+            id: d.id.clone(),
+            text: d.text.clone(),
+            metadata: Default::default(),
+            origin: d.id.clone(),
+        })
+        .collect()
+}

@@ -1,0 +1,267 @@
+//! `ragkv bench ttft`: time to first token with stored KV against full recompute, and the
+//! loader overlapping decode against loading and decoding in sequence, on LongBench-HotpotQA.
+//!
+//! Every query goes through the server's real pipeline ([`serve::Rag`]: retrieval, loader
+//! thread, model thread); only HTTP is left out. Time to first token is measured from before
+//! retrieval to the first generated text. Stored-KV queries read cold: the segment files'
+//! pages are dropped before each one.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use retrieval::SearchFilter;
+use serve::{Event, Final, KvMode, Query, Rag, ServeConfig};
+
+use crate::{dataset, percentile, Error, Line};
+
+/// Arguments of `ragkv bench ttft`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Dev questions.
+    #[arg(long, default_value_t = 20)]
+    pub questions: usize,
+    /// Chunks per question.
+    #[arg(long, default_value_t = 4)]
+    pub top_k: usize,
+    /// Corpus documents indexed (vectors for all; KV only for the chunks the questions use).
+    #[arg(long, default_value_t = 100_000)]
+    pub docs: usize,
+    #[arg(long, default_value_t = 512)]
+    pub chunk_tokens: usize,
+    /// Tokens generated per question in the throughput comparison.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Working directory (default: a fresh temporary directory). With an index already
+    /// there, ingestion is skipped.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+fn check(what: &str) -> impl Fn(String) -> Error + '_ {
+    move |e| Error::Check(format!("{what}: {e}"))
+}
+
+fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
+    for p in engine.store.segment_paths() {
+        crate::kvstore::drop_pages(&p)?;
+    }
+    Ok(())
+}
+
+/// Retrieves and submits one query; returns a receiver of its events.
+fn submit(
+    rag: &Rag,
+    question: &str,
+    top_k: usize,
+    max_tokens: usize,
+    kv: KvMode,
+) -> Result<tokio::sync::mpsc::Receiver<Event>, Error> {
+    let q = Query {
+        question: question.to_string(),
+        top_k,
+        filter: SearchFilter::default(),
+        params: model::GenerateParams {
+            max_tokens,
+            ..model::GenerateParams::default()
+        },
+        kv,
+    };
+    let arrived = Instant::now();
+    let hits = rag.retrieve(&q).map_err(check("retrieve"))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    rag.metrics
+        .inflight
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    rag.submit(q, hits, tx, arrived, arrived.elapsed())
+        .map_err(check("submit"))?;
+    Ok(rx)
+}
+
+fn wait(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Final, Error> {
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            Event::Token(_) => {}
+            Event::Done(f) => return Ok(*f),
+            Event::Error(e) => return Err(Error::Check(format!("query: {e}"))),
+        }
+    }
+    Err(Error::Check("query ended without a result".into()))
+}
+
+/// Runs the benchmark.
+pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
+    let ds = dataset::resolve(args.dataset.as_deref())?;
+    let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
+    let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let fresh = !work.join("vectors").exists();
+    let engine = std::sync::Arc::new(crate::engine::open(
+        &work,
+        args.model.as_ref(),
+        args.chunk_tokens,
+    )?);
+    if fresh {
+        let corpus = dataset::documents(&ds, args.docs)?;
+        eprintln!("[ttft] indexing {} documents (vectors only)", corpus.len());
+        let r = engine
+            .ingest(
+                &[ingest::Source::Docs(crate::engine::docs(&corpus))],
+                &ingest::RunOptions {
+                    materialize: ingest::Materialize::None,
+                    prune: false,
+                },
+                &ingest::Counters::default(),
+            )
+            .map_err(|e| Error::Check(format!("ingest: {e}")))?;
+        eprintln!("[ttft] {}", r.summary());
+    }
+    let questions = dataset::questions(&ds, args.questions)?;
+    let rag = Rag::start(
+        engine.clone(),
+        ServeConfig {
+            max_inflight: questions.len().max(1) * 2,
+            ..ServeConfig::default()
+        },
+    )
+    .map_err(check("server pipeline"))?;
+
+    // Materialize the chunks the questions retrieve (what eager ingest would have stored).
+    let t = Instant::now();
+    let mut materialized = 0;
+    for q in &questions {
+        let v = engine
+            .embedder
+            .embed_one(&q.question)
+            .map_err(|e| check("embed")(e.to_string()))?;
+        let hits = engine
+            .index
+            .search(&v, args.top_k, &SearchFilter::default())
+            .map_err(|e| check("search")(e.to_string()))?;
+        for h in hits {
+            let tokens = engine
+                .chunk_tokens(&h.payload.text)
+                .map_err(|e| check("tokenize")(e.to_string()))?;
+            if engine.store.probe(engine.namespace(), &tokens)? == tokens.len() {
+                continue;
+            }
+            let bytes = engine
+                .prefill_bytes(&tokens)
+                .map_err(|e| check("prefill")(e.to_string()))?;
+            let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
+            engine.store.put_batch(
+                engine.namespace(),
+                engine.layout(),
+                &[kvstore::PutItem {
+                    tokens: &tokens,
+                    kv: &bytes,
+                    doc: Some(&doc),
+                }],
+            )?;
+            materialized += 1;
+        }
+    }
+    engine.store.sync()?;
+    eprintln!(
+        "[ttft] materialized {materialized} chunks in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+
+    // Time to first token, one query at a time.
+    let mut stored = Vec::new();
+    let mut recompute = Vec::new();
+    let mut agree = 0;
+    for q in &questions {
+        drop_segment_pages(&engine)?;
+        let on = wait(submit(&rag, &q.question, args.top_k, 8, KvMode::On)?)?;
+        if on.kv_hits != on.citations.len() {
+            return Err(Error::Check(format!(
+                "expected only KV hits: {:?}",
+                on.citations
+            )));
+        }
+        let off = wait(submit(&rag, &q.question, args.top_k, 8, KvMode::Off)?)?;
+        agree += usize::from(on.answer == off.answer);
+        stored.push(on.timings.first_token_ms);
+        recompute.push(off.timings.first_token_ms);
+    }
+    stored.sort_by(f64::total_cmp);
+    recompute.sort_by(f64::total_cmp);
+    let base = "full recompute: every retrieved chunk prefilled at query time (kv=off)";
+    let mut lines = vec![
+        Line::lower(
+            "ttft_p50",
+            percentile(&stored, 0.5),
+            percentile(&recompute, 0.5),
+            "ms",
+            base,
+        )
+        .bar(10.0),
+        Line::lower(
+            "ttft_p90",
+            percentile(&stored, 0.9),
+            percentile(&recompute, 0.9),
+            "ms",
+            base,
+        )
+        .bar(10.0),
+    ];
+    lines[0].detail = Some(serde_json::json!({
+        "questions": questions.len(), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
+        "identical_greedy_answers": agree,
+    }));
+
+    // Back to back: the loader overlapping decode vs one query after another.
+    drop_segment_pages(&engine)?;
+    let t = Instant::now();
+    let mut load_ms = 0.0;
+    for q in &questions {
+        let f = wait(submit(
+            &rag,
+            &q.question,
+            args.top_k,
+            args.max_tokens,
+            KvMode::On,
+        )?)?;
+        load_ms += f.timings.load_ms;
+    }
+    let sequential = t.elapsed();
+    drop_segment_pages(&engine)?;
+    let t = Instant::now();
+    let receivers = questions
+        .iter()
+        .map(|q| submit(&rag, &q.question, args.top_k, args.max_tokens, KvMode::On))
+        .collect::<Result<Vec<_>, _>>()?;
+    for rx in receivers {
+        wait(rx)?;
+    }
+    let overlapped = t.elapsed();
+    let n = questions.len() as f64;
+    let secs = |d: Duration| d.as_secs_f64();
+    let mut thr = Line::higher(
+        "batch_queries_per_s",
+        n / secs(overlapped),
+        n / secs(sequential),
+        "queries/s",
+        "the same queries loaded and decoded one after another",
+    );
+    let hidden = ((secs(sequential) - secs(overlapped)) * 1e3 / load_ms).clamp(0.0, 1.0);
+    thr.detail = Some(serde_json::json!({
+        "sequential_s": secs(sequential), "overlapped_s": secs(overlapped),
+        "kv_load_ms_total": load_ms, "max_tokens": args.max_tokens,
+    }));
+    lines.push(thr);
+    lines.push(
+        Line::higher(
+            "kv_load_hidden_share",
+            hidden,
+            1.0,
+            "fraction",
+            "all KV load time hidden behind compute",
+        )
+        .bar(0.9),
+    );
+    Ok(lines)
+}

@@ -1,0 +1,149 @@
+//! The real server binary end to end: `ragkv ingest`, `ragkv serve`, then the official
+//! `openai` Python client (installed by scripts/setup.sh into the cache) against it, streaming
+//! and not; then SIGTERM for a graceful shutdown.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn ragkv(data: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
+    c.arg("--data-dir").arg(data);
+    c
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("RAGKV_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/ragkv"))
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_server(data: &Path) -> (Server, String) {
+    let child = ragkv(data)
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let file = data.join("server.json");
+    let start = Instant::now();
+    while !file.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "server did not start"
+        );
+        if let Some(s) = server.0.try_wait().unwrap() {
+            panic!("server exited: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    (server, info["url"].as_str().unwrap().to_string())
+}
+
+const CLIENT: &str = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+q = "Who was the last resident keeper of the Varrow Point Lighthouse?"
+r = client.chat.completions.create(model="ragkv", max_tokens=24,
+        messages=[{"role": "user", "content": q}])
+out = {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
+       "usage": r.usage.completion_tokens}
+pieces = []
+for chunk in client.chat.completions.create(model="ragkv", max_tokens=24, stream=True,
+        messages=[{"role": "user", "content": q}]):
+    if chunk.choices and chunk.choices[0].delta.content:
+        pieces.append(chunk.choices[0].delta.content)
+out["stream_pieces"] = len(pieces)
+out["stream_text"] = "".join(pieces)
+try:
+    client.chat.completions.create(model="ragkv", max_tokens=0,
+        messages=[{"role": "user", "content": q}])
+    out["bad_request"] = "accepted"
+except Exception as e:
+    out["bad_request"] = type(e).__name__
+print(json.dumps(out))
+"#;
+
+#[test]
+fn openai_python_client_streams_and_not_against_the_real_server() {
+    let pylib = cache_dir().join("pylib");
+    assert!(
+        pylib.join("openai").exists(),
+        "the openai client is missing from {}: run scripts/setup.sh",
+        pylib.display()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let st = ragkv(&data)
+        .args(["ingest", "--progress", "quiet"])
+        .arg(&corpus)
+        .status()
+        .unwrap();
+    assert!(st.success());
+
+    let (mut server, url) = start_server(&data);
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(CLIENT)
+        .arg(&url)
+        .env("PYTHONPATH", &pylib)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!r["text"].as_str().unwrap().is_empty(), "{r}");
+    assert!(r["usage"].as_u64().unwrap() > 0);
+    assert!(r["stream_pieces"].as_u64().unwrap() >= 2, "{r}");
+    // Greedy decoding: streaming and not give the same text.
+    assert_eq!(r["stream_text"], r["text"], "{r}");
+    assert_eq!(r["bad_request"], "BadRequestError", "{r}");
+
+    // While the server runs, `ragkv verify` cannot open the data directory: it says so.
+    let v = ragkv(&data).arg("stats").output().unwrap();
+    assert!(!v.status.success());
+    assert!(
+        String::from_utf8_lossy(&v.stderr).contains("locked"),
+        "{}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+
+    // SIGTERM: graceful shutdown, exit 0, the server file is gone.
+    let pid = server.0.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = server.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no shutdown after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!data.join("server.json").exists());
+}
