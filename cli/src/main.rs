@@ -1,5 +1,6 @@
 //! `ragkv`: the command-line entry point. Thin: parses configuration and calls the libraries.
 
+mod client;
 mod config;
 
 use std::path::PathBuf;
@@ -152,6 +153,19 @@ fn run(cli: Cli) -> Result<()> {
             return serve_cmd(&config);
         }
         Command::Delete { ids } => {
+            if let Some(addr) = client::running_server(&config) {
+                for id in &ids {
+                    let path = format!("/v1/documents/{}", client::encode_segment(id));
+                    let token = Some(config.serve.admin_token.as_str());
+                    let (status, body) = client::request(addr, "DELETE", &path, token, None)?;
+                    match status {
+                        200 => println!("{}", serde_json::json!({"id": id, "deleted": true})),
+                        404 => println!("{}", serde_json::json!({"id": id, "deleted": false})),
+                        _ => return Err(client::api_error(status, &body)),
+                    }
+                }
+                return Ok(());
+            }
             let engine = open_engine(&config)?;
             for id in &ids {
                 let existed = engine.delete_document(id)?;
@@ -271,6 +285,9 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
             anyhow::ensure!(p.exists(), "{} does not exist", p.display());
         }
     }
+    if let Some(addr) = client::running_server(config) {
+        return ingest_via_server(config, addr, &sources, &args);
+    }
     let engine = open_engine(config)?;
     let opts = ingest::RunOptions {
         materialize: args.materialize.unwrap_or(config.ingest.materialize),
@@ -287,6 +304,121 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     }
     if !report.ok() {
+        std::process::exit(EXIT_PARTIAL);
+    }
+    Ok(())
+}
+
+/// `ragkv ingest` while a server owns the data directory: read the sources here, send the
+/// documents to `POST /v1/documents` in batches, sum the server's reports.
+fn ingest_via_server(
+    config: &Config,
+    addr: std::net::SocketAddr,
+    sources: &[ingest::Source],
+    args: &IngestArgs,
+) -> Result<()> {
+    anyhow::ensure!(
+        !args.prune,
+        "--prune is not supported while a server runs on this data directory (it owns the \
+         store): stop the server, or delete documents with `ragkv delete`"
+    );
+    eprintln!("a server is running on this data directory: sending the documents to http://{addr}");
+    let materialize = args.materialize.unwrap_or(config.ingest.materialize);
+    let limits = ingest::source::ReadLimits {
+        max_doc_bytes: config.ingest.max_doc_bytes,
+    };
+    let mut total = serde_json::Map::new();
+    let mut failures: Vec<serde_json::Value> = Vec::new();
+    let mut batch: Vec<serde_json::Value> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut send = |batch: &mut Vec<serde_json::Value>| -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let body =
+            serde_json::json!({"documents": std::mem::take(batch), "materialize": materialize});
+        let token = Some(config.serve.admin_token.as_str());
+        let (status, text) = client::request(addr, "POST", "/v1/documents", token, Some(&body))?;
+        if status != 200 {
+            return Err(client::api_error(status, &text));
+        }
+        let report: serde_json::Value = serde_json::from_str(&text)?;
+        for (k, v) in report.as_object().into_iter().flatten() {
+            if let Some(n) = v.as_u64() {
+                let cur = total.get(k).and_then(|c| c.as_u64()).unwrap_or(0);
+                total.insert(k.clone(), serde_json::json!(cur + n));
+            } else if let Some(x) = v.as_f64() {
+                let cur = total.get(k).and_then(|c| c.as_f64()).unwrap_or(0.0);
+                total.insert(k.clone(), serde_json::json!(cur + x));
+            }
+        }
+        failures.extend(report["failures"].as_array().cloned().unwrap_or_default());
+        Ok(())
+    };
+    let mut skipped: Vec<serde_json::Value> = Vec::new();
+    let mut err = None;
+    for src in sources {
+        ingest::source::read(src, limits, &mut |item| {
+            match item {
+                ingest::Item::Skipped { origin, reason } => {
+                    skipped.push(serde_json::json!({"origin": origin, "reason": reason}));
+                }
+                ingest::Item::Doc(d) => {
+                    batch_bytes += d.text.len();
+                    batch.push(
+                        serde_json::json!({"id": d.id, "text": d.text, "metadata": d.metadata}),
+                    );
+                    if batch.len() >= 16 || batch_bytes >= 4 << 20 {
+                        batch_bytes = 0;
+                        if let Err(e) = send(&mut batch) {
+                            err = Some(e);
+                            return false;
+                        }
+                    }
+                }
+            }
+            true
+        });
+        if err.is_some() {
+            break;
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    send(&mut batch)?;
+    let failed = total
+        .get("docs_failed")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize
+        + skipped.len();
+    total.insert("docs_failed".into(), serde_json::json!(failed));
+    failures.extend(skipped);
+    for f in &failures {
+        eprintln!(
+            "skipped {}: {}",
+            f["origin"].as_str().unwrap_or("?"),
+            f["reason"].as_str().unwrap_or("?")
+        );
+    }
+    total.insert("failures".into(), serde_json::Value::Array(failures));
+    eprintln!(
+        "documents: {} new, {} unchanged, {} replaced, {} failed (through the server)",
+        total.get("docs_new").and_then(|v| v.as_u64()).unwrap_or(0),
+        total
+            .get("docs_unchanged")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0),
+        total
+            .get("docs_replaced")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0),
+        failed
+    );
+    if args.json {
+        println!("{}", serde_json::Value::Object(total));
+    }
+    if failed > 0 {
         std::process::exit(EXIT_PARTIAL);
     }
     Ok(())

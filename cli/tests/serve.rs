@@ -117,7 +117,45 @@ fn openai_python_client_streams_and_not_against_the_real_server() {
     assert_eq!(r["stream_text"], r["text"], "{r}");
     assert_eq!(r["bad_request"], "BadRequestError", "{r}");
 
-    // While the server runs, `ragkv verify` cannot open the data directory: it says so.
+    // While the server runs, `ragkv ingest` and `ragkv delete` hand their work to it.
+    let extra = tmp.path().join("extra");
+    std::fs::create_dir_all(&extra).unwrap();
+    std::fs::write(
+        extra.join("ferry.txt"),
+        "The Keller Bay ferry leaves at 7:10 every morning.",
+    )
+    .unwrap();
+    let out = ragkv(&data)
+        .args(["ingest", "--json", "--progress", "quiet"])
+        .arg(&extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a server is running"));
+    let rep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rep["docs_new"], 1, "{rep}");
+    let out = ragkv(&data)
+        .args(["delete", "ferry.txt", "nope.txt"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("\"id\":\"ferry.txt\",\"deleted\":true")
+            || text.contains("\"deleted\":true,\"id\":\"ferry.txt\""),
+        "{text}"
+    );
+    assert!(text.contains("\"deleted\":false"), "{text}");
+
+    // Other commands cannot open the data directory while the server owns it: they say so.
     let v = ragkv(&data).arg("stats").output().unwrap();
     assert!(!v.status.success());
     assert!(
