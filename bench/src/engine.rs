@@ -56,3 +56,12 @@ pub fn docs(dataset: &[crate::dataset::Document]) -> Vec<ingest::Doc> {
         })
         .collect()
 }
+
+/// Waits (up to 30 s) until the server threads holding `engine` have exited, then drops it:
+/// the engine must close its index before the working directory is removed.
+pub fn close(engine: Arc<ingest::Engine>) {
+    let t = std::time::Instant::now();
+    while Arc::strong_count(&engine) > 1 && t.elapsed() < std::time::Duration::from_secs(30) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -7,6 +7,7 @@ pub mod dataset;
 pub mod engine;
 pub mod ingest;
 pub mod kvstore;
+pub mod load;
 pub mod model;
 pub mod retrieval;
 pub mod ttft;

@@ -339,7 +339,11 @@ mod tests {
 
     #[test]
     fn exact_top_orders_by_similarity() {
-        let v = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![std::f32::consts::FRAC_1_SQRT_2; 2]];
+        let v = vec![
+            vec![1.0, 0.0],
+            vec![0.0, 1.0],
+            vec![std::f32::consts::FRAC_1_SQRT_2; 2],
+        ];
         assert_eq!(exact_top(&v, &[1.0, 0.1], 2), vec![0, 2]);
         assert_eq!(exact_top(&v, &[0.0, 1.0], 5), vec![1, 2, 0]);
     }

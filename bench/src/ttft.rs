@@ -263,5 +263,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         )
         .bar(0.9),
     );
+    drop(rag);
+    crate::engine::close(engine);
     Ok(lines)
 }

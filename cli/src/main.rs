@@ -1,6 +1,5 @@
 //! `ragkv`: the command-line entry point. Thin: parses configuration and calls the libraries.
 
-mod client;
 mod config;
 
 use std::path::PathBuf;
@@ -91,13 +90,16 @@ enum BenchCommand {
     Ingest(bench::ingest::Args),
     /// Time to first token with stored KV vs full recompute; loader/decode overlap.
     Ttft(bench::ttft::Args),
+    /// Concurrent clients against one server (status codes, latency, memory).
+    Load(bench::load::Args),
 }
 
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RAGKV_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                // Qdrant Edge warns about server feature flags it does not use.
+                .unwrap_or_else(|_| "warn,qdrant_edge::common::flags=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -153,15 +155,19 @@ fn run(cli: Cli) -> Result<()> {
             return serve_cmd(&config);
         }
         Command::Delete { ids } => {
-            if let Some(addr) = client::running_server(&config) {
+            if let Some(addr) = running_server(&config) {
                 for id in &ids {
-                    let path = format!("/v1/documents/{}", client::encode_segment(id));
+                    let path = format!("/v1/documents/{}", serve::client::encode_segment(id));
                     let token = Some(config.serve.admin_token.as_str());
-                    let (status, body) = client::request(addr, "DELETE", &path, token, None)?;
+                    let (status, body) =
+                        serve::client::request(addr, "DELETE", &path, token, None)?;
                     match status {
                         200 => println!("{}", serde_json::json!({"id": id, "deleted": true})),
                         404 => println!("{}", serde_json::json!({"id": id, "deleted": false})),
-                        _ => return Err(client::api_error(status, &body)),
+                        _ => anyhow::bail!(
+                            "server answered {status}: {}",
+                            serve::client::error_message(&body)
+                        ),
                     }
                 }
                 return Ok(());
@@ -180,6 +186,7 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Retrieval(args) => bench::retrieval::run(&args)?,
                 BenchCommand::Ingest(args) => bench::ingest::run(&args)?,
                 BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
+                BenchCommand::Load(args) => bench::load::run(&args)?,
             };
             for line in lines {
                 println!("{}", serde_json::to_string(&line)?);
@@ -285,7 +292,7 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
             anyhow::ensure!(p.exists(), "{} does not exist", p.display());
         }
     }
-    if let Some(addr) = client::running_server(config) {
+    if let Some(addr) = running_server(config) {
         return ingest_via_server(config, addr, &sources, &args);
     }
     let engine = open_engine(config)?;
@@ -307,6 +314,19 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
         std::process::exit(EXIT_PARTIAL);
     }
     Ok(())
+}
+
+/// A running server's address, if `server.json` names one that answers `/healthz`.
+fn running_server(config: &Config) -> Option<std::net::SocketAddr> {
+    let text = std::fs::read_to_string(config.server_file()).ok()?;
+    let info: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let addr = info["url"]
+        .as_str()?
+        .strip_prefix("http://")?
+        .parse()
+        .ok()?;
+    let (status, body) = serve::client::request(addr, "GET", "/healthz", None, None).ok()?;
+    (status == 200 && body.trim() == "ok").then_some(addr)
 }
 
 /// `ragkv ingest` while a server owns the data directory: read the sources here, send the
@@ -338,9 +358,13 @@ fn ingest_via_server(
         let body =
             serde_json::json!({"documents": std::mem::take(batch), "materialize": materialize});
         let token = Some(config.serve.admin_token.as_str());
-        let (status, text) = client::request(addr, "POST", "/v1/documents", token, Some(&body))?;
+        let (status, text) =
+            serve::client::request(addr, "POST", "/v1/documents", token, Some(&body))?;
         if status != 200 {
-            return Err(client::api_error(status, &text));
+            anyhow::bail!(
+                "server answered {status}: {}",
+                serve::client::error_message(&text)
+            );
         }
         let report: serde_json::Value = serde_json::from_str(&text)?;
         for (k, v) in report.as_object().into_iter().flatten() {

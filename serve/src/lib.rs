@@ -11,6 +11,7 @@
 //!
 //! The request path and its threads are described in [`rag`].
 
+pub mod client;
 pub mod config;
 pub mod http;
 pub mod metrics;
