@@ -264,13 +264,15 @@ async fn admin_routes_need_the_token_and_documents_round_trip() {
 async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
-    let app = app_with(
-        &f,
+    let rag = Rag::start(
+        f.engine.clone(),
         ServeConfig {
             max_inflight: 1,
             ..ServeConfig::default()
         },
-    );
+    )
+    .unwrap();
+    let app = serve::app(AppState::new(rag.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -314,5 +316,45 @@ async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
     assert!(
         done.contains("\"citations\"") && done.contains("\"first_token_ms\""),
         "{done}"
+    );
+    drop(sock);
+
+    // A client that goes away mid-answer cancels its generation: the model is free again
+    // long before 1,000 tokens could have been generated.
+    let long = json!({"question": "Count from 1 to 1000, separated by commas.",
+                      "top_k": 1, "max_tokens": 1000})
+    .to_string();
+    let req = format!(
+        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{long}",
+        long.len()
+    );
+    let mut s3 = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s3.write_all(req.as_bytes()).await.unwrap();
+    let mut got = String::new();
+    while !got.contains("event: token") {
+        let n = s3.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let cancelled = |r: &Rag| {
+        r.metrics
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = cancelled(&rag);
+    drop(s3);
+    let t = std::time::Instant::now();
+    while cancelled(&rag) == before {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "generation was not cancelled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        rag.metrics
+            .inflight
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
     );
 }
