@@ -38,7 +38,11 @@ fn related_sentences_are_closer_than_unrelated_ones() {
 
 #[test]
 fn batches_and_single_texts_agree() {
-    let e = embedder();
+    let e = Embedder::new(&EmbedderConfig {
+        batch_size: 4,
+        ..EmbedderConfig::default()
+    })
+    .unwrap();
     let texts: Vec<String> = (0..7)
         .map(|i| format!("sentence number {i} {}", "padding words ".repeat(i * 5)))
         .collect();
@@ -50,9 +54,13 @@ fn batches_and_single_texts_agree() {
 }
 
 #[test]
-fn truncation_follows_max_tokens_not_the_shipped_128() {
-    // With the tokenizer as shipped (fixed 128), a change after ~128 tokens is invisible.
-    let e = embedder();
+fn truncation_follows_max_tokens() {
+    // With max_tokens 512, a change after ~200 word pieces changes the vector.
+    let e = Embedder::new(&EmbedderConfig {
+        max_tokens: 512,
+        ..EmbedderConfig::default()
+    })
+    .unwrap();
     let head = "alpha beta gamma delta ".repeat(50); // ~200 word pieces
     let a = e
         .embed_one(&format!("{head} the tail is about volcanoes"))
