@@ -7,14 +7,20 @@
 #   scripts/quickstart.sh ["your question"]
 #
 # Environment: RAGKV_DATA (default: a temporary directory, removed afterwards),
-# CARGO_TARGET_DIR (default ~/.cache/ragkv/target).
+# CARGO_TARGET_DIR (default ~/.cache/ragkv/target), RAGKV_PROFILE (release, the default, or
+# dev: reuses the test build, dependencies optimized either way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragkv/target}"
-cargo build --release --locked -p ragkv
-bin="$CARGO_TARGET_DIR/release/ragkv"
+if [ "${RAGKV_PROFILE:-release}" = dev ]; then
+  cargo build --locked -p ragkv
+  bin="$CARGO_TARGET_DIR/debug/ragkv"
+else
+  cargo build --release --locked -p ragkv
+  bin="$CARGO_TARGET_DIR/release/ragkv"
+fi
 question="${1:-Who was the last resident keeper of the Varrow Point Lighthouse, and what did she do in October 1972?}"
 
 if [ -n "${RAGKV_DATA:-}" ]; then
@@ -59,9 +65,9 @@ for line in sys.stdin:
         elif event == "done":
             print()
             for c in data["citations"]:
-                print(f"  cited {c[\"doc_id\"]} chunk {c[\"chunk\"]} (score {c[\"score\"]:.3f}, KV {c[\"kv\"]})")
+                print("  cited %s chunk %s (score %.3f, KV %s)" % (c["doc_id"], c["chunk"], c["score"], c["kv"]))
             t = data["timings"]
-            print("  timings (ms): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in t.items()))
+            print("  timings (ms): " + ", ".join("%s %.1f" % (k[:-3], v) for k, v in t.items()))
         elif event == "error":
             print("\nerror:", data["error"]["message"], file=sys.stderr); sys.exit(1)
 '

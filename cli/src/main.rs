@@ -98,8 +98,8 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RAGKV_LOG")
-                // Qdrant Edge warns about server feature flags it does not use.
-                .unwrap_or_else(|_| "warn,qdrant_edge::common::flags=error".into()),
+                // Qdrant Edge warns about server-only initialization it does not need.
+                .unwrap_or_else(|_| "warn,qdrant_edge::common=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
