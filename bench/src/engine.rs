@@ -44,6 +44,24 @@ pub fn open(
     .map_err(|x| e("engine")(x.to_string()))
 }
 
+/// Ingests `source` with `materialize`, no pruning, no progress display.
+pub fn ingest(
+    engine: &ingest::Engine,
+    source: ingest::Source,
+    materialize: ingest::Materialize,
+) -> Result<ingest::Report, Error> {
+    engine
+        .ingest(
+            &[source],
+            &ingest::RunOptions {
+                materialize,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+        .map_err(|x| e("ingest")(x.to_string()))
+}
+
 /// Dataset documents as in-memory ingest documents.
 pub fn docs(dataset: &[crate::dataset::Document]) -> Vec<ingest::Doc> {
     dataset

@@ -60,16 +60,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
 
     // Ours: the pipeline, end to end, until everything is committed and indexed.
     let t = Instant::now();
-    let report = engine
-        .ingest(
-            &[ingest::Source::Docs(crate::engine::docs(&corpus))],
-            &ingest::RunOptions {
-                materialize: ingest::Materialize::Eager,
-                prune: false,
-            },
-            &ingest::Counters::default(),
-        )
-        .map_err(|e| Error::Check(format!("ingest: {e}")))?;
+    let report = crate::engine::ingest(
+        &engine,
+        ingest::Source::Docs(crate::engine::docs(&corpus)),
+        ingest::Materialize::Eager,
+    )?;
     let wall = t.elapsed().as_secs_f64();
     if report.tokens_prefilled != tokens {
         return Err(Error::Check(format!(

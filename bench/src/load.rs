@@ -133,16 +133,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let engine = Arc::new(crate::engine::open(&work, None, 512)?);
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    engine
-        .ingest(
-            &[ingest::Source::Dir(corpus)],
-            &ingest::RunOptions {
-                materialize: ingest::Materialize::Eager,
-                prune: false,
-            },
-            &ingest::Counters::default(),
-        )
-        .map_err(|e| Error::Check(format!("ingest: {e}")))?;
+    crate::engine::ingest(
+        &engine,
+        ingest::Source::Dir(corpus),
+        ingest::Materialize::Eager,
+    )?;
     let config = ServeConfig {
         max_inflight: args.max_inflight,
         ..ServeConfig::default()

@@ -106,16 +106,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     if fresh {
         let corpus = dataset::documents(&ds, args.docs)?;
         eprintln!("[ttft] indexing {} documents (vectors only)", corpus.len());
-        let r = engine
-            .ingest(
-                &[ingest::Source::Docs(crate::engine::docs(&corpus))],
-                &ingest::RunOptions {
-                    materialize: ingest::Materialize::None,
-                    prune: false,
-                },
-                &ingest::Counters::default(),
-            )
-            .map_err(|e| Error::Check(format!("ingest: {e}")))?;
+        let r = crate::engine::ingest(
+            &engine,
+            ingest::Source::Docs(crate::engine::docs(&corpus)),
+            ingest::Materialize::None,
+        )?;
         eprintln!("[ttft] {}", r.summary());
     }
     let questions = dataset::questions(&ds, args.questions)?;

@@ -2,7 +2,7 @@
 //! `openai` Python client (installed by scripts/setup.sh into the cache) against it, streaming
 //! and not; then SIGTERM for a graceful shutdown.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -10,12 +10,6 @@ fn ragkv(data: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
     c.arg("--data-dir").arg(data);
     c
-}
-
-fn cache_dir() -> PathBuf {
-    std::env::var_os("RAGKV_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/ragkv"))
 }
 
 struct Server(Child);
@@ -80,7 +74,7 @@ print(json.dumps(out))
 
 #[test]
 fn openai_python_client_streams_and_not_against_the_real_server() {
-    let pylib = cache_dir().join("pylib");
+    let pylib = retrieval::cache_dir().join("pylib");
     assert!(
         pylib.join("openai").exists(),
         "the openai client is missing from {}: run scripts/setup.sh",

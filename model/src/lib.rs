@@ -252,13 +252,7 @@ impl Model {
 /// Where `scripts/fetch-models.sh` puts models: `$RAGKV_CACHE/models`, default
 /// `~/.cache/ragkv/models`.
 pub fn models_dir() -> std::path::PathBuf {
-    let cache = std::env::var_os("RAGKV_CACHE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ragkv"))
-        })
-        .unwrap_or_else(|| std::path::PathBuf::from(".ragkv-cache"));
-    cache.join("models")
+    schema::cache_dir().join("models")
 }
 
 /// The CI / default model file name inside [`models_dir`].

@@ -29,6 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use schema::cache_dir;
 
 /// Environment variable naming the ONNX Runtime library (the same one `ort` reads).
 pub const ORT_ENV: &str = "ORT_DYLIB_PATH";
@@ -93,15 +94,6 @@ impl EmbedderConfig {
             self.model_dir.clone()
         }
     }
-}
-
-/// The project cache: `$RAGKV_CACHE`, else `~/.cache/ragkv`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("RAGKV_CACHE").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache").join("ragkv")
 }
 
 /// Finds the ONNX Runtime library: `configured` (file or directory), then `$ORT_DYLIB_PATH`,

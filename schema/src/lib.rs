@@ -33,3 +33,15 @@ pub enum SchemaError {
         value: u64,
     },
 }
+
+/// The project cache (models, ONNX Runtime, wheels): `$RAGKV_CACHE`, else `~/.cache/ragkv`,
+/// else `.ragkv-cache` in the working directory. Never inside the repository by default.
+pub fn cache_dir() -> std::path::PathBuf {
+    std::env::var_os("RAGKV_CACHE")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ragkv"))
+        })
+        .unwrap_or_else(|| std::path::PathBuf::from(".ragkv-cache"))
+}

@@ -234,16 +234,11 @@ impl EdgeIndex {
         }
     }
 
-    pub fn delete_by_filter(&self, filter: &SearchFilter) -> Result<()> {
-        let Some(f) = to_filter(filter)? else {
-            return Err(Error::Invalid {
-                what: "delete filter",
-                reason: "empty: refusing to delete every point".into(),
-            });
-        };
+    pub fn delete_document(&self, doc_id: &str) -> Result<()> {
+        let filter = Filter::new_must(keyword(DOC_ID_FIELD, doc_id)?);
         self.update(
             "delete",
-            UpdateOperation::PointOperation(PointOperations::DeletePointsByFilter(f)),
+            UpdateOperation::PointOperation(PointOperations::DeletePointsByFilter(filter)),
         )
     }
 

@@ -199,8 +199,8 @@ impl VectorIndex {
     /// Removes every point of `doc_id`.
     pub fn delete_document(&self, doc_id: &str) -> Result<()> {
         match self {
-            VectorIndex::Embedded(i) => i.delete_by_filter(&SearchFilter::document(doc_id)),
-            VectorIndex::Remote(i) => i.delete_by_filter(&SearchFilter::document(doc_id)),
+            VectorIndex::Embedded(i) => i.delete_document(doc_id),
+            VectorIndex::Remote(i) => i.delete_document(doc_id),
         }
     }
 

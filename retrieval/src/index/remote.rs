@@ -4,10 +4,10 @@ use std::future::Future;
 use std::time::Duration;
 
 use qdrant_client::qdrant::{
-    point_id::PointIdOptions, vectors_config, Condition, CountPointsBuilder,
-    CreateCollectionBuilder, CreateFieldIndexCollectionBuilder, DeletePointsBuilder, Distance,
-    FieldType, Filter, PointId, PointStruct, ScrollPointsBuilder, SearchParamsBuilder,
-    SearchPointsBuilder, UpsertPointsBuilder, VectorParamsBuilder,
+    point_id::PointIdOptions, points_selector::PointsSelectorOneOf, vectors_config, Condition,
+    CountPointsBuilder, CreateCollectionBuilder, CreateFieldIndexCollectionBuilder,
+    DeletePointsBuilder, Distance, FieldType, Filter, PointId, PointStruct, ScrollPointsBuilder,
+    SearchParamsBuilder, SearchPointsBuilder, UpsertPointsBuilder, VectorParamsBuilder,
 };
 use qdrant_client::{Payload, Qdrant, QdrantError};
 use uuid::Uuid;
@@ -305,28 +305,21 @@ impl RemoteIndex {
         }
     }
 
-    pub fn delete_by_filter(&self, filter: &SearchFilter) -> Result<()> {
-        let Some(f) = to_filter(filter)? else {
-            return Err(Error::Invalid {
-                what: "delete filter",
-                reason: "empty: refusing to delete every point".into(),
-            });
-        };
-        let req = DeletePointsBuilder::new(self.collection.clone())
-            .points(f)
-            .wait(true)
-            .build();
-        self.call("delete", move |c| {
-            let req = req.clone();
-            async move { c.delete_points(req).await }
-        })
-        .map(drop)
+    pub fn delete_document(&self, doc_id: &str) -> Result<()> {
+        self.delete(Filter::must([Condition::matches(
+            DOC_ID_FIELD,
+            doc_id.to_string(),
+        )]))
     }
 
     pub fn delete_points(&self, ids: &[Uuid]) -> Result<()> {
         let ids: Vec<PointId> = ids.iter().map(|u| PointId::from(u.to_string())).collect();
+        self.delete(ids)
+    }
+
+    fn delete(&self, selector: impl Into<PointsSelectorOneOf>) -> Result<()> {
         let req = DeletePointsBuilder::new(self.collection.clone())
-            .points(ids)
+            .points(selector)
             .wait(true)
             .build();
         self.call("delete", move |c| {
