@@ -211,7 +211,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     // Back to back: the loader overlapping decode vs one query after another.
     drop_segment_pages(&engine)?;
     let t = Instant::now();
-    let mut load_ms = 0.0;
+    let (mut seq_load, mut seq_hidden) = (0.0, 0.0);
     for q in &questions {
         let f = wait(submit(
             &rag,
@@ -220,7 +220,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             args.max_tokens,
             KvMode::On,
         )?)?;
-        load_ms += f.timings.load_ms;
+        seq_load += f.timings.load_ms;
+        seq_hidden += f.timings.load_hidden_ms;
     }
     let sequential = t.elapsed();
     drop_segment_pages(&engine)?;
@@ -229,8 +230,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         .iter()
         .map(|q| submit(&rag, &q.question, args.top_k, args.max_tokens, KvMode::On))
         .collect::<Result<Vec<_>, _>>()?;
+    let (mut load, mut hidden) = (0.0, 0.0);
     for rx in receivers {
-        wait(rx)?;
+        let f = wait(rx)?;
+        load += f.timings.load_ms;
+        hidden += f.timings.load_hidden_ms;
     }
     let overlapped = t.elapsed();
     let n = questions.len() as f64;
@@ -242,22 +246,27 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         "queries/s",
         "the same queries loaded and decoded one after another",
     );
-    let hidden = ((secs(sequential) - secs(overlapped)) * 1e3 / load_ms).clamp(0.0, 1.0);
     thr.detail = Some(serde_json::json!({
         "sequential_s": secs(sequential), "overlapped_s": secs(overlapped),
-        "kv_load_ms_total": load_ms, "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens,
     }));
     lines.push(thr);
-    lines.push(
-        Line::higher(
-            "kv_load_hidden_share",
-            hidden,
-            1.0,
-            "fraction",
-            "all KV load time hidden behind compute",
-        )
-        .bar(0.9),
-    );
+    // Measured on the timeline: loader time during which the model thread was computing
+    // another query. One after another it must be ~0 (nothing to hide behind).
+    let mut share = Line::higher(
+        "kv_load_hidden_share",
+        hidden / load,
+        1.0,
+        "fraction",
+        "all KV load time hidden behind compute",
+    )
+    .bar(0.9);
+    share.detail = Some(serde_json::json!({
+        "kv_load_ms": load, "kv_load_hidden_ms": hidden,
+        "sequential_kv_load_ms": seq_load, "sequential_kv_load_hidden_ms": seq_hidden,
+        "wall_saved_ms": (secs(sequential) - secs(overlapped)) * 1e3,
+    }));
+    lines.push(share);
     drop(rag);
     crate::engine::close(engine);
     Ok(lines)

@@ -15,6 +15,7 @@ pub mod client;
 pub mod config;
 pub mod http;
 pub mod metrics;
+pub mod overlap;
 pub mod rag;
 
 pub use config::ServeConfig;

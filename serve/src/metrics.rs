@@ -68,6 +68,9 @@ pub struct Metrics {
     pub kv_hits: AtomicU64,
     pub kv_misses: AtomicU64,
     pub kv_bytes_loaded: AtomicU64,
+    /// Loader time, and the part of it that ran while the model computed (microseconds).
+    pub kv_load_us: AtomicU64,
+    pub kv_load_hidden_us: AtomicU64,
     pub rematerialized: AtomicU64,
     pub inflight: AtomicU64,
     pub load_queue: AtomicU64,
@@ -87,6 +90,8 @@ impl Default for Metrics {
             kv_hits: AtomicU64::new(0),
             kv_misses: AtomicU64::new(0),
             kv_bytes_loaded: AtomicU64::new(0),
+            kv_load_us: AtomicU64::new(0),
+            kv_load_hidden_us: AtomicU64::new(0),
             rematerialized: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             load_queue: AtomicU64::new(0),
@@ -111,6 +116,24 @@ impl Metrics {
             &mut out,
         );
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let secs = |a: &AtomicU64| g(a) as f64 / 1e6;
+        for (name, help, v) in [
+            (
+                "ragkv_kv_load_seconds_total",
+                "Loader time: reading, verifying, importing and re-positioning stored KV.",
+                secs(&self.kv_load_us),
+            ),
+            (
+                "ragkv_kv_load_hidden_seconds_total",
+                "Loader time during which the model was computing another query.",
+                secs(&self.kv_load_hidden_us),
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
         for (name, kind, help, v) in [
             (
                 "ragkv_requests_total",

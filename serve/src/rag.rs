@@ -1,12 +1,14 @@
 //! The request path: retrieve → load stored KV → assemble → prefill the question → decode.
 //!
 //! Three named threads, joined by bounded queues:
-//! - `ragkv-loader` reads each admitted query's chunk KV from the store (verified) and imports
-//!   it into tensors. It works ahead of the model: the queue to the model holds one loaded
-//!   query, so query N+1's KV is read while query N decodes.
-//! - `ragkv-model` assembles the prompt cache (the system prefix, computed once, then every
-//!   chunk's KV rotated to consecutive positions), prefills the question and decodes, sending
-//!   text to the query's own channel. A chunk whose KV is missing or fails verification is
+//! - `ragkv-loader` reads each admitted query's chunk KV from the store (verified), imports
+//!   it into tensors and rotates each chunk's keys to the positions it takes in the prompt
+//!   (consecutive, after the system prefix). It works ahead of the model: the queue to the
+//!   model holds one loaded query, so query N+1's KV is read while query N decodes. How much
+//!   of each load ran while the model was busy is measured ([`crate::overlap`]) and reported.
+//! - `ragkv-model` assembles the prompt cache (the system prefix, computed once, then the
+//!   chunks' KV), prefills the question and decodes, sending text to the query's own
+//!   channel. A chunk whose KV is missing or fails verification is
 //!   prefilled inline, and its KV is queued for writing back.
 //! - `ragkv-materialize` writes those KVs back to the store, attached to the chunk's
 //!   document version, so the next query finds them.
@@ -29,6 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
+use crate::overlap::Timeline;
 
 /// Whether stored KV is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -78,7 +81,10 @@ pub struct Timings {
     pub retrieve_ms: f64,
     /// Waiting for the loader and the model (queues).
     pub queue_ms: f64,
+    /// Reading, verifying, importing and re-positioning the chunks' stored KV.
     pub load_ms: f64,
+    /// The part of `load_ms` during which the model was computing another query.
+    pub load_hidden_ms: f64,
     pub assemble_ms: f64,
     /// Question prefill up to the first token.
     pub prefill_ms: f64,
@@ -122,6 +128,7 @@ struct LoadJob {
 struct Loaded {
     hit: Hit,
     tokens: Vec<u32>,
+    /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
     kv: Option<Kv>,
 }
 
@@ -201,18 +208,20 @@ impl Rag {
                 .map(drop)
                 .map_err(|e| format!("spawning {name}: {e}"))
         };
+        let timeline = Arc::new(Timeline::default());
         {
-            let (e, m) = (engine.clone(), metrics.clone());
+            let (e, m, tl) = (engine.clone(), metrics.clone(), timeline.clone());
+            let start = prefix.tokens.len();
             spawn(
                 "ragkv-loader",
-                Box::new(move || loader(&e, &m, load_rx, compute_tx)),
+                Box::new(move || loader(&e, &m, &tl, start, load_rx, compute_tx)),
             )?;
         }
         {
             let (e, m, p) = (engine.clone(), metrics.clone(), prefix.clone());
             spawn(
                 "ragkv-model",
-                Box::new(move || compute(&e, &m, &p, compute_rx, wb_tx)),
+                Box::new(move || compute(&e, &m, &timeline, &p, compute_rx, wb_tx)),
             )?;
         }
         {
@@ -282,8 +291,17 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn loader(engine: &Engine, m: &Metrics, rx: Receiver<LoadJob>, tx: Sender<ComputeJob>) {
+/// `start`: the first chunk's position (the system prefix's length).
+fn loader(
+    engine: &Engine,
+    m: &Metrics,
+    timeline: &Timeline,
+    start: usize,
+    rx: Receiver<LoadJob>,
+    tx: Sender<ComputeJob>,
+) {
     let layout = engine.layout();
+    let model = &engine.model;
     let mut buf = Vec::new();
     for mut job in rx {
         m.load_queue.fetch_sub(1, Ordering::Relaxed);
@@ -296,6 +314,7 @@ fn loader(engine: &Engine, m: &Metrics, rx: Receiver<LoadJob>, tx: Sender<Comput
         job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
         let mut chunks = Vec::with_capacity(job.hits.len());
         let mut failed = None;
+        let mut pos = start;
         for hit in std::mem::take(&mut job.hits) {
             let tokens = match engine.chunk_tokens(&hit.payload.text) {
                 Ok(t) if !t.is_empty() => t,
@@ -315,9 +334,16 @@ fn loader(engine: &Engine, m: &Metrics, rx: Receiver<LoadJob>, tx: Sender<Comput
                     Ok(_) => {
                         m.kv_bytes_loaded
                             .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                        Kv::from_bytes(&buf, &layout, &Device::Cpu)
-                            .and_then(|kv| kv.to(&Device::Cpu, engine.model.dtype()))
-                            .ok()
+                        let kv = Kv::from_bytes(&buf, &layout, &Device::Cpu)
+                            .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
+                            .and_then(|kv| model.reposition(&kv, pos as i64));
+                        match kv {
+                            Ok(kv) => Some(kv),
+                            Err(e) => {
+                                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV import failed; recomputing");
+                                None
+                            }
+                        }
                     }
                     Err(e) => {
                         if !e.is_miss() {
@@ -329,13 +355,21 @@ fn loader(engine: &Engine, m: &Metrics, rx: Receiver<LoadJob>, tx: Sender<Comput
             } else {
                 None
             };
+            pos += tokens.len();
             chunks.push(Loaded { hit, tokens, kv });
         }
         if let Some(e) = failed {
             finish_err(m, &job.events, format!("loading chunks: {e}"));
             continue;
         }
-        job.timings.load_ms = ms(t.elapsed());
+        let end = Instant::now();
+        let (took, hidden) = (end - t, timeline.overlap(t, end));
+        job.timings.load_ms = ms(took);
+        job.timings.load_hidden_ms = ms(hidden);
+        m.kv_load_us
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        m.kv_load_hidden_us
+            .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
         m.compute_queue.fetch_add(1, Ordering::Relaxed);
         let queued_at = Instant::now();
         if tx
@@ -361,6 +395,7 @@ fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, e: String) {
 fn compute(
     engine: &Engine,
     m: &Metrics,
+    timeline: &Timeline,
     prefix: &Prefix,
     rx: Receiver<ComputeJob>,
     wb: Sender<Writeback>,
@@ -373,7 +408,10 @@ fn compute(
             m.inflight.fetch_sub(1, Ordering::Relaxed);
             continue;
         }
-        match answer(engine, m, prefix, cj, &wb) {
+        timeline.start(Instant::now());
+        let r = answer(engine, m, prefix, cj, &wb);
+        timeline.stop(Instant::now());
+        match r {
             Ok(Some(f)) => {
                 m.inflight.fetch_sub(1, Ordering::Relaxed);
                 if f.finish_reason == "cancelled" {
@@ -415,7 +453,7 @@ fn answer(
     let layout = engine.layout();
     let s = |e: model::Error| e.to_string();
 
-    // Assemble: prefix, then each chunk rotated to its place.
+    // Assemble: prefix, then each chunk at its place (the loader rotated stored KV there).
     let t = Instant::now();
     let mut parts = vec![prefix.kv.clone()];
     let mut pos = prefix.tokens.len();
@@ -432,6 +470,7 @@ fn answer(
                 let bytes = engine.prefill_bytes(&c.tokens).map_err(|e| e.to_string())?;
                 let kv = Kv::from_bytes(&bytes, &layout, &Device::Cpu)
                     .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
+                    .and_then(|kv| model.reposition(&kv, pos as i64))
                     .map_err(s)?;
                 if query.kv == KvMode::On {
                     misses += 1;
@@ -448,11 +487,6 @@ fn answer(
                     (kv, KvSource::Off)
                 }
             }
-        };
-        let kv = if pos > 0 {
-            model.reposition(&kv, pos as i64).map_err(s)?
-        } else {
-            kv
         };
         pos += kv.len();
         citations.push(Citation {

@@ -138,6 +138,9 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         (Some(1), Some(0))
     );
     assert!(on["timings"]["first_token_ms"].as_f64().unwrap() > 0.0);
+    // One query at a time: the model was idle during the load, nothing was hidden.
+    assert!(on["timings"]["load_ms"].as_f64().unwrap() > 0.0, "{on}");
+    assert_eq!(on["timings"]["load_hidden_ms"].as_f64(), Some(0.0), "{on}");
     assert!(!on["answer"].as_str().unwrap().is_empty());
 
     // kv=off recomputes the chunk: greedy output is identical.
@@ -188,6 +191,7 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         "{metrics}"
     );
     assert!(metrics.contains("ragkv_kv_hits_total"));
+    assert!(metrics.contains("ragkv_kv_load_hidden_seconds_total"));
     let (_, stats, _) = call(&app, "GET", "/v1/stats", None, None).await;
     assert!(
         stats["queries"]["admitted"].as_u64().unwrap() >= 4,
