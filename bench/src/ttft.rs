@@ -69,6 +69,7 @@ fn submit(
             ..model::GenerateParams::default()
         },
         kv,
+        assembly: serve::Assembly::Reposition,
     };
     let arrived = Instant::now();
     let hits = rag.retrieve(&q).map_err(check("retrieve"))?;

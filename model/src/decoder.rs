@@ -186,20 +186,10 @@ impl Decoder {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", i).entered();
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.cfg.rms_eps as f32)
-                .ctx("attn norm")?;
+            let h = self.rms(&x, &layer.attn_norm)?;
             let a = self.attention(i, layer, &h, pos, cache, mask.as_ref())?;
             x = (x + a).ctx("residual")?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps as f32)
-                .ctx("ffn norm")?;
-            let g = layer
-                .gate
-                .forward(&h)
-                .and_then(|t| candle_nn::ops::silu(&t))
-                .ctx("gate")?;
-            let u = layer.up.forward(&h).ctx("up")?;
-            let m = layer.down.forward(&(g * u).ctx("swiglu")?).ctx("down")?;
-            x = (x + m).ctx("residual")?;
+            x = self.mlp(layer, x)?;
         }
         cache.advance(s);
         let x = x.squeeze(0).ctx("squeeze")?;
@@ -207,8 +197,7 @@ impl Decoder {
             Logits::Last => x.narrow(0, s - 1, 1).ctx("last")?,
             Logits::All => x,
         };
-        let x =
-            candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32).ctx("final norm")?;
+        let x = self.rms(&x, &self.norm)?;
         let out = x.matmul(&self.lm_head.t().ctx("lm head")?).ctx("lm head")?;
         let out = out.to_dtype(DType::F32).ctx("logits")?;
         match logits {
@@ -236,15 +225,25 @@ impl Decoder {
             .ctx("mask")
     }
 
-    fn attention(
-        &self,
-        i: usize,
-        layer: &Layer,
-        h: &Tensor,
-        pos: usize,
-        cache: &mut KvCache,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32).ctx("rms norm")
+    }
+
+    /// `x + mlp(norm(x))`.
+    fn mlp(&self, layer: &Layer, x: Tensor) -> Result<Tensor> {
+        let h = self.rms(&x, &layer.ffn_norm)?;
+        let g = layer
+            .gate
+            .forward(&h)
+            .and_then(|t| candle_nn::ops::silu(&t))
+            .ctx("gate")?;
+        let u = layer.up.forward(&h).ctx("up")?;
+        let m = layer.down.forward(&(g * u).ctx("swiglu")?).ctx("down")?;
+        (x + m).ctx("residual")
+    }
+
+    /// Q, K, V projections of `h` (b, s, hidden), not yet rotated: `(b, heads, s, head_dim)`.
+    fn qkv(&self, layer: &Layer, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let cfg = &self.cfg;
         let (b, s, _) = h.dims3().ctx("attn input")?;
         let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
@@ -267,9 +266,39 @@ impl Decoder {
             .and_then(|t| t.transpose(1, 2))
             .and_then(|t| t.contiguous())
             .ctx("v")?;
+        Ok((q, k, v))
+    }
+
+    fn attention(
+        &self,
+        i: usize,
+        layer: &Layer,
+        h: &Tensor,
+        pos: usize,
+        cache: &mut KvCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(layer, h)?;
         let q = self.rope.forward(&q, pos)?;
         let k = self.rope.forward(&k, pos)?;
         let (k, v) = cache.append(i, &k, &v)?;
+        self.attend(layer, &q, &k, &v, mask)
+    }
+
+    /// Attention of rotated queries `q` (b, heads, s, d) over keys and values
+    /// (b, kv_heads, t, d), with an optional additive mask `(s, t)`, through the output
+    /// projection.
+    fn attend(
+        &self,
+        layer: &Layer,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let (b, _, s, _) = q.dims4().ctx("q dims")?;
         let (k, v) = (k.contiguous().ctx("k")?, v.contiguous().ctx("v")?);
         let t = k.dim(2).ctx("k len")?;
         // Grouped-query attention without materializing repeated K/V: the `rep` query heads
@@ -315,6 +344,145 @@ impl Decoder {
             .map(|(k, v)| Ok((self.rope.shift(k, delta)?, v.clone())))
             .collect::<Result<_>>()?;
         Kv::new(layers)
+    }
+
+    /// Selective recompute over an assembled context (CacheBlend's idea): brings the KV of
+    /// independently computed chunks closer to what a full prefill of the whole context
+    /// computes, by recomputing a share of the tokens with full attention.
+    ///
+    /// `kv` holds `tokens` at positions `0..n` (each chunk already rotated to its place); the
+    /// first `exact` tokens (the system prefix) are already what full prefill computes.
+    /// Layer 0's keys and values depend on the token and its position only, so the stored
+    /// ones are exact; its output, which attention over the whole context changes, is
+    /// computed for every token. At layer 1 the keys and values of every token are computed
+    /// from that output and compared with the stored ones; the `share` of tokens that deviate
+    /// most are recomputed through every later layer, attending to the whole context (their
+    /// own rows replaced), and the rest keep their stored KV. Cost: about one layer of full
+    /// prefill plus `share` of the others.
+    ///
+    /// Returns the blended KV and the positions recomputed (ascending).
+    pub fn blend(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        exact: usize,
+        share: f64,
+    ) -> Result<(Kv, Vec<usize>)> {
+        let n = kv.len();
+        if tokens.len() != n {
+            return Err(Error::Input {
+                why: format!("blend: {} tokens for a KV of {n}", tokens.len()),
+            });
+        }
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::Input {
+                why: format!("blend: share {share} is not in 0..=1"),
+            });
+        }
+        if exact >= n || share == 0.0 || self.layers.len() < 2 {
+            return Ok((kv.clone(), Vec::new()));
+        }
+        let m = n - exact;
+        let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
+        let x = self
+            .embed
+            .index_select(&ids, 0)
+            .and_then(|t| t.unsqueeze(0))
+            .ctx("embed")?;
+
+        // Layer 0 for every token, over the stored (exact) keys and values.
+        let (k0, v0) = &kv.layers[0];
+        let l0 = &self.layers[0];
+        let h = self.rms(&x, &l0.attn_norm)?;
+        let (q, _, _) = self.qkv(l0, &h)?;
+        let q = self.rope.forward(&q, exact)?;
+        let a = self.attend(l0, &q, k0, v0, Some(&self.mask(m, n)?))?;
+        let x = self.mlp(l0, (x + a).ctx("residual")?)?;
+
+        // Layer 1: every token's fresh keys and values against the stored ones.
+        let l1 = &self.layers[1];
+        let (k1, v1) = &kv.layers[1];
+        let h = self.rms(&x, &l1.attn_norm)?;
+        let (q, k, v) = self.qkv(l1, &h)?;
+        let k = self.rope.forward(&k, exact)?;
+        let dev = |fresh: &Tensor, stored: &Tensor| -> Result<Tensor> {
+            let stored = stored.narrow(2, exact, m).ctx("stored rows")?;
+            (fresh - stored)
+                .and_then(|d| d.to_dtype(DType::F32))
+                .and_then(|d| d.sqr())
+                .and_then(|d| d.sum((0, 1, 3)))
+                .ctx("deviation")
+        };
+        let score: Vec<f32> = (dev(&k, k1)? + dev(&v, v1)?)
+            .and_then(|d| d.to_vec1())
+            .ctx("deviation")?;
+        let r = ((m as f64 * share).ceil() as usize).clamp(1, m);
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+        let mut sel = order[..r].to_vec();
+        sel.sort_unstable();
+        let positions: Vec<usize> = sel.iter().map(|&i| exact + i).collect();
+        let rel = Tensor::new(
+            sel.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+            &self.device,
+        )
+        .ctx("selection")?;
+        let abs = Tensor::new(
+            positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+            &self.device,
+        )
+        .ctx("selection")?;
+        let mut replaced = vec![0u8; n];
+        for &p in &positions {
+            replaced[p] = 1;
+        }
+        let replaced = Tensor::from_vec(replaced, (1, 1, n, 1), &self.device).ctx("row mask")?;
+        // Query j (at position p_j) sees keys 0..=p_j.
+        let mask: Vec<f32> = positions
+            .iter()
+            .flat_map(|&p| (0..n).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (r, n), &self.device)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .ctx("mask")?;
+        let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
+            let rows = rows.contiguous().ctx("rows")?;
+            let scattered = base
+                .zeros_like()
+                .and_then(|z| z.index_add(&abs, &rows, 2))
+                .ctx("scatter rows")?;
+            replaced
+                .broadcast_as(base.shape())
+                .and_then(|c| c.where_cond(&scattered, base))
+                .ctx("replace rows")
+        };
+
+        // The selected tokens through layer 1 and every later layer.
+        let sel_rows = |t: &Tensor| {
+            t.contiguous()
+                .and_then(|t| t.index_select(&rel, 2))
+                .ctx("select rows")
+        };
+        let mut x = x
+            .contiguous()
+            .and_then(|x| x.index_select(&rel, 1))
+            .ctx("select")?;
+        let q = self.rope.at(&sel_rows(&q)?, &positions)?;
+        let (k, v) = (put(k1, &sel_rows(&k)?)?, put(v1, &sel_rows(&v)?)?);
+        let a = self.attend(l1, &q, &k, &v, Some(&mask))?;
+        x = self.mlp(l1, (x + a).ctx("residual")?)?;
+        let mut layers = vec![(k0.clone(), v0.clone()), (k, v)];
+        for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers).skip(2) {
+            let h = self.rms(&x, &layer.attn_norm)?;
+            let (q, k, v) = self.qkv(layer, &h)?;
+            let q = self.rope.at(&q, &positions)?;
+            let k = self.rope.at(&k, &positions)?;
+            let (k, v) = (put(ks, &k)?, put(vs, &v)?);
+            let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
+            x = self.mlp(layer, (x + a).ctx("residual")?)?;
+            layers.push((k, v));
+        }
+        Ok((Kv::new(layers)?, positions))
     }
 
     /// Greedy argmax of logits.

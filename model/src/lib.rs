@@ -149,6 +149,18 @@ impl Model {
         self.decoder.reposition(kv, delta)
     }
 
+    /// Recomputes the `share` of an assembled context's tokens whose KV deviates most from
+    /// full attention; see [`Decoder::blend`].
+    pub fn blend(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        exact: usize,
+        share: f64,
+    ) -> Result<(Kv, Vec<usize>)> {
+        self.decoder.blend(kv, tokens, exact, share)
+    }
+
     /// An empty decoding cache.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         self.decoder.new_cache(capacity)

@@ -97,6 +97,12 @@ impl Rope {
         self.apply(x, &cos, &sin)
     }
 
+    /// Rotates `x` (batch, heads, seq, head_dim) for the given positions, one per row.
+    pub fn at(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
+        let (cos, sin) = self.tables(positions.iter().map(|&p| p as i64), x.device(), x.dtype())?;
+        self.apply(x, &cos, &sin)
+    }
+
     /// Moves keys (batch, heads, seq, head_dim) already rotated for their positions by `delta`
     /// positions (which may be negative).
     pub fn shift(&self, k: &Tensor, delta: i64) -> Result<Tensor> {

@@ -305,3 +305,69 @@ fn sampling_options_behave() {
     assert_eq!(greedy.tokens.len(), 8);
     assert_eq!(greedy.finish, model::FinishReason::Length);
 }
+
+/// Mean |a - b| over every layer's keys and values.
+fn kv_mean_abs_diff(a: &Kv, b: &Kv) -> f32 {
+    let mut sum = 0f32;
+    let mut n = 0usize;
+    for ((ak, av), (bk, bv)) in a.layers.iter().zip(&b.layers) {
+        for (x, y) in [(ak, bk), (av, bv)] {
+            let d = (x - y).unwrap().abs().unwrap().flatten_all().unwrap();
+            n += d.dim(0).unwrap();
+            sum += d.sum_all().unwrap().to_scalar::<f32>().unwrap();
+        }
+    }
+    sum / n as f32
+}
+
+#[test]
+fn blend_recomputes_toward_full_prefill() {
+    let m = smollm();
+    let t = m.tokenizer();
+    let prefix = t
+        .encode("<|im_start|>system\nBe brief.<|im_end|>\n")
+        .unwrap();
+    let a = t.encode(CHUNK).unwrap();
+    let b = t
+        .encode(" The keeper's log was moved to the county museum after the storm.")
+        .unwrap();
+    let all: Vec<u32> = [&prefix[..], &a, &b].concat();
+    let (full, _) = m.prefill(&all, 0).unwrap();
+    let (p, _) = m.prefill(&prefix, 0).unwrap();
+    let ka = m
+        .reposition(&m.prefill(&a, 0).unwrap().0, prefix.len() as i64)
+        .unwrap();
+    let kb = m
+        .reposition(
+            &m.prefill(&b, 0).unwrap().0,
+            (prefix.len() + a.len()) as i64,
+        )
+        .unwrap();
+    let assembled = Kv::concat(&[p, ka, kb]).unwrap();
+    let before = kv_mean_abs_diff(&assembled, &full);
+
+    // Nothing to recompute: unchanged.
+    let (same, none) = m.blend(&assembled, &all, prefix.len(), 0.0).unwrap();
+    assert!(none.is_empty());
+    assert_eq!(kv_mean_abs_diff(&same, &assembled), 0.0);
+
+    // Everything recomputed: full prefill.
+    let (whole, every) = m.blend(&assembled, &all, prefix.len(), 1.0).unwrap();
+    assert_eq!(every, (prefix.len()..all.len()).collect::<Vec<_>>());
+    let d = kv_mean_abs_diff(&whole, &full);
+    eprintln!("assembled vs full: {before:e}; blend(1.0) vs full: {d:e}");
+    assert!(d <= 1e-5, "blend(1.0) differs from full prefill by {d}");
+
+    // A quarter: the chosen tokens, and closer to full prefill than plain assembly.
+    let (part, some) = m.blend(&assembled, &all, prefix.len(), 0.25).unwrap();
+    let want = ((all.len() - prefix.len()) as f64 * 0.25).ceil() as usize;
+    assert_eq!(some.len(), want);
+    assert!(some.windows(2).all(|w| w[0] < w[1]) && some[0] >= prefix.len());
+    let d = kv_mean_abs_diff(&part, &full);
+    eprintln!("blend(0.25) vs full: {d:e}");
+    assert!(d < before * 0.9, "blend(0.25) {d} vs assembled {before}");
+
+    // Bad input.
+    assert!(m.blend(&assembled, &all[1..], prefix.len(), 0.5).is_err());
+    assert!(m.blend(&assembled, &all, prefix.len(), 1.5).is_err());
+}

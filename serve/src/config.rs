@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::assembly::Assembly;
+
 /// Server settings; validated before binding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -23,6 +25,10 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// System prompt placed before the retrieved chunks.
     pub system_prompt: String,
+    /// How chunk KV is assembled when a request does not say (see [`crate::assembly`]).
+    pub assembly: Assembly,
+    /// Share of chunk tokens `reposition+recompute` recomputes, in (0, 1].
+    pub recompute_share: f64,
 }
 
 impl Default for ServeConfig {
@@ -39,6 +45,8 @@ impl Default for ServeConfig {
             max_tokens_limit: 1_024,
             max_body_bytes: 8 << 20,
             system_prompt: "Answer the question using the context. Be brief.".into(),
+            assembly: Assembly::default(),
+            recompute_share: 0.15,
         }
     }
 }
@@ -67,6 +75,12 @@ impl ServeConfig {
         if self.request_timeout_ms == 0 || self.max_question_chars == 0 || self.max_body_bytes == 0
         {
             return Err("serve: timeouts and limits must be positive".into());
+        }
+        if !(self.recompute_share > 0.0 && self.recompute_share <= 1.0) {
+            return Err(format!(
+                "serve.recompute_share: {} is outside (0, 1]",
+                self.recompute_share
+            ));
         }
         Ok(())
     }

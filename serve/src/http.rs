@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use crate::assembly::Assembly;
 use crate::rag::{Event, Final, KvMode, Query, Rag};
 
 /// Shared state of the routes.
@@ -117,14 +118,23 @@ pub struct QueryBody {
     pub seed: Option<u64>,
     /// `on` (default) or `off` (recompute every chunk's KV).
     pub kv: Option<String>,
+    /// `naive`, `reposition`, `reposition+recompute` or `full` (default: `serve.assembly`).
+    pub assembly: Option<String>,
     /// Only retrieve from these documents.
     pub documents: Option<Vec<String>>,
 }
 
-/// `?kv=off`.
+/// `?kv=off`, `?assembly=...`.
 #[derive(Debug, Deserialize)]
 pub struct KvParam {
     pub kv: Option<String>,
+    pub assembly: Option<String>,
+}
+
+fn assembly(rag: &Rag, s: Option<&str>) -> ApiResult<Assembly> {
+    s.map_or(Ok(rag.config.assembly), |s| {
+        s.parse().map_err(ApiError::bad)
+    })
 }
 
 fn kv_mode(s: Option<&str>) -> ApiResult<KvMode> {
@@ -148,6 +158,7 @@ fn build_query(
     top_k: Option<usize>,
     gen: GenOptions,
     kv: KvMode,
+    assembly: Assembly,
     documents: Option<Vec<String>>,
 ) -> ApiResult<Query> {
     let c = &rag.config;
@@ -198,6 +209,7 @@ fn build_query(
         },
         params,
         kv,
+        assembly,
     })
 }
 
@@ -283,6 +295,7 @@ async fn query(
 ) -> ApiResult<Response> {
     let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let kv = kv_mode(p.kv.as_deref().or(b.kv.as_deref()))?;
+    let asm = assembly(&state.rag, p.assembly.as_deref().or(b.assembly.as_deref()))?;
     let q = build_query(
         &state.rag,
         b.question,
@@ -294,6 +307,7 @@ async fn query(
             seed: b.seed,
         },
         kv,
+        asm,
         b.documents,
     )?;
     let run = start(&state, q)?;
@@ -336,8 +350,9 @@ pub struct ChatBody {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
-    /// ragkv extension: chunks to retrieve.
+    /// ragkv extensions: chunks to retrieve, assembly strategy.
     pub top_k: Option<usize>,
+    pub assembly: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -385,6 +400,7 @@ async fn chat(
             seed: b.seed,
         },
         kv_mode(p.kv.as_deref())?,
+        assembly(&state.rag, p.assembly.as_deref().or(b.assembly.as_deref()))?,
         None,
     )?;
     let model = b.model.unwrap_or_else(|| "ragkv".into());

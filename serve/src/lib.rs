@@ -11,6 +11,7 @@
 //!
 //! The request path and its threads are described in [`rag`].
 
+pub mod assembly;
 pub mod client;
 pub mod config;
 pub mod http;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod overlap;
 pub mod rag;
 
+pub use assembly::Assembly;
 pub use config::ServeConfig;
 pub use http::{app, AppState};
 pub use rag::{Citation, Event, Final, KvMode, KvSource, Query, Rag, Timings};

@@ -29,6 +29,7 @@ use retrieval::{Hit, SearchFilter};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use crate::assembly::{assemble, Assembly};
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
@@ -52,6 +53,7 @@ pub struct Query {
     pub filter: SearchFilter,
     pub params: GenerateParams,
     pub kv: KvMode,
+    pub assembly: Assembly,
 }
 
 /// Where a retrieved chunk's KV came from.
@@ -63,6 +65,15 @@ pub enum KvSource {
     Recomputed,
     /// `kv=off`.
     Off,
+    /// Prefilled with the question (`full` assembly).
+    Full,
+}
+
+impl KvSource {
+    /// Served from stored KV.
+    pub fn is_stored(self) -> bool {
+        self == KvSource::Stored
+    }
 }
 
 /// One retrieved chunk, as reported to the client.
@@ -101,6 +112,9 @@ pub struct Final {
     pub citations: Vec<Citation>,
     pub kv_hits: usize,
     pub kv_misses: usize,
+    pub assembly: Assembly,
+    /// Chunk tokens recomputed with full attention (`reposition+recompute`).
+    pub recomputed_tokens: usize,
     /// Tokens of the assembled prompt (prefix + chunks + question) and of the answer.
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -219,9 +233,10 @@ impl Rag {
         }
         {
             let (e, m, p) = (engine.clone(), metrics.clone(), prefix.clone());
+            let share = config.recompute_share;
             spawn(
                 "ragkv-model",
-                Box::new(move || compute(&e, &m, &timeline, &p, compute_rx, wb_tx)),
+                Box::new(move || compute(&e, &m, &timeline, &p, share, compute_rx, wb_tx)),
             )?;
         }
         {
@@ -324,7 +339,7 @@ fn loader(
                     break;
                 }
             };
-            let kv = if job.query.kv == KvMode::On {
+            let kv = if job.query.kv == KvMode::On && job.query.assembly.uses_stored_kv() {
                 match engine.store.get_batch_into(
                     engine.namespace(),
                     &tokens,
@@ -336,7 +351,7 @@ fn loader(
                             .fetch_add(buf.len() as u64, Ordering::Relaxed);
                         let kv = Kv::from_bytes(&buf, &layout, &Device::Cpu)
                             .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
-                            .and_then(|kv| model.reposition(&kv, pos as i64));
+                            .and_then(|kv| job.query.assembly.place(model, kv, pos));
                         match kv {
                             Ok(kv) => Some(kv),
                             Err(e) => {
@@ -397,6 +412,7 @@ fn compute(
     m: &Metrics,
     timeline: &Timeline,
     prefix: &Prefix,
+    recompute_share: f64,
     rx: Receiver<ComputeJob>,
     wb: Sender<Writeback>,
 ) {
@@ -409,7 +425,7 @@ fn compute(
             continue;
         }
         timeline.start(Instant::now());
-        let r = answer(engine, m, prefix, cj, &wb);
+        let r = answer(engine, m, prefix, recompute_share, cj, &wb);
         timeline.stop(Instant::now());
         match r {
             Ok(Some(f)) => {
@@ -433,6 +449,7 @@ fn answer(
     engine: &Engine,
     m: &Metrics,
     prefix: &Prefix,
+    recompute_share: f64,
     cj: ComputeJob,
     wb: &Sender<Writeback>,
 ) -> Result<Option<Final>, String> {
@@ -453,13 +470,27 @@ fn answer(
     let layout = engine.layout();
     let s = |e: model::Error| e.to_string();
 
-    // Assemble: prefix, then each chunk at its place (the loader rotated stored KV there).
+    // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
-    let mut parts = vec![prefix.kv.clone()];
-    let mut pos = prefix.tokens.len();
+    let full = query.assembly == Assembly::Full;
+    let mut parts = Vec::with_capacity(chunks.len());
+    let mut context = prefix.tokens.clone();
     let mut citations = Vec::with_capacity(chunks.len());
     let (mut hits, mut misses) = (0, 0);
     for c in chunks {
+        let pos = context.len();
+        context.extend_from_slice(&c.tokens);
+        let citation = |kv| Citation {
+            doc_id: c.hit.payload.doc_id.clone(),
+            chunk: c.hit.payload.ordinal,
+            score: c.hit.score,
+            tokens: c.tokens.len(),
+            kv,
+        };
+        if full {
+            citations.push(citation(KvSource::Full));
+            continue;
+        }
         let (kv, source) = match c.kv {
             Some(kv) => {
                 hits += 1;
@@ -470,7 +501,7 @@ fn answer(
                 let bytes = engine.prefill_bytes(&c.tokens).map_err(|e| e.to_string())?;
                 let kv = Kv::from_bytes(&bytes, &layout, &Device::Cpu)
                     .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
-                    .and_then(|kv| model.reposition(&kv, pos as i64))
+                    .and_then(|kv| query.assembly.place(model, kv, pos))
                     .map_err(s)?;
                 if query.kv == KvMode::On {
                     misses += 1;
@@ -488,23 +519,31 @@ fn answer(
                 }
             }
         };
-        pos += kv.len();
-        citations.push(Citation {
-            doc_id: c.hit.payload.doc_id.clone(),
-            chunk: c.hit.payload.ordinal,
-            score: c.hit.score,
-            tokens: c.tokens.len(),
-            kv: source,
-        });
+        citations.push(citation(source));
         parts.push(kv);
     }
     m.kv_hits.fetch_add(hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(misses as u64, Ordering::Relaxed);
-    let question = model
+    let mut question = model
         .tokenizer()
         .encode(&suffix_text(&query.question))
         .map_err(s)?;
-    let all = Kv::concat(&parts).map_err(s)?;
+    let prompt_tokens = context.len() + question.len();
+    let (all, recomputed) = if full {
+        // The reference: the chunks are prefilled with the question, after the exact prefix.
+        question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
+        (prefix.kv.clone(), 0)
+    } else {
+        assemble(
+            model,
+            query.assembly,
+            recompute_share,
+            &prefix.kv,
+            parts,
+            &context,
+        )
+        .map_err(s)?
+    };
     let mut cache =
         KvCache::from_kv(&all, question.len() + query.params.max_tokens + 1).map_err(s)?;
     timings.assemble_ms = ms(t.elapsed());
@@ -557,7 +596,9 @@ fn answer(
         citations,
         kv_hits: hits,
         kv_misses: misses,
-        prompt_tokens: pos + question.len(),
+        prompt_tokens,
+        assembly: query.assembly,
+        recomputed_tokens: recomputed,
         completion_tokens: generation.tokens.len(),
         finish_reason: match generation.finish {
             model::FinishReason::Stop => "stop",

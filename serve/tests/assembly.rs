@@ -1,0 +1,219 @@
+//! Assembly strategies: positions on the assembled cache, and every strategy answering planted
+//! questions through the serving pipeline (SmolLM2-135M, MiniLM; generated documents).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use model::{Kv, Model, Tensor};
+use serve::assembly::assemble;
+use serve::{Assembly, Event, KvMode, Query, Rag, ServeConfig};
+
+fn load_model() -> Model {
+    let path = model::models_dir().join(model::SMOLLM2_FILE);
+    Model::load(
+        &model::ModelSource::from_path(&path).unwrap(),
+        &model::LoadOptions::default(),
+    )
+    .unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// Largest key difference between `kv`'s rows `start..start + want.len()` and `want`.
+fn key_diff(kv: &Kv, start: usize, want: &Kv) -> f32 {
+    kv.layers
+        .iter()
+        .zip(&want.layers)
+        .map(|((k, _), (w, _))| max_abs_diff(&k.narrow(2, start, want.len()).unwrap(), w))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn naive_and_reposition_put_chunks_where_they_claim() {
+    let m = load_model();
+    let t = m.tokenizer();
+    let prefix = t
+        .encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
+        .unwrap();
+    let a = t
+        .encode("The access code for the Orion vault is 4817.\n")
+        .unwrap();
+    let b = t
+        .encode("Captain Ines Valbuena commands the research ship Calder Wren.\n")
+        .unwrap();
+    let (pkv, _) = m.prefill(&prefix, 0).unwrap();
+    let tokens: Vec<u32> = [&prefix[..], &a, &b].concat();
+    let (pa, pb) = (prefix.len(), prefix.len() + a.len());
+    // Each chunk computed alone at 0.., as stored; and computed alone at its prompt place.
+    let (a0, b0) = (m.prefill(&a, 0).unwrap().0, m.prefill(&b, 0).unwrap().0);
+    let (a_at, b_at) = (m.prefill(&a, pa).unwrap().0, m.prefill(&b, pb).unwrap().0);
+
+    for asm in [Assembly::Naive, Assembly::Reposition] {
+        let chunks = vec![
+            asm.place(&m, a0.clone(), pa).unwrap(),
+            asm.place(&m, b0.clone(), pb).unwrap(),
+        ];
+        let (kv, recomputed) = assemble(&m, asm, 0.15, &pkv, chunks, &tokens).unwrap();
+        assert_eq!((kv.len(), recomputed), (tokens.len(), 0));
+        assert_eq!(key_diff(&kv, 0, &pkv), 0.0, "{asm}: the prefix moved");
+        let (da0, db0) = (key_diff(&kv, pa, &a0), key_diff(&kv, pb, &b0));
+        let (da, db) = (key_diff(&kv, pa, &a_at), key_diff(&kv, pb, &b_at));
+        eprintln!("{asm}: keys vs at-0 {da0:e} {db0:e}, vs at-place {da:e} {db:e}");
+        match asm {
+            // As stored: positions 0..n, far from where they sit in the prompt.
+            Assembly::Naive => {
+                assert_eq!((da0, db0), (0.0, 0.0));
+                assert!(da > 0.1 && db > 0.1);
+            }
+            // Rotated: what computing each chunk at its prompt position gives.
+            _ => {
+                assert!(da <= 1e-4 && db <= 1e-4);
+                assert!(da0 > 0.1 && db0 > 0.1);
+            }
+        }
+    }
+
+    // With recompute, the recomputed rows move toward full prefill; the prefix stays exact.
+    let chunks = vec![
+        Assembly::Recompute.place(&m, a0.clone(), pa).unwrap(),
+        Assembly::Recompute.place(&m, b0.clone(), pb).unwrap(),
+    ];
+    let (kv, recomputed) = assemble(&m, Assembly::Recompute, 0.5, &pkv, chunks, &tokens).unwrap();
+    assert_eq!(recomputed, (a.len() + b.len()).div_ceil(2));
+    assert_eq!(key_diff(&kv, 0, &pkv), 0.0);
+}
+
+const PLANTED: &[(&str, &str, &str, &str)] = &[
+    (
+        "orion-vault",
+        "The Harrowgate archive keeps its oldest survey maps in the Orion vault, below the \
+         reading room. The access code for the Orion vault is 4817. Only the head archivist \
+         may open it, and every visit is written in the vault ledger.",
+        "What is the access code for the Orion vault?",
+        "4817",
+    ),
+    (
+        "calder-wren",
+        "The research ship Calder Wren was launched in 2011 to study plankton in the North \
+         Atlantic. The captain of the Calder Wren is Ines Valbuena. The ship carries a crew \
+         of twenty-two and a laboratory for water samples.",
+        "Who is the captain of the Calder Wren?",
+        "Valbuena",
+    ),
+    (
+        "quillby-lanterns",
+        "The village of Quillby holds a lantern festival every winter. The festival's \
+         lanterns are made of blue paper, and the lanterns are floated on Lake Morrow at \
+         midnight. Visitors bring their own candles.",
+        "What colour is the paper of the Quillby lanterns?",
+        "blue",
+    ),
+];
+
+#[test]
+fn every_strategy_answers_planted_questions() {
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        kvstore::Store::open(dir.path().join("kv"), kvstore::StoreOptions::default()).unwrap();
+    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
+    let index = retrieval::VectorIndex::open(
+        &dir.path().join("vectors"),
+        embedder.dim(),
+        &retrieval::IndexConfig::default(),
+    )
+    .unwrap();
+    let engine = Arc::new(
+        ingest::Engine::new(
+            Arc::new(store),
+            Arc::new(index),
+            Arc::new(embedder),
+            Arc::new(load_model()),
+            ingest::IngestConfig::default(),
+            model::DType::F16,
+        )
+        .unwrap(),
+    );
+    let docs = PLANTED
+        .iter()
+        .map(|(id, text, _, _)| ingest::Doc {
+            id: id.to_string(),
+            text: text.to_string(),
+            metadata: Default::default(),
+            origin: id.to_string(),
+        })
+        .collect();
+    let report = engine
+        .ingest(
+            &[ingest::Source::Docs(docs)],
+            &ingest::RunOptions {
+                materialize: ingest::Materialize::Eager,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+        .unwrap();
+    assert_eq!(report.docs_new, PLANTED.len(), "{report:?}");
+    let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
+
+    for asm in Assembly::ALL {
+        for (id, _, question, want) in PLANTED {
+            let q = Query {
+                question: question.to_string(),
+                // Every document in the prompt: the planted one is not always first.
+                top_k: PLANTED.len(),
+                filter: Default::default(),
+                params: model::GenerateParams {
+                    max_tokens: 24,
+                    ..Default::default()
+                },
+                kv: KvMode::On,
+                assembly: asm,
+            };
+            let hits = rag.retrieve(&q).unwrap();
+            assert_eq!(hits[0].payload.doc_id, *id);
+            let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+            rag.metrics
+                .inflight
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            rag.submit(q, hits, tx, Instant::now(), Duration::ZERO)
+                .unwrap();
+            let f = loop {
+                match rx.blocking_recv().expect("query ended") {
+                    Event::Token(_) => {}
+                    Event::Done(f) => break f,
+                    Event::Error(e) => panic!("{asm}: {e}"),
+                }
+            };
+            eprintln!("{asm} | {question} -> {:?}", f.answer);
+            assert_eq!(f.assembly, asm);
+            let stored = f.citations.iter().filter(|c| c.kv.is_stored()).count();
+            if asm == Assembly::Full {
+                assert_eq!(stored, 0);
+            } else {
+                assert_eq!(stored, PLANTED.len(), "{:?}", f.citations);
+            }
+            assert_eq!(f.recomputed_tokens > 0, asm == Assembly::Recompute, "{f:?}");
+            assert!(
+                f.answer.to_lowercase().contains(&want.to_lowercase()),
+                "{asm}: {question} -> {:?}",
+                f.answer
+            );
+        }
+    }
+    drop(rag);
+    let start = Instant::now();
+    while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
