@@ -7,14 +7,15 @@
 #   scripts/quickstart.sh ["your question"]
 #
 # Environment: RAGKV_DATA (default: a temporary directory, removed afterwards),
-# CARGO_TARGET_DIR (default ~/.cache/ragkv/target), RAGKV_PROFILE (release, the default, or
-# dev: reuses the test build, dependencies optimized either way).
+# CARGO_TARGET_DIR (default ~/.cache/ragkv/target), RAGKV_PROFILE (dev, the default: the same
+# build as scripts/test.sh, with every dependency optimized; or release: also optimizes
+# ragkv's own crates, at the cost of a second cold build of RocksDB, Qdrant Edge and candle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragkv/target}"
-if [ "${RAGKV_PROFILE:-release}" = dev ]; then
+if [ "${RAGKV_PROFILE:-dev}" = dev ]; then
   cargo build --locked -p ragkv
   bin="$CARGO_TARGET_DIR/debug/ragkv"
 else

@@ -9,11 +9,21 @@ fn e(what: &str) -> impl Fn(String) -> Error + '_ {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
-/// The engine benchmarks run: SmolLM2 by default, KV stored as f16.
+/// The engine benchmarks run: SmolLM2 by default, KV stored as f16, chunks alone.
 pub fn open(
     dir: &Path,
     model_path: Option<&PathBuf>,
     chunk_tokens: usize,
+) -> Result<ingest::Engine, Error> {
+    open_with(dir, model_path, chunk_tokens, "")
+}
+
+/// [`open`] with a chunk preamble (`ingest.chunk_preamble`).
+pub fn open_with(
+    dir: &Path,
+    model_path: Option<&PathBuf>,
+    chunk_tokens: usize,
+    chunk_preamble: &str,
 ) -> Result<ingest::Engine, Error> {
     let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default())?;
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default())
@@ -37,6 +47,7 @@ pub fn open(
         Arc::new(llm),
         ingest::IngestConfig {
             chunk_tokens,
+            chunk_preamble: chunk_preamble.into(),
             ..ingest::IngestConfig::default()
         },
         model::DType::F16,
@@ -60,6 +71,35 @@ pub fn ingest(
             &ingest::Counters::default(),
         )
         .map_err(|x| e("ingest")(x.to_string()))
+}
+
+/// Stores the KV of every retrieved chunk not stored yet (what eager ingest would have
+/// stored, attached to the chunk's document version); returns how many were prefilled.
+pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<usize, Error> {
+    let mut n = 0;
+    for h in hits {
+        let tokens = engine
+            .chunk_tokens(&h.payload.text)
+            .map_err(|x| e("tokenize")(x.to_string()))?;
+        if engine.store.probe(engine.namespace(), &tokens)? == tokens.len() {
+            continue;
+        }
+        let bytes = engine
+            .prefill_bytes(&tokens)
+            .map_err(|x| e("prefill")(x.to_string()))?;
+        let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
+        engine.store.put_batch(
+            engine.namespace(),
+            engine.layout(),
+            &[kvstore::PutItem {
+                tokens: &tokens,
+                kv: &bytes,
+                doc: Some(&doc),
+            }],
+        )?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// Dataset documents as in-memory ingest documents.

@@ -9,6 +9,7 @@ pub mod ingest;
 pub mod kvstore;
 pub mod load;
 pub mod model;
+pub mod qa;
 pub mod retrieval;
 pub mod ttft;
 

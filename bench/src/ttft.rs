@@ -136,28 +136,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             .index
             .search(&v, args.top_k, &SearchFilter::default())
             .map_err(|e| check("search")(e.to_string()))?;
-        for h in hits {
-            let tokens = engine
-                .chunk_tokens(&h.payload.text)
-                .map_err(|e| check("tokenize")(e.to_string()))?;
-            if engine.store.probe(engine.namespace(), &tokens)? == tokens.len() {
-                continue;
-            }
-            let bytes = engine
-                .prefill_bytes(&tokens)
-                .map_err(|e| check("prefill")(e.to_string()))?;
-            let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-            engine.store.put_batch(
-                engine.namespace(),
-                engine.layout(),
-                &[kvstore::PutItem {
-                    tokens: &tokens,
-                    kv: &bytes,
-                    doc: Some(&doc),
-                }],
-            )?;
-            materialized += 1;
-        }
+        materialized += crate::engine::materialize(&engine, &hits)?;
     }
     engine.store.sync()?;
     eprintln!(

@@ -57,6 +57,17 @@ enum Command {
         #[command(subcommand)]
         which: BenchCommand,
     },
+    /// Quality evaluations that print one JSON line per configuration.
+    Eval {
+        #[command(subcommand)]
+        which: EvalCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EvalCommand {
+    /// Answer F1 / exact match of each assembly strategy vs full prefill (LongBench-HotpotQA).
+    Qa(bench::qa::Args),
 }
 
 #[derive(Debug, clap::Args)]
@@ -189,6 +200,13 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Load(args) => bench::load::run(&args)?,
             };
             for line in lines {
+                println!("{}", serde_json::to_string(&line)?);
+            }
+        }
+        Command::Eval {
+            which: EvalCommand::Qa(args),
+        } => {
+            for line in bench::qa::run(&args)? {
                 println!("{}", serde_json::to_string(&line)?);
             }
         }

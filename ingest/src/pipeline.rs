@@ -81,6 +81,9 @@ pub struct IngestConfig {
     pub queue_depth: usize,
     /// Default materialization (`eager`, `lazy`, `none`).
     pub materialize: Materialize,
+    /// Text placed before every chunk: prefilled with it (part of its stored KV) and so part
+    /// of every assembled prompt, and of the KV namespace. Empty (the default): chunks alone.
+    pub chunk_preamble: String,
 }
 
 impl Default for IngestConfig {
@@ -91,6 +94,7 @@ impl Default for IngestConfig {
             max_doc_bytes: 16 << 20,
             queue_depth: 4,
             materialize: Materialize::Eager,
+            chunk_preamble: String::new(),
         }
     }
 }
@@ -109,6 +113,12 @@ impl IngestConfig {
             what: "ingest",
             why,
         })?;
+        if self.chunk_preamble.len() > 1024 {
+            return Err(Error::Invalid {
+                what: "ingest.chunk_preamble",
+                why: "longer than 1024 bytes".into(),
+            });
+        }
         if self.max_doc_bytes == 0 || !(1..=1024).contains(&self.queue_depth) {
             return Err(Error::Invalid {
                 what: "ingest",
@@ -127,7 +137,8 @@ pub struct RunOptions {
     pub prune: bool,
 }
 
-/// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble.
+/// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
+/// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
 /// Everything ingest writes to, and the model that computes KV.
@@ -140,6 +151,8 @@ pub struct Engine {
     pub config: IngestConfig,
     ns: NamespaceId,
     layout: KvLayout,
+    /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
+    preamble: Vec<u32>,
     kv_dtype: model::DType,
 }
 
@@ -181,7 +194,14 @@ impl Engine {
                 ),
             });
         }
-        let mut fp = model.fingerprint(&config.chunker().id(), CHUNK_TEMPLATE)?;
+        let preamble = model.tokenizer().encode(&config.chunk_preamble)?;
+        let template = if preamble.is_empty() {
+            CHUNK_TEMPLATE.to_string()
+        } else {
+            let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
+            format!("chunk-preamble-v1:{}", &h[..16])
+        };
+        let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
         fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
         let layout = fp.layout;
         let ns = fp.namespace();
@@ -194,6 +214,7 @@ impl Engine {
             config,
             ns,
             layout,
+            preamble,
             kv_dtype,
         })
     }
@@ -208,9 +229,11 @@ impl Engine {
         self.layout
     }
 
-    /// Tokens of a stored chunk's text (what was prefilled).
+    /// Tokens of a stored chunk's text as prefilled: the preamble's, then the text's.
     pub fn chunk_tokens(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.model.tokenizer().encode(text)?)
+        let mut t = self.preamble.clone();
+        t.extend(self.model.tokenizer().encode(text)?);
+        Ok(t)
     }
 
     /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
@@ -410,7 +433,10 @@ impl Engine {
                 busy += t.elapsed();
                 continue;
             }
-            let chunks = chunk_text(&doc.text, self.model.tokenizer(), &chunker);
+            let mut chunks = chunk_text(&doc.text, self.model.tokenizer(), &chunker);
+            for c in chunks.iter_mut().filter(|_| !self.preamble.is_empty()) {
+                c.tokens.splice(0..0, self.preamble.iter().copied());
+            }
             if chunks.is_empty() {
                 shared.fail(doc.origin.clone(), "no text to index after chunking".into());
                 continue;

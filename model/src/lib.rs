@@ -6,7 +6,9 @@
 //!   `tokenizer.json`).
 //! - [`Model::prefill`] computes a chunk's [`Kv`] at any start position; [`Kv::to_bytes`] /
 //!   [`Kv::from_bytes`] convert to the store's layer-major layout; [`Model::reposition`] moves
-//!   stored keys to new positions; [`KvCache::from_kv`] resumes decoding from stored KV.
+//!   stored keys to new positions; [`Model::blend`] recomputes the tokens of an assembled
+//!   context whose KV deviates most from full attention; [`KvCache::from_kv`] resumes decoding
+//!   from stored KV.
 //! - [`generate`] decodes with greedy / temperature / top-k / top-p sampling, stop tokens and
 //!   stop strings, streaming text incrementally.
 //!

@@ -7,8 +7,8 @@
 //!   model holds one loaded query, so query N+1's KV is read while query N decodes. How much
 //!   of each load ran while the model was busy is measured ([`crate::overlap`]) and reported.
 //! - `ragkv-model` assembles the prompt cache (the system prefix, computed once, then the
-//!   chunks' KV), prefills the question and decodes, sending text to the query's own
-//!   channel. A chunk whose KV is missing or fails verification is
+//!   chunks' KV, by the query's [`Assembly`] strategy), prefills the question and decodes,
+//!   sending text to the query's own channel. A chunk whose KV is missing or fails verification is
 //!   prefilled inline, and its KV is queued for writing back.
 //! - `ragkv-materialize` writes those KVs back to the store, attached to the chunk's
 //!   document version, so the next query finds them.

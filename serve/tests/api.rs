@@ -118,6 +118,7 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         (json!({"question": "x", "max_tokens": 100000}), "max_tokens"),
         (json!({"question": "x", "temperature": -1.0}), "temperature"),
         (json!({"question": "x", "kv": "maybe"}), "kv"),
+        (json!({"question": "x", "assembly": "blend"}), "assembly"),
         (json!({"question": "x".repeat(5000)}), "question"),
         (json!({"question": "x", "colour": "blue"}), "colour"),
     ] {
