@@ -121,14 +121,12 @@ const PLANTED: &[(&str, &str, &str, &str)] = &[
     ),
 ];
 
-#[test]
-fn every_strategy_answers_planted_questions() {
-    let dir = tempfile::tempdir().unwrap();
-    let store =
-        kvstore::Store::open(dir.path().join("kv"), kvstore::StoreOptions::default()).unwrap();
+/// An engine over the planted documents (eagerly materialized) in `dir`.
+fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::Engine> {
+    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
     let index = retrieval::VectorIndex::open(
-        &dir.path().join("vectors"),
+        &dir.join("vectors"),
         embedder.dim(),
         &retrieval::IndexConfig::default(),
     )
@@ -139,7 +137,10 @@ fn every_strategy_answers_planted_questions() {
             Arc::new(index),
             Arc::new(embedder),
             Arc::new(load_model()),
-            ingest::IngestConfig::default(),
+            ingest::IngestConfig {
+                chunk_preamble: chunk_preamble.into(),
+                ..ingest::IngestConfig::default()
+            },
             model::DType::F16,
         )
         .unwrap(),
@@ -164,6 +165,13 @@ fn every_strategy_answers_planted_questions() {
         )
         .unwrap();
     assert_eq!(report.docs_new, PLANTED.len(), "{report:?}");
+    engine
+}
+
+#[test]
+fn every_strategy_answers_planted_questions() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = planted_engine(dir.path(), "");
     let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
 
     for asm in Assembly::ALL {
@@ -216,4 +224,29 @@ fn every_strategy_answers_planted_questions() {
     while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn a_chunk_preamble_is_prefilled_with_every_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = planted_engine(&dir.path().join("plain"), "");
+    let with = planted_engine(&dir.path().join("with"), "Passage:\n");
+    assert_ne!(
+        plain.namespace(),
+        with.namespace(),
+        "the preamble is part of the namespace"
+    );
+    let pre = with.model.tokenizer().encode("Passage:\n").unwrap();
+    let (_, text, _, _) = PLANTED[0];
+    let tokens = with.chunk_tokens(text).unwrap();
+    assert_eq!(tokens[..pre.len()], pre[..]);
+    assert_eq!(tokens[pre.len()..], plain.chunk_tokens(text).unwrap()[..]);
+    // What ingest stored is exactly those tokens' KV, found by the same lookup serve does.
+    let hit = &with.index.document(PLANTED[0].0).unwrap()[0].1;
+    let stored = with.chunk_tokens(&hit.text).unwrap();
+    assert_eq!(
+        with.store.probe(with.namespace(), &stored).unwrap(),
+        stored.len()
+    );
+    assert!(with.check(false).unwrap().ok());
 }
