@@ -67,10 +67,13 @@ impl Assembly {
 impl std::str::FromStr for Assembly {
     type Err = String;
 
+    /// A name from the table; a space stands for `+` (an unescaped `+` in a URL query
+    /// string arrives as a space).
     fn from_str(s: &str) -> Result<Assembly, String> {
+        let name = s.trim().replace(' ', "+");
         Assembly::ALL
             .into_iter()
-            .find(|a| a.name() == s)
+            .find(|a| a.name() == name)
             .ok_or_else(|| {
                 format!(
                     "assembly: {s:?} is not one of {}",
@@ -121,6 +124,10 @@ mod tests {
             assert_eq!(j, format!("\"{}\"", a.name()));
             assert_eq!(serde_json::from_str::<Assembly>(&j).unwrap(), a);
         }
+        assert_eq!(
+            "reposition recompute".parse::<Assembly>().unwrap(),
+            Assembly::Recompute
+        );
         let e = "blend".parse::<Assembly>().unwrap_err();
         assert!(e.contains("reposition+recompute"), "{e}");
         assert_eq!(Assembly::default(), Assembly::Reposition);

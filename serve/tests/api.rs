@@ -150,6 +150,27 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
     assert_eq!(off["citations"][0]["kv"], "off");
     assert_eq!(off["answer"], on["answer"], "stored KV changed the answer");
 
+    // Assembly per request: in the body, or in the URL (an unescaped `+` arrives as a space).
+    let mut full = q.clone();
+    full["assembly"] = json!("full");
+    let (s, j, text) = call(&app, "POST", "/v1/query", Some(full), None).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(
+        (j["citations"][0]["kv"].as_str(), j["kv_hits"].as_u64()),
+        (Some("full"), Some(0))
+    );
+    let (s, j, text) = call(
+        &app,
+        "POST",
+        "/v1/query?assembly=reposition+recompute",
+        Some(q.clone()),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(j["assembly"], "reposition+recompute");
+    assert!(j["recomputed_tokens"].as_u64().unwrap() > 0, "{j}");
+
     // A chunk whose KV is gone is prefilled inline (same answer) and written back.
     let hash = f.engine.index.document("varrow-lighthouse.md").unwrap()[0]
         .1
