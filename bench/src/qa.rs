@@ -172,13 +172,18 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             why: "must be positive".into(),
         });
     }
-    let mut strategies = if args.strategies.is_empty() {
+    let requested = if args.strategies.is_empty() {
         vec![Assembly::Naive, Assembly::Reposition, Assembly::Recompute]
     } else {
         args.strategies.clone()
     };
-    strategies.retain(|s| *s != Assembly::Full);
-    strategies.dedup();
+    // `full` is always run, last; each strategy once.
+    let mut strategies: Vec<Assembly> = Vec::new();
+    for s in requested {
+        if s != Assembly::Full && !strategies.contains(&s) {
+            strategies.push(s);
+        }
+    }
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());

@@ -14,6 +14,9 @@
 //! The question always follows the last chunk's position in the cache. Chunk boundaries:
 //! chunks are tokenized alone, without leading special tokens, and follow each other
 //! directly after the prefix's `Context:` line, exactly as the `full` strategy sees them.
+//! `ingest.chunk_preamble` can put the same text before every chunk (prefilled with it); a
+//! comparison of none, `\n` and `Passage:\n` with SmolLM2 was inconclusive (docs/BENCHMARKS.md),
+//! so the default is none.
 
 use model::{Kv, Model};
 use serde::{Deserialize, Serialize};
