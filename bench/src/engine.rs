@@ -55,6 +55,60 @@ pub fn open_with(
     .map_err(|x| e("engine")(x.to_string()))
 }
 
+/// [`open_with`] in `work`, indexing the first `docs` corpus documents (vectors only) unless
+/// `work` already holds an index. `tag` prefixes the progress lines.
+pub fn open_indexed(
+    work: &Path,
+    model_path: Option<&PathBuf>,
+    chunk_tokens: usize,
+    chunk_preamble: &str,
+    dataset: &Path,
+    docs: usize,
+    tag: &str,
+) -> Result<ingest::Engine, Error> {
+    let fresh = !work.join("vectors").exists();
+    let engine = open_with(work, model_path, chunk_tokens, chunk_preamble)?;
+    if fresh {
+        let corpus = crate::dataset::documents(dataset, docs)?;
+        eprintln!("[{tag}] indexing {} documents (vectors only)", corpus.len());
+        let r = ingest(
+            &engine,
+            ingest::Source::Docs(self::docs(&corpus)),
+            ingest::Materialize::None,
+        )?;
+        eprintln!("[{tag}] {}", r.summary());
+    }
+    Ok(engine)
+}
+
+/// Hands an already retrieved query to the serving pipeline; returns its event channel.
+pub fn submit(
+    rag: &serve::Rag,
+    query: serve::Query,
+    hits: Vec<retrieval::Hit>,
+    arrived: std::time::Instant,
+) -> Result<tokio::sync::mpsc::Receiver<serve::Event>, Error> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    rag.metrics
+        .inflight
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    rag.submit(query, hits, tx, arrived, arrived.elapsed())
+        .map_err(e("submit"))?;
+    Ok(rx)
+}
+
+/// The query's final event (its text pieces are skipped).
+pub fn wait(mut rx: tokio::sync::mpsc::Receiver<serve::Event>) -> Result<serve::Final, Error> {
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            serve::Event::Token(_) => {}
+            serve::Event::Done(f) => return Ok(*f),
+            serve::Event::Error(why) => return Err(Error::Check(format!("query: {why}"))),
+        }
+    }
+    Err(Error::Check("query ended without a result".into()))
+}
+
 /// Ingests `source` with `materialize`, no pruning, no progress display.
 pub fn ingest(
     engine: &ingest::Engine,

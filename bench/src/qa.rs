@@ -14,11 +14,11 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use retrieval::SearchFilter;
 use serde::Serialize;
-use serve::{Assembly, Event, Final, KvMode, Query, Rag, ServeConfig};
+use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 
 use crate::{dataset, Error};
 
@@ -139,23 +139,6 @@ fn check(what: &'static str) -> impl Fn(String) -> Error {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
-fn ask(rag: &Rag, query: Query, hits: Vec<retrieval::Hit>) -> Result<Final, Error> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
-    rag.metrics
-        .inflight
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    rag.submit(query, hits, tx, Instant::now(), Duration::ZERO)
-        .map_err(check("submit"))?;
-    while let Some(e) = rx.blocking_recv() {
-        match e {
-            Event::Token(_) => {}
-            Event::Done(f) => return Ok(*f),
-            Event::Error(e) => return Err(Error::Check(format!("query: {e}"))),
-        }
-    }
-    Err(Error::Check("query ended without a result".into()))
-}
-
 #[derive(Default)]
 struct Tally {
     f1: f64,
@@ -187,23 +170,15 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let fresh = !work.join("vectors").exists();
-    let engine = Arc::new(crate::engine::open_with(
+    let engine = Arc::new(crate::engine::open_indexed(
         &work,
         args.model.as_ref(),
         args.chunk_tokens,
         &args.chunk_preamble.replace("\\n", "\n"),
+        &ds,
+        args.docs,
+        "qa",
     )?);
-    if fresh {
-        let corpus = dataset::documents(&ds, args.docs)?;
-        eprintln!("[qa] indexing {} documents (vectors only)", corpus.len());
-        let r = crate::engine::ingest(
-            &engine,
-            ingest::Source::Docs(crate::engine::docs(&corpus)),
-            ingest::Materialize::None,
-        )?;
-        eprintln!("[qa] {}", r.summary());
-    }
     let model_name = args.model.as_ref().map_or_else(
         || model::SMOLLM2_FILE.to_string(),
         |p| p.file_name().unwrap_or_default().to_string_lossy().into(),
@@ -243,7 +218,8 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         crate::engine::materialize(&engine, &hits)?;
         let mut answers = Vec::with_capacity(all.len());
         for &a in &all {
-            let f = ask(&rag, query(a), hits.clone())?;
+            let rx = crate::engine::submit(&rag, query(a), hits.clone(), Instant::now())?;
+            let f = crate::engine::wait(rx)?;
             if a.uses_stored_kv() && f.kv_hits != hits.len() {
                 return Err(Error::Check(format!(
                     "{a}: expected stored KV for every chunk: {:?}",

@@ -10,8 +10,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use retrieval::SearchFilter;
-use serve::{Event, Final, KvMode, Query, Rag, ServeConfig};
+use serve::{Event, KvMode, Query, Rag, ServeConfig};
 
+use crate::engine::wait;
 use crate::{dataset, percentile, Error, Line};
 
 /// Arguments of `ragkv bench ttft`.
@@ -73,24 +74,7 @@ fn submit(
     };
     let arrived = Instant::now();
     let hits = rag.retrieve(&q).map_err(check("retrieve"))?;
-    let (tx, rx) = tokio::sync::mpsc::channel(1024);
-    rag.metrics
-        .inflight
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    rag.submit(q, hits, tx, arrived, arrived.elapsed())
-        .map_err(check("submit"))?;
-    Ok(rx)
-}
-
-fn wait(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Final, Error> {
-    while let Some(e) = rx.blocking_recv() {
-        match e {
-            Event::Token(_) => {}
-            Event::Done(f) => return Ok(*f),
-            Event::Error(e) => return Err(Error::Check(format!("query: {e}"))),
-        }
-    }
-    Err(Error::Check("query ended without a result".into()))
+    crate::engine::submit(rag, q, hits, arrived)
 }
 
 /// Runs the benchmark.
@@ -98,22 +82,15 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let fresh = !work.join("vectors").exists();
-    let engine = std::sync::Arc::new(crate::engine::open(
+    let engine = std::sync::Arc::new(crate::engine::open_indexed(
         &work,
         args.model.as_ref(),
         args.chunk_tokens,
+        "",
+        &ds,
+        args.docs,
+        "ttft",
     )?);
-    if fresh {
-        let corpus = dataset::documents(&ds, args.docs)?;
-        eprintln!("[ttft] indexing {} documents (vectors only)", corpus.len());
-        let r = crate::engine::ingest(
-            &engine,
-            ingest::Source::Docs(crate::engine::docs(&corpus)),
-            ingest::Materialize::None,
-        )?;
-        eprintln!("[ttft] {}", r.summary());
-    }
     let questions = dataset::questions(&ds, args.questions)?;
     let rag = Rag::start(
         engine.clone(),

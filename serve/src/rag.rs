@@ -306,6 +306,15 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype,
+/// placed for a prompt where the chunk starts at `pos`.
+fn import(engine: &Engine, bytes: &[u8], assembly: Assembly, pos: usize) -> model::Result<Kv> {
+    let model = &engine.model;
+    Kv::from_bytes(bytes, &engine.layout(), &Device::Cpu)
+        .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
+        .and_then(|kv| assembly.place(model, kv, pos))
+}
+
 /// `start`: the first chunk's position (the system prefix's length).
 fn loader(
     engine: &Engine,
@@ -315,8 +324,6 @@ fn loader(
     rx: Receiver<LoadJob>,
     tx: Sender<ComputeJob>,
 ) {
-    let layout = engine.layout();
-    let model = &engine.model;
     let mut buf = Vec::new();
     for mut job in rx {
         m.load_queue.fetch_sub(1, Ordering::Relaxed);
@@ -349,10 +356,7 @@ fn loader(
                     Ok(_) => {
                         m.kv_bytes_loaded
                             .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                        let kv = Kv::from_bytes(&buf, &layout, &Device::Cpu)
-                            .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
-                            .and_then(|kv| job.query.assembly.place(model, kv, pos));
-                        match kv {
+                        match import(engine, &buf, job.query.assembly, pos) {
                             Ok(kv) => Some(kv),
                             Err(e) => {
                                 tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV import failed; recomputing");
@@ -467,7 +471,6 @@ fn answer(
     } = job;
     timings.queue_ms += ms(queued_at.elapsed());
     let model = &engine.model;
-    let layout = engine.layout();
     let s = |e: model::Error| e.to_string();
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
@@ -499,10 +502,7 @@ fn answer(
             None => {
                 // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
                 let bytes = engine.prefill_bytes(&c.tokens).map_err(|e| e.to_string())?;
-                let kv = Kv::from_bytes(&bytes, &layout, &Device::Cpu)
-                    .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
-                    .and_then(|kv| query.assembly.place(model, kv, pos))
-                    .map_err(s)?;
+                let kv = import(engine, &bytes, query.assembly, pos).map_err(s)?;
                 if query.kv == KvMode::On {
                     misses += 1;
                     let wbm = Writeback {

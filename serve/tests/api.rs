@@ -1,6 +1,8 @@
 //! Router tests through `app()`, and a real-socket SSE test: SmolLM2-135M, MiniLM and the
 //! example corpus (fetched/shipped by the project).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,42 +31,13 @@ impl Fixture {
 
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let store =
-        kvstore::Store::open(dir.path().join("kv"), kvstore::StoreOptions::default()).unwrap();
-    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
-    let index = retrieval::VectorIndex::open(
-        &dir.path().join("vectors"),
-        embedder.dim(),
-        &retrieval::IndexConfig::default(),
-    )
-    .unwrap();
-    let path = model::models_dir().join(model::SMOLLM2_FILE);
-    let llm = model::Model::load(
-        &model::ModelSource::from_path(&path).unwrap(),
-        &model::LoadOptions::default(),
-    )
-    .unwrap();
-    let engine = ingest::Engine::new(
-        Arc::new(store),
-        Arc::new(index),
-        Arc::new(embedder),
-        Arc::new(llm),
-        ingest::IngestConfig::default(),
-        model::DType::F16,
-    )
-    .unwrap();
     let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    let report = engine
-        .ingest(
-            &[ingest::Source::Dir(corpus)],
-            &ingest::RunOptions {
-                materialize: ingest::Materialize::Eager,
-                prune: false,
-            },
-            &ingest::Counters::default(),
-        )
-        .unwrap();
-    assert_eq!(report.docs_new, 6, "{report:?}");
+    let engine = common::engine(
+        dir.path(),
+        ingest::IngestConfig::default(),
+        ingest::Source::Dir(corpus),
+        6,
+    );
     Fixture {
         engine: Arc::new(engine),
         _dir: dir,

@@ -1,21 +1,14 @@
 //! Assembly strategies: positions on the assembled cache, and every strategy answering planted
 //! questions through the serving pipeline (SmolLM2-135M, MiniLM; generated documents).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use model::{Kv, Model, Tensor};
+use model::{Kv, Tensor};
 use serve::assembly::assemble;
 use serve::{Assembly, Event, KvMode, Query, Rag, ServeConfig};
-
-fn load_model() -> Model {
-    let path = model::models_dir().join(model::SMOLLM2_FILE);
-    Model::load(
-        &model::ModelSource::from_path(&path).unwrap(),
-        &model::LoadOptions::default(),
-    )
-    .unwrap()
-}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
@@ -41,7 +34,7 @@ fn key_diff(kv: &Kv, start: usize, want: &Kv) -> f32 {
 
 #[test]
 fn naive_and_reposition_put_chunks_where_they_claim() {
-    let m = load_model();
+    let m = common::model();
     let t = m.tokenizer();
     let prefix = t
         .encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
@@ -123,28 +116,6 @@ const PLANTED: &[(&str, &str, &str, &str)] = &[
 
 /// An engine over the planted documents (eagerly materialized) in `dir`.
 fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::Engine> {
-    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
-    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
-    let index = retrieval::VectorIndex::open(
-        &dir.join("vectors"),
-        embedder.dim(),
-        &retrieval::IndexConfig::default(),
-    )
-    .unwrap();
-    let engine = Arc::new(
-        ingest::Engine::new(
-            Arc::new(store),
-            Arc::new(index),
-            Arc::new(embedder),
-            Arc::new(load_model()),
-            ingest::IngestConfig {
-                chunk_preamble: chunk_preamble.into(),
-                ..ingest::IngestConfig::default()
-            },
-            model::DType::F16,
-        )
-        .unwrap(),
-    );
     let docs = PLANTED
         .iter()
         .map(|(id, text, _, _)| ingest::Doc {
@@ -154,18 +125,15 @@ fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::En
             origin: id.to_string(),
         })
         .collect();
-    let report = engine
-        .ingest(
-            &[ingest::Source::Docs(docs)],
-            &ingest::RunOptions {
-                materialize: ingest::Materialize::Eager,
-                prune: false,
-            },
-            &ingest::Counters::default(),
-        )
-        .unwrap();
-    assert_eq!(report.docs_new, PLANTED.len(), "{report:?}");
-    engine
+    Arc::new(common::engine(
+        dir,
+        ingest::IngestConfig {
+            chunk_preamble: chunk_preamble.into(),
+            ..ingest::IngestConfig::default()
+        },
+        ingest::Source::Docs(docs),
+        PLANTED.len(),
+    ))
 }
 
 #[test]

@@ -1,0 +1,52 @@
+//! Shared by the serve test binaries: an engine over real models (SmolLM2-135M, MiniLM).
+
+use std::path::Path;
+
+/// SmolLM2-135M from the model cache.
+pub fn model() -> model::Model {
+    let path = model::models_dir().join(model::SMOLLM2_FILE);
+    model::Model::load(
+        &model::ModelSource::from_path(&path).unwrap(),
+        &model::LoadOptions::default(),
+    )
+    .unwrap()
+}
+
+/// An engine (store, embedded index, MiniLM, SmolLM2, KV as f16) in `dir`, with `source`
+/// ingested eagerly; asserts that `docs` documents were new.
+pub fn engine(
+    dir: &Path,
+    config: ingest::IngestConfig,
+    source: ingest::Source,
+    docs: usize,
+) -> ingest::Engine {
+    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
+    let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
+    let index = retrieval::VectorIndex::open(
+        &dir.join("vectors"),
+        embedder.dim(),
+        &retrieval::IndexConfig::default(),
+    )
+    .unwrap();
+    let engine = ingest::Engine::new(
+        std::sync::Arc::new(store),
+        std::sync::Arc::new(index),
+        std::sync::Arc::new(embedder),
+        std::sync::Arc::new(model()),
+        config,
+        model::DType::F16,
+    )
+    .unwrap();
+    let report = engine
+        .ingest(
+            &[source],
+            &ingest::RunOptions {
+                materialize: ingest::Materialize::Eager,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+        .unwrap();
+    assert_eq!(report.docs_new, docs, "{report:?}");
+    engine
+}
