@@ -67,6 +67,18 @@ pub enum Error {
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
 
+    /// A write would take its namespace group over its byte quota (after any eviction the
+    /// capacity policy allows).
+    #[error(
+        "quota of group {group:?} exceeded: {used} of {quota} bytes used, write needs {needed}"
+    )]
+    QuotaExceeded {
+        group: String,
+        used: u64,
+        quota: u64,
+        needed: u64,
+    },
+
     /// Another process holds the store's lock.
     #[error("data directory {path} is locked by another process ({holder})")]
     Locked { path: PathBuf, holder: String },

@@ -21,6 +21,8 @@
 //! # Ok::<(), kvstore::Error>(())
 //! ```
 
+mod adaptive;
+mod capacity;
 mod codec;
 mod error;
 mod hot;
@@ -31,11 +33,16 @@ mod record;
 mod segment;
 mod store;
 
+pub use adaptive::{AdaptiveOptions, Tuning};
+pub use capacity::{AccessInfo, CapacityOptions, CostModel, EvictReport, EvictionPolicy, OnFull};
 pub use error::{Error, Result};
 pub use merge::MergeReport;
 pub use options::{MergePolicy, StoreOptions, SyncPolicy};
 pub use schema::{Codec, DType, KvLayout, NamespaceId};
-pub use store::{DeleteReport, KvData, PutItem, PutReport, Store, VerifyReport};
+pub use store::{
+    DeleteReport, IndexIo, KvData, NamespaceStats, PutItem, PutReport, Store, VerifyReport,
+    DEFAULT_GROUP,
+};
 
 /// Space accounting of one segment file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +86,15 @@ pub struct Stats {
     /// Segments retired by the merger.
     pub merges: u64,
     pub bytes_merged: u64,
+    /// Sequences evicted by the capacity policy (since open).
+    pub evicted_sequences: u64,
+    /// Record bytes they held.
+    pub evicted_bytes: u64,
+    /// Writes refused by a quota.
+    pub refused_writes: u64,
+    /// Index LSM parameters in force, and how often the adaptive controller changed them.
+    pub tuning: Tuning,
+    pub tuning_transitions: u64,
 }
 
 #[cfg(test)]

@@ -269,6 +269,7 @@ impl Inner {
                     tracing::error!(segment = from, offset = off, %why, "dropping corrupt record while merging");
                     batch.delete_cf(cf, key);
                     self.hot.remove(key);
+                    w.charge(key, -(loc.length as i64));
                     let m = w.metas.get_mut(&from).expect("victim meta");
                     m.live_records = m.live_records.saturating_sub(1);
                     m.live_bytes = m.live_bytes.saturating_sub(loc.length as u64);

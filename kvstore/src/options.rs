@@ -4,6 +4,9 @@ use std::time::Duration;
 
 use schema::Codec;
 
+use crate::adaptive::AdaptiveOptions;
+use crate::capacity::CapacityOptions;
+
 use crate::error::{Error, Result};
 
 /// When appended payload bytes (and the index batch that references them) reach stable storage.
@@ -83,6 +86,16 @@ pub struct StoreOptions {
     /// Bloom filter bits per key for the index. Default 10 (≈1 % false positives); probes of
     /// absent prefixes then cost no disk read.
     pub bloom_bits_per_key: f64,
+    /// Memtable size of the index's `kv` family. Default 64 MiB (RocksDB's default). The
+    /// adaptive controller sizes level 1 from it.
+    pub index_write_buffer_bytes: usize,
+    /// Keep RocksDB statistics (compaction and flush bytes, `Store::index_io`). Default false:
+    /// they cost a few percent of index throughput.
+    pub index_statistics: bool,
+    /// Quota, water levels and eviction policy; default: no quota.
+    pub capacity: CapacityOptions,
+    /// The adaptive compaction controller; default `None` (RocksDB's static defaults).
+    pub adaptive: Option<AdaptiveOptions>,
 }
 
 impl Default for StoreOptions {
@@ -98,6 +111,10 @@ impl Default for StoreOptions {
             background_merge: true,
             index_cache_bytes: 64 << 20,
             bloom_bits_per_key: 10.0,
+            index_write_buffer_bytes: 64 << 20,
+            index_statistics: false,
+            capacity: CapacityOptions::default(),
+            adaptive: None,
         }
     }
 }
@@ -137,6 +154,16 @@ impl StoreOptions {
             if d.is_zero() {
                 return bad("sync", "interval must be > 0".into());
             }
+        }
+        if self.index_write_buffer_bytes < 64 << 10 {
+            return bad(
+                "index_write_buffer_bytes",
+                format!("{} (must be ≥ 64 KiB)", self.index_write_buffer_bytes),
+            );
+        }
+        self.capacity.validate()?;
+        if let Some(a) = &self.adaptive {
+            a.validate()?;
         }
         if !(-7..=22).contains(&self.zstd_level) {
             return bad(

@@ -8,7 +8,20 @@
 //! | `docs`     | u16 BE length, document id, seq key   | version `1`, token count u32 LE        |
 //! | `seqs`     | seq key (key of a sequence's last block) | number of documents attaching it, u32 LE |
 //! | `segments` | segment id u64 BE                     | `SegmentMeta` (see `segment.rs`)       |
-//! | `meta`     | `ns/` + namespace id                  | version `1`, layout (8 B), codec id    |
+//! | `meta`     | `ns/` + namespace id                  | namespace record (below)               |
+//! | `access`   | sequence key                          | access statistics (`capacity.rs`)      |
+//!
+//! Namespace record, version 2 (version 1 is bytes 0..10 alone, read as group `default`):
+//!
+//! | bytes   | field                                   |
+//! |---------|-----------------------------------------|
+//! | 0       | version, `2`                            |
+//! | 1..9    | `KvLayout` (`schema`)                   |
+//! | 9       | codec id                                |
+//! | 10..18  | registered, ms since the epoch, u64 LE  |
+//! | 18..26  | last registered ("active"), ms, u64 LE  |
+//! | 26      | group name length                       |
+//! | 27..    | group name, UTF-8                       |
 //!
 //! # Blocking
 //! Every method blocks on disk I/O (RocksDB and `pread`/`pwrite`) and must be called from a
@@ -44,7 +57,11 @@ pub(crate) const CF_DOCS: &str = "docs";
 pub(crate) const CF_SEQS: &str = "seqs";
 pub(crate) const CF_SEGMENTS: &str = "segments";
 pub(crate) const CF_META: &str = "meta";
-const CFS: [&str; 5] = [CF_KV, CF_DOCS, CF_SEQS, CF_SEGMENTS, CF_META];
+pub(crate) const CF_ACCESS: &str = "access";
+const CFS: [&str; 6] = [CF_KV, CF_DOCS, CF_SEQS, CF_SEGMENTS, CF_META, CF_ACCESS];
+
+/// Group of namespaces registered without one.
+pub const DEFAULT_GROUP: &str = "default";
 
 /// Largest byte range fetched with one read.
 const MAX_RUN_BYTES: usize = 64 << 20;
@@ -107,11 +124,45 @@ pub(crate) struct NamespaceInfo {
     pub codec: Codec,
 }
 
+/// Group and lifetime of a namespace (the rest of its record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NsMeta {
+    pub group: String,
+    pub registered_ms: u64,
+    pub active_ms: u64,
+}
+
+/// A namespace as [`Store::namespaces`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceStats {
+    pub id: NamespaceId,
+    pub layout: KvLayout,
+    pub codec: Codec,
+    pub group: String,
+    /// First registered, ms since the epoch (0 for namespaces of format version 1).
+    pub registered_ms: u64,
+    /// Last registered: when a process last declared it its current namespace.
+    pub active_ms: u64,
+    /// Record bytes in the tensor log.
+    pub bytes: u64,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct Writer {
     pub active: Option<u64>,
     pub metas: BTreeMap<u64, SegmentMeta>,
     pub next_id: u64,
+    /// Live record bytes per namespace (quota accounting).
+    pub ns_bytes: BTreeMap<NamespaceId, u64>,
+}
+
+impl Writer {
+    pub(crate) fn charge(&mut self, key: &[u8], delta: i64) {
+        if let Some(ns) = key::namespace_of(key) {
+            let b = self.ns_bytes.entry(ns).or_insert(0);
+            *b = b.saturating_add_signed(delta);
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +179,9 @@ pub(crate) struct Counters {
     pub bytes_read: AtomicU64,
     pub merges: AtomicU64,
     pub bytes_merged: AtomicU64,
+    pub evicted_sequences: AtomicU64,
+    pub evicted_bytes: AtomicU64,
+    pub refused_writes: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
@@ -144,8 +198,13 @@ pub(crate) struct Inner {
     pub hot: HotTier,
     pub counters: Counters,
     pub namespaces: RwLock<HashMap<NamespaceId, NamespaceInfo>>,
+    pub ns_meta: RwLock<HashMap<NamespaceId, NsMeta>>,
+    pub access: Mutex<crate::capacity::Access>,
+    pub adaptive: crate::adaptive::Controller,
     pub poisoned: Mutex<Option<String>>,
     pub shutdown: (Mutex<bool>, Condvar),
+    /// The index's options, kept when statistics are on (tickers live there).
+    pub db_opts: Option<rocksdb::Options>,
     _lock: File,
 }
 
@@ -171,7 +230,7 @@ fn io_err(path: &Path, what: &str, e: std::io::Error) -> Error {
     ))
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -267,6 +326,9 @@ impl Store {
         db_opts.create_missing_column_families(true);
         db_opts.set_max_background_jobs(2);
         db_opts.set_bytes_per_sync(1 << 20);
+        if opts.index_statistics || opts.adaptive.is_some() {
+            db_opts.enable_statistics();
+        }
         let cache = Cache::new_lru_cache(opts.index_cache_bytes);
         let cf_opts = |name: &str| {
             let mut bb = BlockBasedOptions::default();
@@ -285,6 +347,15 @@ impl Store {
                 o.set_memtable_whole_key_filtering(true);
                 o.set_memtable_prefix_bloom_ratio(0.1);
                 o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+                o.set_write_buffer_size(opts.index_write_buffer_bytes);
+                // Level 1 holds what L0 compacts into: the run trigger times the memtable
+                // (the adaptive controller keeps this relation when it changes the trigger).
+                let t = crate::Tuning::DEFAULT;
+                o.set_level_zero_file_num_compaction_trigger(t.l0_trigger as i32);
+                o.set_max_bytes_for_level_multiplier(t.size_ratio as f64);
+                o.set_max_bytes_for_level_base(
+                    t.l0_trigger as u64 * opts.index_write_buffer_bytes as u64,
+                );
             }
             o.set_block_based_table_factory(&bb);
             ColumnFamilyDescriptor::new(name, o)
@@ -303,9 +374,14 @@ impl Store {
                 active: None,
                 metas: BTreeMap::new(),
                 next_id: 1,
+                ns_bytes: BTreeMap::new(),
             }),
             counters: Counters::default(),
             namespaces: RwLock::new(HashMap::new()),
+            ns_meta: RwLock::new(HashMap::new()),
+            access: Mutex::new(crate::capacity::Access::default()),
+            adaptive: crate::adaptive::Controller::default(),
+            db_opts: (opts.index_statistics || opts.adaptive.is_some()).then_some(db_opts),
             poisoned: Mutex::new(None),
             shutdown: (Mutex::new(false), Condvar::new()),
             dir,
@@ -325,6 +401,24 @@ impl Store {
                     })?,
             );
         }
+        {
+            let w = inner.clone();
+            workers.push(
+                std::thread::Builder::new()
+                    .name("kvstore-capacity".into())
+                    .spawn(move || {
+                        w.background(w.opts.capacity.flush_interval, |s| s.capacity_tick())
+                    })?,
+            );
+        }
+        if let Some(a) = &opts.adaptive {
+            let (w, every) = (inner.clone(), a.interval);
+            workers.push(
+                std::thread::Builder::new()
+                    .name("kvstore-adaptive".into())
+                    .spawn(move || w.background(every, |s| s.adapt_tick()))?,
+            );
+        }
         if let SyncPolicy::Interval(every) = opts.sync {
             let w = inner.clone();
             workers.push(
@@ -341,19 +435,144 @@ impl Store {
         &self.inner.opts
     }
 
-    /// Registers a namespace with its layout and codec. Idempotent for the same layout; the
-    /// codec may be changed (it applies to blocks written from now on). A namespace that is
-    /// used without registering gets `StoreOptions::default_codec`.
+    /// Registers a namespace with its layout and codec, and marks it active now (see
+    /// [`NamespaceStats::active_ms`]). Idempotent for the same layout; the codec may be changed
+    /// (it applies to blocks written from now on). A namespace keeps its group; a new one joins
+    /// [`DEFAULT_GROUP`]. A namespace that is used without registering gets
+    /// `StoreOptions::default_codec`.
     pub fn register_namespace(
         &self,
         ns: NamespaceId,
         layout: KvLayout,
         codec: Codec,
     ) -> Result<()> {
+        let group = self.inner.group_of(&ns);
+        self.register_namespace_in(ns, layout, codec, &group)
+    }
+
+    /// [`Store::register_namespace`] into namespace group `group` (quotas apply per group).
+    pub fn register_namespace_in(
+        &self,
+        ns: NamespaceId,
+        layout: KvLayout,
+        codec: Codec,
+        group: &str,
+    ) -> Result<()> {
+        if group.is_empty() || group.len() > 255 {
+            return Err(Error::Invalid {
+                what: "namespace group",
+                why: format!("{group:?} (must be 1..=255 bytes)"),
+            });
+        }
         let _w = self.inner.writer.lock();
         self.inner.check_layout(&ns, &layout)?;
+        let now = now_ms();
+        let registered = self
+            .inner
+            .ns_meta
+            .read()
+            .get(&ns)
+            .map_or(now, |m| m.registered_ms);
+        self.inner.ns_meta.write().insert(
+            ns,
+            NsMeta {
+                group: group.to_string(),
+                registered_ms: registered,
+                active_ms: now,
+            },
+        );
         self.inner
             .write_namespace(ns, NamespaceInfo { layout, codec })
+    }
+
+    /// Every namespace with its group, lifetime and bytes, oldest first.
+    pub fn namespaces(&self) -> Vec<NamespaceStats> {
+        let w = self.inner.writer.lock();
+        let infos = self.inner.namespaces.read();
+        let metas = self.inner.ns_meta.read();
+        let mut out: Vec<NamespaceStats> = infos
+            .iter()
+            .map(|(ns, info)| {
+                let m = metas.get(ns);
+                NamespaceStats {
+                    id: *ns,
+                    layout: info.layout,
+                    codec: info.codec,
+                    group: m.map_or(DEFAULT_GROUP.into(), |m| m.group.clone()),
+                    registered_ms: m.map_or(0, |m| m.registered_ms),
+                    active_ms: m.map_or(0, |m| m.active_ms),
+                    bytes: w.ns_bytes.get(ns).copied().unwrap_or(0),
+                }
+            })
+            .collect();
+        out.sort_by_key(|n| (n.registered_ms, n.id));
+        out
+    }
+
+    /// Drops a namespace: every block, document attachment and statistic under it, and its
+    /// record. Space returns through the merger. Returns what was removed.
+    pub fn drop_namespace(&self, ns: NamespaceId) -> Result<DeleteReport> {
+        self.inner.drop_namespace(ns)
+    }
+
+    /// Record bytes held by the namespaces of `group`.
+    pub fn group_bytes(&self, group: &str) -> u64 {
+        let w = self.inner.writer.lock();
+        self.inner.group_bytes(&w, group)
+    }
+
+    /// Access statistics of the sequence `tokens` (as stored by one put item), if known.
+    pub fn access(&self, ns: NamespaceId, tokens: &[u32]) -> Option<crate::AccessInfo> {
+        let blocks = key::blocks(&ns, tokens, self.inner.opts.block_tokens);
+        let last = blocks.last()?;
+        self.inner.access.lock().seqs.get(&last.key).copied()
+    }
+
+    /// Evicts, in policy order, until `group` holds at most `target_bytes` (ignores the water
+    /// levels; for operators and tests). Returns what was evicted.
+    pub fn evict(&self, group: &str, target_bytes: u64) -> Result<crate::EvictReport> {
+        let mut w = self.inner.writer.lock();
+        self.inner.check_poisoned()?;
+        self.inner
+            .evict_locked(&mut w, group, target_bytes, &[], false)
+    }
+
+    /// Runs the periodic capacity work now: persist access statistics, TTL / cost sweep.
+    pub fn capacity_tick(&self) -> Result<()> {
+        self.inner.capacity_tick()
+    }
+
+    /// Runs one adaptive-controller evaluation now (no-op without `StoreOptions::adaptive`).
+    pub fn adapt_now(&self) -> Result<()> {
+        self.inner.adapt_tick()
+    }
+
+    /// Index compaction and flush I/O since open, from RocksDB's statistics (`None` unless
+    /// `index_statistics` or `adaptive` is set).
+    pub fn index_io(&self) -> Option<IndexIo> {
+        let o = self.inner.db_opts.as_ref()?;
+        use rocksdb::statistics::Ticker;
+        Some(IndexIo {
+            compact_read_bytes: o.get_ticker_count(Ticker::CompactReadBytes),
+            compact_write_bytes: o.get_ticker_count(Ticker::CompactWriteBytes),
+            flush_write_bytes: o.get_ticker_count(Ticker::FlushWriteBytes),
+        })
+    }
+
+    /// Sorted runs of the index's `kv` family: L0 files plus non-empty deeper levels.
+    pub fn index_runs(&self) -> Result<u64> {
+        let db = &self.inner.db;
+        let cf = self.inner.cf(CF_KV);
+        let prop = |p: &str| {
+            db.property_int_value_cf(cf, p)
+                .map_err(Error::index("property"))
+                .map(|v| v.unwrap_or(0))
+        };
+        let mut runs = prop("rocksdb.num-files-at-level0")?;
+        for l in 1..7 {
+            runs += (prop(&format!("rocksdb.num-files-at-level{l}"))? > 0) as u64;
+        }
+        Ok(runs)
     }
 
     /// The layout stored under `ns`, if the namespace exists.
@@ -502,12 +721,23 @@ impl Store {
     }
 }
 
+/// Index I/O counters (RocksDB statistics), bytes since open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexIo {
+    pub compact_read_bytes: u64,
+    pub compact_write_bytes: u64,
+    pub flush_write_bytes: u64,
+}
+
 impl Drop for Store {
     fn drop(&mut self) {
         *self.inner.shutdown.0.lock() = true;
         self.inner.shutdown.1.notify_all();
         for w in self.workers.drain(..) {
             let _ = w.join();
+        }
+        if let Err(e) = self.inner.flush_access() {
+            tracing::warn!(error = %e, "persisting access statistics failed");
         }
         if let Err(e) = self.inner.sync_now() {
             tracing::warn!(error = %e, "final sync failed");
@@ -516,7 +746,7 @@ impl Drop for Store {
 }
 
 impl Inner {
-    fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
+    pub(crate) fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
         self.db
             .cf_handle(name)
             .expect("column family created at open")
@@ -582,6 +812,7 @@ impl Inner {
     fn recover(&self) -> Result<()> {
         // Namespaces.
         let mut nss = HashMap::new();
+        let mut ns_metas = HashMap::new();
         for item in self.db.prefix_iterator_cf(self.cf(CF_META), b"ns/") {
             let (k, v) = item.map_err(Error::index("load namespaces"))?;
             if !k.starts_with(b"ns/") {
@@ -591,18 +822,36 @@ impl Inner {
                 what: "namespace record",
                 why: format!("bad key length {}", k.len()),
             })?);
-            if v.len() < 10 || v[0] != 1 {
-                return Err(Error::Invalid {
-                    what: "namespace record",
-                    why: format!("unsupported encoding for {ns}"),
-                });
+            let bad = || Error::Invalid {
+                what: "namespace record",
+                why: format!("unsupported encoding for {ns}"),
+            };
+            if v.len() < 10 || !(1..=2).contains(&v[0]) {
+                return Err(bad());
             }
             let layout =
                 KvLayout::decode(&v[1..9]).map_err(Error::schema(format!("namespace {ns}")))?;
             let codec = Codec::from_id(v[9]).map_err(Error::schema(format!("namespace {ns}")))?;
             nss.insert(ns, NamespaceInfo { layout, codec });
+            let meta = if v[0] == 1 {
+                NsMeta {
+                    group: DEFAULT_GROUP.into(),
+                    registered_ms: 0,
+                    active_ms: 0,
+                }
+            } else {
+                let n = *v.get(26).ok_or_else(bad)? as usize;
+                let group = v.get(27..27 + n).ok_or_else(bad)?;
+                NsMeta {
+                    group: String::from_utf8(group.to_vec()).map_err(|_| bad())?,
+                    registered_ms: u64::from_le_bytes(v[10..18].try_into().unwrap()),
+                    active_ms: u64::from_le_bytes(v[18..26].try_into().unwrap()),
+                }
+            };
+            ns_metas.insert(ns, meta);
         }
         *self.namespaces.write() = nss;
+        *self.ns_meta.write() = ns_metas;
 
         // Segment accounting.
         let mut metas = BTreeMap::new();
@@ -708,12 +957,73 @@ impl Inner {
             .find(|(_, m)| !m.sealed)
             .map(|(id, _)| *id);
         *self.segments.write() = open;
+        let ns_bytes = self.load_capacity()?;
         *self.writer.lock() = Writer {
             active,
             metas,
             next_id: max_id + 1,
+            ns_bytes,
         };
         Ok(())
+    }
+
+    /// Bytes per namespace and the access map, from one scan of the `kv` family: statistics
+    /// of sequences whose blocks are gone become non-resident, and stored sequences without
+    /// statistics (leaves of the key tree) are adopted as stored now.
+    fn load_capacity(&self) -> Result<BTreeMap<NamespaceId, u64>> {
+        let mut access = crate::capacity::Access::default();
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_ACCESS), rocksdb::IteratorMode::Start)
+        {
+            let (k, v) = item.map_err(Error::index("load access statistics"))?;
+            match crate::capacity::decode_access(&v) {
+                Some(s) => {
+                    access.seqs.insert(k.to_vec(), s);
+                }
+                None => tracing::warn!("skipping an access record of an unknown format"),
+            }
+        }
+        let mut ns_bytes: BTreeMap<NamespaceId, u64> = BTreeMap::new();
+        let mut present: HashSet<Vec<u8>> = HashSet::new();
+        let mut prev: Option<(Vec<u8>, Location)> = None;
+        let now = now_ms();
+        let adopt = |k: &[u8], loc: &Location, access: &mut crate::capacity::Access| {
+            if !access.seqs.contains_key(k) {
+                let tokens = (key::depth_of(k) * self.opts.block_tokens) as u32 + loc.tokens;
+                access.stored(k, tokens, loc.layout.bytes_for(tokens as usize) as u64, now);
+            }
+        };
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_KV), rocksdb::IteratorMode::Start)
+        {
+            let (k, v) = item.map_err(Error::index("capacity scan"))?;
+            let loc = Location::decode(&v).map_err(Error::schema("location"))?;
+            if let Some(ns) = key::namespace_of(&k) {
+                *ns_bytes.entry(ns).or_insert(0) += loc.length as u64;
+            }
+            if let Some((pk, ploc)) = prev.take() {
+                if !k.starts_with(&pk) {
+                    adopt(&pk, &ploc, &mut access);
+                }
+            }
+            if access.seqs.contains_key(k.as_ref()) {
+                present.insert(k.to_vec());
+            }
+            prev = Some((k.to_vec(), loc));
+        }
+        if let Some((pk, ploc)) = prev {
+            adopt(&pk, &ploc, &mut access);
+        }
+        for (k, s) in access.seqs.iter_mut() {
+            if s.resident && !present.contains(k) && !access.dirty.contains(k) {
+                s.resident = false;
+                access.dirty.insert(k.clone());
+            }
+        }
+        *self.access.lock() = access;
+        Ok(ns_bytes)
     }
 
     /// Drops index entries that point into lost segments (or past a short segment's end).
@@ -773,9 +1083,22 @@ impl Inner {
     }
 
     fn write_namespace(&self, ns: NamespaceId, info: NamespaceInfo) -> Result<()> {
-        let mut v = vec![1u8];
+        let meta = self.ns_meta.read().get(&ns).cloned().unwrap_or_else(|| {
+            let now = now_ms();
+            NsMeta {
+                group: DEFAULT_GROUP.into(),
+                registered_ms: now,
+                active_ms: now,
+            }
+        });
+        let mut v = vec![2u8];
         v.extend_from_slice(&info.layout.encode());
         v.push(info.codec.id());
+        v.extend_from_slice(&meta.registered_ms.to_le_bytes());
+        v.extend_from_slice(&meta.active_ms.to_le_bytes());
+        v.push(meta.group.len() as u8);
+        v.extend_from_slice(meta.group.as_bytes());
+        self.ns_meta.write().insert(ns, meta);
         self.db
             .put_cf_opt(self.cf(CF_META), ns_meta_key(&ns), v, &self.write_opts())
             .map_err(Error::index("register namespace"))?;
@@ -1005,6 +1328,18 @@ impl Inner {
                 }
             }
         }
+        // Quota: make room (or refuse) before anything is appended. The bound counts every
+        // encoded record, even one another writer stores meanwhile.
+        let incoming: u64 = encoded.iter().map(|(_, _, rec, _)| rec.len() as u64).sum();
+        {
+            let protect: Vec<&[u8]> = plans.iter().flatten().map(|b| b.key.as_slice()).collect();
+            if let Err(e) = self.make_room(&mut w, &ns, incoming, &protect) {
+                if matches!(e, Error::QuotaExceeded { .. }) {
+                    bump(&self.counters.refused_writes, 1);
+                }
+                return Err(e);
+            }
+        }
         let before = w.clone();
         // Another writer may have stored some of them meanwhile.
         let still = self.exists_many(
@@ -1045,6 +1380,7 @@ impl Inner {
                 meta.live_bytes += len as u64;
                 meta.live_records += 1;
             }
+            *w.ns_bytes.entry(ns).or_insert(0) += buf.len() as u64;
         }
         // Document bookkeeping: one reference per (document, sequence).
         let mut refs: HashMap<Vec<u8>, u32> = HashMap::new();
@@ -1073,6 +1409,15 @@ impl Inner {
             self.commit(&mut w, before, batch)?;
         }
         drop(w);
+        {
+            let now = now_ms();
+            let mut access = self.access.lock();
+            for (item, blocks) in items.iter().zip(&plans) {
+                let last = blocks.last().expect("non-empty");
+                let n = item.tokens.len();
+                access.stored(&last.key, n as u32, layout.bytes_for(n) as u64, now);
+            }
+        }
         bump(&self.counters.blocks_written, report.blocks_written as u64);
         bump(&self.counters.blocks_deduped, report.blocks_present as u64);
         bump(&self.counters.bytes_written, report.bytes_written);
@@ -1184,6 +1529,11 @@ impl Inner {
                 Err(Retry::Fail(e)) => {
                     if e.is_miss() {
                         bump(&self.counters.misses, 1);
+                        // Demand counts, hit or miss: an evicted chunk that keeps being asked
+                        // for earns its way back.
+                        if let Some(last) = blocks.last() {
+                            self.access.lock().read(&last.key, now_ms());
+                        }
                     }
                     if matches!(e, Error::Corrupt { .. }) {
                         bump(&self.counters.corrupt, 1);
@@ -1193,6 +1543,9 @@ impl Inner {
                 }
                 Ok(()) => {
                     bump(&self.counters.hits, 1);
+                    if let Some(last) = blocks.last() {
+                        self.access.lock().read(&last.key, now_ms());
+                    }
                     return Ok(info.layout);
                 }
             }
@@ -1483,7 +1836,7 @@ impl Inner {
     // ---------------------------------------------------------------- deletes
 
     /// Adds the deletion of every kv entry under `prefix` to `batch`.
-    fn delete_range(
+    pub(crate) fn delete_range(
         &self,
         w: &mut Writer,
         batch: &mut WriteBatch,
@@ -1502,6 +1855,7 @@ impl Inner {
                 let loc = Location::decode(v).map_err(Error::schema("location"))?;
                 batch.delete_cf(cf, k);
                 self.hot.remove(k);
+                w.charge(k, -(loc.length as i64));
                 if let Some(m) = w.metas.get_mut(&loc.segment) {
                     m.live_bytes = m.live_bytes.saturating_sub(loc.length as u64);
                     m.dead_bytes += loc.length as u64;
@@ -1531,15 +1885,12 @@ impl Inner {
         let mut w = self.writer.lock();
         let before = w.clone();
         let mut batch = WriteBatch::default();
-        self.delete_range(
-            &mut w,
-            &mut batch,
-            &b.key,
-            &mut BTreeSet::new(),
-            &mut report,
-        )?;
+        let mut done = BTreeSet::new();
+        self.delete_range(&mut w, &mut batch, &b.key, &mut done, &mut report)?;
         if report.blocks > 0 {
+            self.forget(&mut batch, &done);
             self.commit(&mut w, before, batch)?;
+            self.forgotten(&done);
         }
         Ok(report)
     }
@@ -1592,8 +1943,81 @@ impl Inner {
             }
         }
         if report.sequences > 0 {
+            self.forget(&mut batch, &done);
             self.commit(&mut w, before, batch)?;
+            self.forgotten(&done);
         }
+        Ok(report)
+    }
+
+    /// Adds the deletion of the access statistics of deleted blocks to `batch`.
+    fn forget(&self, batch: &mut WriteBatch, deleted: &BTreeSet<Vec<u8>>) {
+        let access = self.access.lock();
+        for k in deleted.iter().filter(|k| access.seqs.contains_key(*k)) {
+            batch.delete_cf(self.cf(CF_ACCESS), k);
+        }
+    }
+
+    /// Drops the in-memory statistics of deleted blocks (after their batch committed).
+    fn forgotten(&self, deleted: &BTreeSet<Vec<u8>>) {
+        let mut access = self.access.lock();
+        for k in deleted {
+            access.seqs.remove(k);
+            access.dirty.remove(k);
+        }
+    }
+
+    fn drop_namespace(&self, ns: NamespaceId) -> Result<DeleteReport> {
+        self.check_poisoned()?;
+        let mut w = self.writer.lock();
+        let before = w.clone();
+        let mut batch = WriteBatch::default();
+        let mut report = DeleteReport::default();
+        let mut done = BTreeSet::new();
+        self.delete_range(&mut w, &mut batch, &ns.0, &mut done, &mut report)?;
+        for (cf, what) in [(CF_SEQS, "seqs scan"), (CF_ACCESS, "access scan")] {
+            let mut it = self.db.raw_iterator_cf(self.cf(cf));
+            it.seek(ns.0);
+            while let Some(k) = it.key() {
+                if !k.starts_with(&ns.0) {
+                    break;
+                }
+                batch.delete_cf(self.cf(cf), k);
+                it.next();
+            }
+            it.status().map_err(Error::index(what))?;
+        }
+        // Document attachments: `docs` is keyed by document first, so scan it all.
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_DOCS));
+        it.seek_to_first();
+        while let Some(k) = it.key() {
+            let len = k
+                .get(..2)
+                .map_or(0, |b| u16::from_be_bytes([b[0], b[1]]) as usize);
+            if k.get(2 + len..).is_some_and(|seq| seq.starts_with(&ns.0)) {
+                batch.delete_cf(self.cf(CF_DOCS), k);
+                report.sequences += 1;
+            }
+            it.next();
+        }
+        it.status().map_err(Error::index("docs scan"))?;
+        batch.delete_cf(self.cf(CF_META), ns_meta_key(&ns));
+        w.ns_bytes.remove(&ns);
+        self.commit(&mut w, before, batch)?;
+        self.namespaces.write().remove(&ns);
+        self.ns_meta.write().remove(&ns);
+        let mut access = self.access.lock();
+        let keys: Vec<Vec<u8>> = access
+            .seqs
+            .range(ns.0.to_vec()..)
+            .take_while(|(k, _)| k.starts_with(&ns.0))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            access.seqs.remove(&k);
+            access.dirty.remove(&k);
+        }
+        tracing::info!(%ns, ?report, "dropped namespace");
         Ok(report)
     }
 
@@ -1692,6 +2116,11 @@ impl Inner {
             bytes_read: get(&c.bytes_read),
             merges: get(&c.merges),
             bytes_merged: get(&c.bytes_merged),
+            evicted_sequences: get(&c.evicted_sequences),
+            evicted_bytes: get(&c.evicted_bytes),
+            refused_writes: get(&c.refused_writes),
+            tuning: self.adaptive.current(),
+            tuning_transitions: get(&self.adaptive.transitions),
         }
     }
 }

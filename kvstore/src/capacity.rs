@@ -1,0 +1,596 @@
+//! Capacity: access statistics, a byte quota per namespace group, water-level eviction.
+//!
+//! # Unit of eviction
+//! A *sequence*: the token sequence of one `put_batch` item (a chunk), named by the key of its
+//! last block. Evicting a sequence drops the blocks that no other resident sequence runs
+//! through, deepest first: a block is never removed while a longer sequence still uses it, so
+//! suffix blocks always go before their parents and every stored sequence stays
+//! prefix-closed. An evicted sequence keeps its statistics (marked not resident), so a later
+//! `rematerialize --hot` knows which evicted chunks were worth keeping.
+//!
+//! # Access statistics
+//! Kept in memory; a read updates a map entry under a short lock and marks it dirty. Dirty
+//! entries are written to the `access` column family in one batch every
+//! `CapacityOptions::flush_interval` (by the `kvstore-capacity` thread) and when the store
+//! closes, so reads never cost a RocksDB write. A crash loses at most one interval of counts.
+//!
+//! | bytes   | field                                     |
+//! |---------|-------------------------------------------|
+//! | 0       | version, `1`                              |
+//! | 1..5    | tokens, u32 LE                            |
+//! | 5..13   | payload bytes of the sequence, u64 LE     |
+//! | 13..21  | first stored, ms since the epoch, u64 LE  |
+//! | 21..29  | last read (or stored), ms, u64 LE         |
+//! | 29..33  | reads, u32 LE                             |
+//! | 33      | resident, `0` or `1`                      |
+//!
+//! Key: the sequence key (namespace, then chained block hashes; `key.rs`).
+//!
+//! # Quota and water levels
+//! Each namespace belongs to a group (`Store::register_namespace_in`; default `default`); the
+//! quota bounds the record bytes of each group. A write that would take a group above the
+//! high-water mark first evicts (policy order) down to the low-water mark, so eviction runs in
+//! batches rather than once per write; a write that still does not fit under the quota is
+//! refused with [`crate::Error::QuotaExceeded`]. With [`OnFull::Refuse`] nothing is evicted
+//! automatically: writes beyond the quota are refused.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use rocksdb::WriteBatch;
+use schema::NamespaceId;
+
+use crate::error::{Error, Result};
+use crate::key;
+use crate::store::{Inner, Writer, CF_ACCESS};
+
+/// Which sequences go first when a group must shrink.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EvictionPolicy {
+    /// Least recently read (or stored) first.
+    Lru,
+    /// Fewest reads first; ties by recency.
+    Lfu,
+    /// Sequences not read for `ttl` are evicted by the periodic sweep even without pressure;
+    /// under pressure, least recently used first.
+    Ttl { ttl: Duration },
+    /// Keep a sequence while the recompute its expected reuse saves is worth more than the
+    /// storage it occupies; under pressure, the lowest net value per byte goes first.
+    CostAware(CostModel),
+}
+
+impl EvictionPolicy {
+    /// `lru`, `lfu`, `ttl` or `cost`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Ttl { .. } => "ttl",
+            EvictionPolicy::CostAware(_) => "cost",
+        }
+    }
+}
+
+/// Prices for the cost-aware policy: MatKV's break-even ("ten-day rule") as a live policy.
+///
+/// A reuse of a stored chunk saves `tokens / prefill_tokens_per_s` seconds of accelerator time,
+/// minus the time to load it (`bytes / load_bytes_per_s`). The expected reuse rate of a
+/// sequence is `(reads + 1) / (age + prior_s)`: one imagined read over `prior_s` seconds keeps
+/// new chunks from looking worthless before they had a chance to be read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Prefill throughput of the serving accelerator. Default 10,000 tokens/s (a 0.5B model
+    /// on one data-centre GPU).
+    pub prefill_tokens_per_s: f64,
+    /// Read bandwidth of the KV store. Default 2 GB/s (one NVMe drive).
+    pub load_bytes_per_s: f64,
+    /// Accelerator price. Default $2 per hour.
+    pub gpu_dollars_per_hour: f64,
+    /// Storage price. Default $0.08 per GB-month (NVMe block storage).
+    pub storage_dollars_per_gb_month: f64,
+    /// Prior observation window. Default one day.
+    pub prior_s: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            prefill_tokens_per_s: 10_000.0,
+            load_bytes_per_s: 2e9,
+            gpu_dollars_per_hour: 2.0,
+            storage_dollars_per_gb_month: 0.08,
+            prior_s: 86_400.0,
+        }
+    }
+}
+
+const MONTH_S: f64 = 30.0 * 86_400.0;
+
+impl CostModel {
+    /// Dollars one reuse of a sequence of `tokens` tokens and `bytes` bytes saves (≥ 0).
+    pub fn saving_per_reuse(&self, tokens: u32, bytes: u64) -> f64 {
+        let saved_s =
+            tokens as f64 / self.prefill_tokens_per_s - bytes as f64 / self.load_bytes_per_s;
+        saved_s.max(0.0) * self.gpu_dollars_per_hour / 3600.0
+    }
+
+    /// Dollars per second that storing `bytes` costs.
+    pub fn storage_per_s(&self, bytes: u64) -> f64 {
+        bytes as f64 / 1e9 * self.storage_dollars_per_gb_month / MONTH_S
+    }
+
+    /// The break-even reuse interval: storing pays while the chunk is reused at least this
+    /// often (seconds between reuses).
+    pub fn break_even_s(&self, tokens: u32, bytes: u64) -> f64 {
+        self.saving_per_reuse(tokens, bytes) / self.storage_per_s(bytes.max(1))
+    }
+
+    /// Net dollars per second of keeping `s` at `now_ms`: expected savings minus storage.
+    fn net_per_s(&self, s: &SeqStat, now_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(s.created_ms) as f64 / 1e3;
+        let rate = (s.reads as f64 + 1.0) / (age + self.prior_s);
+        rate * self.saving_per_reuse(s.tokens, s.bytes) - self.storage_per_s(s.bytes)
+    }
+}
+
+/// What a write does when its group is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFull {
+    /// Evict by policy from the high-water mark down to the low-water mark.
+    Evict,
+    /// Refuse the write ([`crate::Error::QuotaExceeded`]); evict nothing automatically.
+    Refuse,
+}
+
+/// Quota, water levels and policy; see the module documentation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CapacityOptions {
+    /// Record bytes each namespace group may hold. Default `None`: unbounded.
+    pub quota_bytes: Option<u64>,
+    /// Share of the quota at which eviction starts. Default 0.95.
+    pub high_water: f64,
+    /// Share of the quota eviction brings a group down to. Default 0.85: each eviction pass
+    /// frees a tenth of the quota, so passes are rare.
+    pub low_water: f64,
+    pub policy: EvictionPolicy,
+    pub on_full: OnFull,
+    /// How often access statistics are persisted and TTL / cost sweeps run. Default 5 s.
+    pub flush_interval: Duration,
+}
+
+impl Default for CapacityOptions {
+    fn default() -> Self {
+        CapacityOptions {
+            quota_bytes: None,
+            high_water: 0.95,
+            low_water: 0.85,
+            policy: EvictionPolicy::Lru,
+            on_full: OnFull::Evict,
+            flush_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+impl CapacityOptions {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |what, why: String| Err(Error::Invalid { what, why });
+        if !(0.0 < self.low_water && self.low_water <= self.high_water && self.high_water <= 1.0) {
+            return bad(
+                "capacity water levels",
+                format!(
+                    "low {} / high {} (need 0 < low ≤ high ≤ 1)",
+                    self.low_water, self.high_water
+                ),
+            );
+        }
+        if self.quota_bytes == Some(0) {
+            return bad(
+                "capacity.quota_bytes",
+                "0 (leave it unset for no quota)".into(),
+            );
+        }
+        if self.flush_interval.is_zero() {
+            return bad("capacity.flush_interval", "0".into());
+        }
+        match self.policy {
+            EvictionPolicy::Ttl { ttl } if ttl.is_zero() => bad("capacity.ttl", "0".into()),
+            EvictionPolicy::CostAware(m)
+                if !(m.prefill_tokens_per_s > 0.0
+                    && m.load_bytes_per_s > 0.0
+                    && m.gpu_dollars_per_hour >= 0.0
+                    && m.storage_dollars_per_gb_month > 0.0
+                    && m.prior_s > 0.0) =>
+            {
+                bad(
+                    "capacity cost model",
+                    format!("{m:?} (rates and prices must be > 0)"),
+                )
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Access statistics of one stored sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccessInfo {
+    pub tokens: u32,
+    /// Payload bytes (uncompressed KV of the whole sequence).
+    pub bytes: u64,
+    pub created_ms: u64,
+    /// Last read, hit or miss (or store).
+    pub last_ms: u64,
+    /// Reads asked for, hits and misses (a miss of an evicted sequence is demand too).
+    pub reads: u32,
+    /// False once evicted (statistics are kept).
+    pub resident: bool,
+}
+
+pub(crate) type SeqStat = AccessInfo;
+
+const ACCESS_VERSION: u8 = 1;
+const ACCESS_LEN: usize = 34;
+
+pub(crate) fn encode_access(s: &SeqStat) -> [u8; ACCESS_LEN] {
+    let mut b = [0u8; ACCESS_LEN];
+    b[0] = ACCESS_VERSION;
+    b[1..5].copy_from_slice(&s.tokens.to_le_bytes());
+    b[5..13].copy_from_slice(&s.bytes.to_le_bytes());
+    b[13..21].copy_from_slice(&s.created_ms.to_le_bytes());
+    b[21..29].copy_from_slice(&s.last_ms.to_le_bytes());
+    b[29..33].copy_from_slice(&s.reads.to_le_bytes());
+    b[33] = s.resident as u8;
+    b
+}
+
+pub(crate) fn decode_access(b: &[u8]) -> Option<SeqStat> {
+    if b.len() != ACCESS_LEN || b[0] != ACCESS_VERSION {
+        return None;
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+    Some(SeqStat {
+        tokens: u32::from_le_bytes(b[1..5].try_into().unwrap()),
+        bytes: u64_at(5),
+        created_ms: u64_at(13),
+        last_ms: u64_at(21),
+        reads: u32::from_le_bytes(b[29..33].try_into().unwrap()),
+        resident: b[33] == 1,
+    })
+}
+
+/// The in-memory access map; see the module documentation.
+#[derive(Debug, Default)]
+pub(crate) struct Access {
+    pub seqs: BTreeMap<Vec<u8>, SeqStat>,
+    pub dirty: BTreeSet<Vec<u8>>,
+}
+
+impl Access {
+    /// A sequence was stored (or found stored) now.
+    pub fn stored(&mut self, key: &[u8], tokens: u32, bytes: u64, now: u64) {
+        let e = self.seqs.entry(key.to_vec()).or_insert(SeqStat {
+            tokens,
+            bytes,
+            created_ms: now,
+            last_ms: now,
+            reads: 0,
+            resident: true,
+        });
+        if !e.resident {
+            // Re-materialized: a new residency, the read history is kept.
+            e.created_ms = now;
+            e.resident = true;
+        }
+        e.last_ms = e.last_ms.max(now);
+        self.dirty.insert(key.to_vec());
+    }
+
+    /// A sequence was asked for now, hit or miss (no-op for keys never stored).
+    pub fn read(&mut self, key: &[u8], now: u64) {
+        if let Some(e) = self.seqs.get_mut(key) {
+            e.reads = e.reads.saturating_add(1);
+            e.last_ms = e.last_ms.max(now);
+            if !self.dirty.contains(key) {
+                self.dirty.insert(key.to_vec());
+            }
+        }
+    }
+
+    /// Whether some resident sequence other than `except` runs through block `anc`.
+    fn needed(&self, anc: &[u8], except: &[u8]) -> bool {
+        self.seqs
+            .range(anc.to_vec()..)
+            .take_while(|(k, _)| k.starts_with(anc))
+            .any(|(k, s)| s.resident && k.as_slice() != except)
+    }
+}
+
+/// Eviction order key: lower goes first.
+fn order(policy: &EvictionPolicy, s: &SeqStat, now: u64) -> f64 {
+    match policy {
+        EvictionPolicy::Lru | EvictionPolicy::Ttl { .. } => s.last_ms as f64,
+        // Reads dominate; recency breaks ties (last_ms / 1e13 < 1).
+        EvictionPolicy::Lfu => s.reads as f64 + s.last_ms as f64 / 1e13,
+        EvictionPolicy::CostAware(m) => m.net_per_s(s, now) / s.bytes.max(1) as f64,
+    }
+}
+
+/// Whether the periodic sweep evicts `s` without pressure.
+fn sweep_out(policy: &EvictionPolicy, s: &SeqStat, now: u64) -> bool {
+    match policy {
+        EvictionPolicy::Ttl { ttl } => now.saturating_sub(s.last_ms) >= ttl.as_millis() as u64,
+        EvictionPolicy::CostAware(m) => m.net_per_s(s, now) < 0.0,
+        EvictionPolicy::Lru | EvictionPolicy::Lfu => false,
+    }
+}
+
+/// What an eviction pass removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EvictReport {
+    /// Sequences marked evicted.
+    pub sequences: usize,
+    /// Blocks dropped from the index.
+    pub blocks: usize,
+    /// Record bytes that became dead (reclaimed by the merger).
+    pub bytes: u64,
+}
+
+impl Inner {
+    /// Record bytes held by the namespaces of `group`.
+    pub(crate) fn group_bytes(&self, w: &Writer, group: &str) -> u64 {
+        let meta = self.ns_meta.read();
+        w.ns_bytes
+            .iter()
+            .filter(|(ns, _)| meta.get(ns).is_some_and(|m| m.group == group))
+            .map(|(_, b)| *b)
+            .sum()
+    }
+
+    pub(crate) fn group_of(&self, ns: &NamespaceId) -> String {
+        self.ns_meta.read().get(ns).map_or_else(
+            || crate::store::DEFAULT_GROUP.to_string(),
+            |m| m.group.clone(),
+        )
+    }
+
+    /// Makes room for `incoming` record bytes in the group of `ns` before a write, per the
+    /// capacity options; `protect` are block keys of the write (never evicted by it). Called
+    /// with the writer lock held; commits its own index batch.
+    pub(crate) fn make_room(
+        &self,
+        w: &mut Writer,
+        ns: &NamespaceId,
+        incoming: u64,
+        protect: &[&[u8]],
+    ) -> Result<()> {
+        let cap = &self.opts.capacity;
+        let Some(quota) = cap.quota_bytes else {
+            return Ok(());
+        };
+        if incoming == 0 {
+            return Ok(());
+        }
+        let group = self.group_of(ns);
+        let used = self.group_bytes(w, &group);
+        let high = (quota as f64 * cap.high_water) as u64;
+        if cap.on_full == OnFull::Evict && used + incoming > high {
+            let low = (quota as f64 * cap.low_water) as u64;
+            let target = low.saturating_sub(incoming);
+            let r = self.evict_locked(w, &group, target, protect, false)?;
+            if r.sequences > 0 {
+                tracing::debug!(group, ?r, "evicted at the high-water mark");
+            }
+        }
+        let used = self.group_bytes(w, &group);
+        if used + incoming > quota {
+            return Err(Error::QuotaExceeded {
+                group,
+                used,
+                quota,
+                needed: incoming,
+            });
+        }
+        Ok(())
+    }
+
+    /// Evicts resident sequences of `group` in policy order until it holds at most `target`
+    /// bytes (or, with `sweep_only`, every sequence the policy's sweep rejects). Commits.
+    pub(crate) fn evict_locked(
+        &self,
+        w: &mut Writer,
+        group: &str,
+        target: u64,
+        protect: &[&[u8]],
+        sweep_only: bool,
+    ) -> Result<EvictReport> {
+        let now = crate::store::now_ms();
+        let policy = self.opts.capacity.policy;
+        let nss: Vec<NamespaceId> = self
+            .ns_meta
+            .read()
+            .iter()
+            .filter(|(_, m)| m.group == group)
+            .map(|(ns, _)| *ns)
+            .collect();
+        let mut access = self.access.lock();
+        let mut cands: Vec<(f64, Vec<u8>)> = access
+            .seqs
+            .iter()
+            .filter(|(k, s)| {
+                s.resident
+                    && key::namespace_of(k).is_some_and(|ns| nss.contains(&ns))
+                    && (!sweep_only || sweep_out(&policy, s, now))
+            })
+            .map(|(k, s)| (order(&policy, s, now), k.clone()))
+            .collect();
+        cands.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let before = w.clone();
+        let mut batch = WriteBatch::default();
+        let mut report = EvictReport::default();
+        let mut done = BTreeSet::new();
+        let mut del = crate::DeleteReport::default();
+        for (_, seq) in cands {
+            if !sweep_only && self.group_bytes(w, group) <= target {
+                break;
+            }
+            // Suffixes first: a sequence that a longer resident one extends waits for it.
+            if protect.iter().any(|p| p.starts_with(&seq)) || access.needed(&seq, &seq) {
+                continue;
+            }
+            // The shallowest ancestor that nothing else needs; everything below it goes.
+            let depth = key::depth_of(&seq);
+            let mut cut = None;
+            for d in (0..=depth).rev() {
+                let anc = &seq[..key::NS_LEN + key::BLOCK_HASH_LEN * (d + 1)];
+                if access.needed(anc, &seq) || protect.iter().any(|p| p.starts_with(anc)) {
+                    break;
+                }
+                cut = Some(anc.to_vec());
+            }
+            if let Some(anc) = cut {
+                self.delete_range(w, &mut batch, &anc, &mut done, &mut del)?;
+            }
+            if let Some(s) = access.seqs.get_mut(&seq) {
+                s.resident = false;
+            }
+            access.dirty.insert(seq.clone());
+            batch.put_cf(self.cf(CF_ACCESS), &seq, encode_access(&access.seqs[&seq]));
+            report.sequences += 1;
+        }
+        drop(access);
+        report.blocks = del.blocks;
+        report.bytes = del.bytes;
+        if report.sequences > 0 {
+            self.commit(w, before, batch)?;
+            crate::store::bump(&self.counters.evicted_sequences, report.sequences as u64);
+            crate::store::bump(&self.counters.evicted_bytes, report.bytes);
+        }
+        Ok(report)
+    }
+
+    /// Persists dirty access statistics in one batch.
+    pub(crate) fn flush_access(&self) -> Result<()> {
+        let batch = {
+            let mut a = self.access.lock();
+            if a.dirty.is_empty() {
+                return Ok(());
+            }
+            let mut batch = WriteBatch::default();
+            for k in std::mem::take(&mut a.dirty) {
+                if let Some(s) = a.seqs.get(&k) {
+                    batch.put_cf(self.cf(CF_ACCESS), &k, encode_access(s));
+                }
+            }
+            batch
+        };
+        // Statistics need no sync of their own: the next synced write or flush carries them.
+        let mut opts = rocksdb::WriteOptions::default();
+        opts.set_sync(false);
+        self.db
+            .write_opt(batch, &opts)
+            .map_err(Error::index("flush access statistics"))
+    }
+
+    /// The periodic capacity work: persist statistics; run the TTL / cost sweep.
+    pub(crate) fn capacity_tick(&self) -> Result<()> {
+        self.flush_access()?;
+        let policy = self.opts.capacity.policy;
+        if matches!(policy, EvictionPolicy::Lru | EvictionPolicy::Lfu) {
+            return Ok(());
+        }
+        let groups: BTreeSet<String> = self
+            .ns_meta
+            .read()
+            .values()
+            .map(|m| m.group.clone())
+            .collect();
+        for g in groups {
+            let mut w = self.writer.lock();
+            self.check_poisoned()?;
+            let r = self.evict_locked(&mut w, &g, 0, &[], true)?;
+            if r.sequences > 0 {
+                tracing::info!(
+                    group = g,
+                    policy = policy.name(),
+                    ?r,
+                    "sweep evicted sequences"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(reads: u32, last: u64) -> SeqStat {
+        SeqStat {
+            tokens: 256,
+            bytes: 256 * 12_288,
+            created_ms: 0,
+            last_ms: last,
+            reads,
+            resident: true,
+        }
+    }
+
+    #[test]
+    fn access_records_round_trip() {
+        let s = stat(7, 123_456);
+        assert_eq!(decode_access(&encode_access(&s)), Some(s));
+        assert_eq!(decode_access(&[2; ACCESS_LEN]), None);
+        assert_eq!(decode_access(&[1; 3]), None);
+    }
+
+    #[test]
+    fn policies_order_as_documented() {
+        let now = 1_000_000;
+        let (old_hot, new_cold) = (stat(50, 1000), stat(0, 990_000));
+        let lru = EvictionPolicy::Lru;
+        assert!(order(&lru, &old_hot, now) < order(&lru, &new_cold, now));
+        let lfu = EvictionPolicy::Lfu;
+        assert!(order(&lfu, &new_cold, now) < order(&lfu, &old_hot, now));
+        let cost = EvictionPolicy::CostAware(CostModel::default());
+        assert!(order(&cost, &new_cold, now) < order(&cost, &old_hot, now));
+        let ttl = EvictionPolicy::Ttl {
+            ttl: Duration::from_secs(60),
+        };
+        assert!(sweep_out(&ttl, &old_hot, now));
+        assert!(!sweep_out(&ttl, &new_cold, now));
+    }
+
+    #[test]
+    fn break_even_follows_the_prices() {
+        let m = CostModel::default();
+        // 256 tokens of a 0.5B model (12 KiB per token): a few days at the default prices.
+        let t = m.break_even_s(256, 256 * 12_288);
+        assert!((86_400.0..30.0 * 86_400.0).contains(&t), "{t}");
+        let pricier_gpu = CostModel {
+            gpu_dollars_per_hour: 4.0,
+            ..m
+        };
+        assert!((pricier_gpu.break_even_s(256, 256 * 12_288) / t - 2.0).abs() < 1e-9);
+        // A chunk never read for many break-even intervals is not worth keeping.
+        let s = SeqStat {
+            created_ms: 0,
+            ..stat(0, 0)
+        };
+        let years = 3 * 365 * 86_400_000;
+        assert!(m.net_per_s(&s, years) < 0.0);
+        assert!(m.net_per_s(&stat(1000, 0), 86_400_000) > 0.0);
+    }
+
+    #[test]
+    fn validation_names_the_option() {
+        let mut o = CapacityOptions {
+            low_water: 0.99,
+            ..CapacityOptions::default()
+        };
+        assert!(o.validate().unwrap_err().to_string().contains("water"));
+        o.low_water = 0.5;
+        o.quota_bytes = Some(0);
+        assert!(o.validate().unwrap_err().to_string().contains("quota"));
+    }
+}
