@@ -57,6 +57,25 @@ pub struct KvStoreConfig {
     pub hot_tier_mib: usize,
     /// Rewrite a sealed segment once this share of it is dead.
     pub merge_dead_ratio: f64,
+    /// Namespace group this process's namespaces join; the quota applies per group.
+    pub group: String,
+    /// Byte quota per namespace group, MiB (0: none).
+    pub quota_mib: u64,
+    /// Eviction starts above `high_water` × quota and stops at `low_water` × quota.
+    pub high_water: f64,
+    pub low_water: f64,
+    /// Eviction policy: lru, lfu, ttl, cost.
+    pub eviction: String,
+    /// `evict` (by policy, at the water levels) or `refuse` (writes beyond the quota fail).
+    pub on_full: String,
+    /// `ttl` policy: evict chunks not read for this long.
+    pub ttl_hours: f64,
+    /// `cost` policy prices: accelerator prefill speed and price, storage price.
+    pub cost_prefill_tokens_per_s: f64,
+    pub cost_gpu_dollars_per_hour: f64,
+    pub cost_storage_dollars_per_gb_month: f64,
+    /// Adaptive compaction controller for the index (workload-aware LSM parameters).
+    pub adaptive: bool,
 }
 
 impl Default for Config {
@@ -84,6 +103,18 @@ impl Default for KvStoreConfig {
             codec: d.default_codec.name().into(),
             hot_tier_mib: d.hot_tier_bytes >> 20,
             merge_dead_ratio: d.merge.dead_ratio,
+            group: kvstore::DEFAULT_GROUP.into(),
+            quota_mib: 0,
+            high_water: d.capacity.high_water,
+            low_water: d.capacity.low_water,
+            eviction: "cost".into(),
+            on_full: "evict".into(),
+            ttl_hours: 24.0 * 7.0,
+            cost_prefill_tokens_per_s: kvstore::CostModel::default().prefill_tokens_per_s,
+            cost_gpu_dollars_per_hour: kvstore::CostModel::default().gpu_dollars_per_hour,
+            cost_storage_dollars_per_gb_month: kvstore::CostModel::default()
+                .storage_dollars_per_gb_month,
+            adaptive: false,
         }
     }
 }
@@ -172,7 +203,48 @@ impl Config {
             bail!("kvstore.codec: unknown codec {:?} (none, lz4, zstd, lz4-planes, zstd-planes, int8)", k.codec);
         };
         let d = kvstore::StoreOptions::default();
+        let policy = match k.eviction.as_str() {
+            "lru" => kvstore::EvictionPolicy::Lru,
+            "lfu" => kvstore::EvictionPolicy::Lfu,
+            "ttl" => {
+                anyhow::ensure!(
+                    k.ttl_hours > 0.0 && k.ttl_hours.is_finite(),
+                    "kvstore.ttl_hours: {} (must be > 0)",
+                    k.ttl_hours
+                );
+                kvstore::EvictionPolicy::Ttl {
+                    ttl: std::time::Duration::from_secs_f64(k.ttl_hours * 3600.0),
+                }
+            }
+            "cost" => kvstore::EvictionPolicy::CostAware(kvstore::CostModel {
+                prefill_tokens_per_s: k.cost_prefill_tokens_per_s,
+                gpu_dollars_per_hour: k.cost_gpu_dollars_per_hour,
+                storage_dollars_per_gb_month: k.cost_storage_dollars_per_gb_month,
+                ..kvstore::CostModel::default()
+            }),
+            other => bail!("kvstore.eviction: unknown policy {other:?} (lru, lfu, ttl, cost)"),
+        };
+        let on_full = match k.on_full.as_str() {
+            "evict" => kvstore::OnFull::Evict,
+            "refuse" => kvstore::OnFull::Refuse,
+            other => bail!("kvstore.on_full: {other:?} (evict, refuse)"),
+        };
+        anyhow::ensure!(
+            !k.group.is_empty() && k.group.len() <= 255,
+            "kvstore.group: {:?} (1..=255 bytes)",
+            k.group
+        );
         let opts = kvstore::StoreOptions {
+            capacity: kvstore::CapacityOptions {
+                quota_bytes: (k.quota_mib > 0).then_some(k.quota_mib << 20),
+                high_water: k.high_water,
+                low_water: k.low_water,
+                policy,
+                on_full,
+                ..d.capacity
+            },
+            adaptive: k.adaptive.then(kvstore::AdaptiveOptions::default),
+            namespace_group: k.group.clone(),
             block_tokens: k.block_tokens,
             segment_bytes: k.segment_mib << 20,
             sync,

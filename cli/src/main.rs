@@ -26,8 +26,14 @@ struct Cli {
 enum Command {
     /// Print the KV store's counters and space accounting as JSON.
     Stats,
-    /// Reclaim space: rewrite every segment holding deleted records.
+    /// Garbage collection: drop KV namespaces unused for `ingest.namespace_grace_hours` (old
+    /// models), detach orphaned KV, rewrite every segment holding dead bytes. Hands the work
+    /// to a running server.
     Gc,
+    /// Prefill again the chunks whose KV is missing (evicted, deleted, lost), corrupt, or stale
+    /// (stored under another model's namespace). Idempotent; hands the work to a running
+    /// server, so it is safe from cron.
+    Rematerialize(RematArgs),
     /// Read and verify every stored KV block, and check the vector index against the KV
     /// store (complete documents, every point's KV present, no orphans); exits non-zero on
     /// any problem.
@@ -89,6 +95,28 @@ struct IngestArgs {
     json: bool,
 }
 
+#[derive(Debug, clap::Args)]
+struct RematArgs {
+    /// Only chunks stale after a model change (migration).
+    #[arg(long, conflicts_with = "hot")]
+    stale: bool,
+    /// Only chunks read at least this many times (access statistics).
+    #[arg(long, value_name = "MIN_READS")]
+    hot: Option<u32>,
+    /// At most this many chunks, hottest first.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// List what would be done; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// auto, bars, lines or quiet.
+    #[arg(long, default_value = "auto")]
+    progress: String,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// The KV store vs file-per-block storage and RocksDB BlobDB.
@@ -141,22 +169,40 @@ fn run(cli: Cli) -> Result<()> {
                         "dead_bytes": g.dead_bytes, "live_records": g.live_records, "sealed": g.sealed})
                 })
                 .collect();
+            let namespaces: Vec<_> = store
+                .namespaces()
+                .iter()
+                .map(|n| {
+                    serde_json::json!({"id": n.id.to_hex(), "group": n.group, "bytes": n.bytes,
+                        "layout": n.layout.to_string(), "registered_ms": n.registered_ms,
+                        "active_ms": n.active_ms})
+                })
+                .collect();
             let out = serde_json::json!({
                 "entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
-                "namespaces": s.namespaces, "segments": segments,
+                "namespaces": namespaces, "segments": segments,
+                "quota_bytes": store.options().capacity.quota_bytes,
             });
             println!("{}", serde_json::to_string_pretty(&out)?);
         }
         Command::Gc => {
-            let store = open_store(&config)?;
-            let r = store.compact_all()?;
-            println!(
-                "{}",
-                serde_json::json!({"segments_rewritten": r.segments_rewritten,
-                    "segments_removed": r.segments_removed, "bytes_copied": r.bytes_copied,
-                    "bytes_reclaimed": r.bytes_reclaimed, "corrupt_dropped": r.corrupt_dropped})
-            );
+            if let Some(addr) = running_server(&config) {
+                eprintln!("a server is running on this data directory: asking it (http://{addr})");
+                let v = admin_post(&config, addr, "/v1/admin/gc", None)?;
+                println!("{v}");
+            } else if config.vectors_dir().exists() {
+                let r = open_engine(&config)?.gc()?;
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                let r = open_store(&config)?.compact_all()?;
+                println!(
+                    "{}",
+                    serde_json::json!({"segments_rewritten": r.segments_rewritten,
+                        "bytes_reclaimed": r.bytes_reclaimed})
+                );
+            }
         }
+        Command::Rematerialize(args) => return remat_cmd(&config, args),
         Command::Ingest(args) => return ingest_cmd(&config, args),
         Command::Serve { bind } => {
             if let Some(b) = bind {
@@ -289,17 +335,101 @@ fn verify_cmd(config: &Config, search: bool) -> Result<()> {
     Ok(())
 }
 
-/// Exit status of an ingest run in which some documents failed (the rest were committed).
-const EXIT_PARTIAL: i32 = 3;
+fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
+    let opts = ingest::RematOptions {
+        scope: match (args.stale, args.hot) {
+            (true, _) => ingest::Scope::Stale,
+            (false, Some(min_reads)) => ingest::Scope::Hot { min_reads },
+            (false, None) => ingest::Scope::All,
+        },
+        limit: args.limit,
+        dry_run: args.dry_run,
+    };
+    let report: ingest::RematReport = if let Some(addr) = running_server(config) {
+        eprintln!("a server is running on this data directory: handing the work to http://{addr}");
+        let v = admin_post(
+            config,
+            addr,
+            "/v1/admin/rematerialize",
+            Some(&serde_json::to_value(opts)?),
+        )?;
+        serde_json::from_value(v).context("decoding the server's report")?
+    } else {
+        let engine = open_engine(config)?;
+        let progress = ingest::Progress::start(progress_mode(&args.progress)?);
+        let r = engine.rematerialize(&opts, &progress.counters)?;
+        drop(progress);
+        r
+    };
+    for p in &report.plan {
+        eprintln!(
+            "would redo {}#{} ({} tokens, {:?}, {} reads)",
+            p.doc_id, p.chunk, p.tokens, p.reason, p.reads
+        );
+    }
+    for f in &report.failures {
+        eprintln!("failed: {f}");
+    }
+    eprintln!(
+        "chunks: {} checked, {} present, {} missing, {} corrupt, {} stale; {} {}, {} prefilled, \
+         {} attached, {} failed ({:.1} s)",
+        report.chunks,
+        report.present,
+        report.missing,
+        report.corrupt,
+        report.stale,
+        report.planned,
+        if report.dry_run {
+            "would be redone"
+        } else {
+            "redone"
+        },
+        report.prefilled,
+        report.attached,
+        report.failures.len(),
+        report.elapsed_s
+    );
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if !report.failures.is_empty() {
+        std::process::exit(EXIT_PARTIAL);
+    }
+    Ok(())
+}
 
-fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
-    let mode = match args.progress.as_str() {
+/// POSTs to an admin route of the running server; the JSON answer, or an error naming the status.
+fn admin_post(
+    config: &Config,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: Option<&serde_json::Value>,
+) -> Result<serde_json::Value> {
+    let token = Some(config.serve.admin_token.as_str());
+    let (status, text) = serve::client::request(addr, "POST", path, token, body)?;
+    anyhow::ensure!(
+        status == 200,
+        "server answered {status}: {}",
+        serve::client::error_message(&text)
+    );
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn progress_mode(s: &str) -> Result<ingest::ProgressMode> {
+    Ok(match s {
         "auto" => ingest::ProgressMode::Auto,
         "bars" => ingest::ProgressMode::Bars,
         "lines" => ingest::ProgressMode::Lines,
         "quiet" => ingest::ProgressMode::Quiet,
         other => anyhow::bail!("--progress: {other:?} (auto, bars, lines, quiet)"),
-    };
+    })
+}
+
+/// Exit status of an ingest run in which some documents failed (the rest were committed).
+const EXIT_PARTIAL: i32 = 3;
+
+fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
+    let mode = progress_mode(&args.progress)?;
     let sources: Vec<ingest::Source> = args
         .paths
         .iter()

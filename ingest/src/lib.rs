@@ -1,13 +1,15 @@
 //! ragkv ingestion: document sources, token-aware chunking, and the pipeline that embeds
 //! chunks into the vector index and materializes their KV into the store
 //! ([`Engine::ingest`]; the commit order that makes it crash-safe is documented in
-//! [`pipeline`]).
+//! [`pipeline`]); re-materialization and garbage collection ([`Engine::rematerialize`],
+//! [`Engine::gc`]).
 
 mod check;
 pub mod chunk;
 mod error;
 pub mod pipeline;
 pub mod progress;
+mod remat;
 mod report;
 pub mod source;
 
@@ -18,5 +20,6 @@ pub use pipeline::{
     kv_doc, kv_key, split_kv_doc, Engine, IngestConfig, Materialize, RunOptions, CHUNK_TEMPLATE,
 };
 pub use progress::{Counters, Progress, ProgressMode};
+pub use remat::{GcReport, Planned, Reason, RematOptions, RematReport, Scope};
 pub use report::{Failure, Report, StageTimes};
 pub use source::{Doc, Item, Source};

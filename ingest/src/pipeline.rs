@@ -84,6 +84,10 @@ pub struct IngestConfig {
     /// Text placed before every chunk: prefilled with it (part of its stored KV) and so part
     /// of every assembled prompt, and of the KV namespace. Empty (the default): chunks alone.
     pub chunk_preamble: String,
+    /// `gc` drops a KV namespace other than the current one once no process has used it for
+    /// this long (after a model change: time for a rollback, or for `rematerialize` to
+    /// migrate). Default one week.
+    pub namespace_grace_hours: f64,
 }
 
 impl Default for IngestConfig {
@@ -95,6 +99,7 @@ impl Default for IngestConfig {
             queue_depth: 4,
             materialize: Materialize::Eager,
             chunk_preamble: String::new(),
+            namespace_grace_hours: 168.0,
         }
     }
 }
@@ -117,6 +122,12 @@ impl IngestConfig {
             return Err(Error::Invalid {
                 what: "ingest.chunk_preamble",
                 why: "longer than 1024 bytes".into(),
+            });
+        }
+        if !(self.namespace_grace_hours >= 0.0 && self.namespace_grace_hours.is_finite()) {
+            return Err(Error::Invalid {
+                what: "ingest.namespace_grace_hours",
+                why: format!("{} (must be ≥ 0)", self.namespace_grace_hours),
             });
         }
         if self.max_doc_bytes == 0 || !(1..=1024).contains(&self.queue_depth) {

@@ -347,10 +347,10 @@ impl Inner {
     }
 
     pub(crate) fn group_of(&self, ns: &NamespaceId) -> String {
-        self.ns_meta.read().get(ns).map_or_else(
-            || crate::store::DEFAULT_GROUP.to_string(),
-            |m| m.group.clone(),
-        )
+        self.ns_meta
+            .read()
+            .get(ns)
+            .map_or_else(|| self.opts.namespace_group.clone(), |m| m.group.clone())
     }
 
     /// Makes room for `incoming` record bytes in the group of `ns` before a write, per the

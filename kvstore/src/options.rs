@@ -96,6 +96,9 @@ pub struct StoreOptions {
     pub capacity: CapacityOptions,
     /// The adaptive compaction controller; default `None` (RocksDB's static defaults).
     pub adaptive: Option<AdaptiveOptions>,
+    /// Group that namespaces first seen by this process join (quotas apply per group).
+    /// Default [`crate::DEFAULT_GROUP`].
+    pub namespace_group: String,
 }
 
 impl Default for StoreOptions {
@@ -115,6 +118,7 @@ impl Default for StoreOptions {
             index_statistics: false,
             capacity: CapacityOptions::default(),
             adaptive: None,
+            namespace_group: crate::DEFAULT_GROUP.into(),
         }
     }
 }
@@ -159,6 +163,12 @@ impl StoreOptions {
             return bad(
                 "index_write_buffer_bytes",
                 format!("{} (must be ≥ 64 KiB)", self.index_write_buffer_bytes),
+            );
+        }
+        if self.namespace_group.is_empty() || self.namespace_group.len() > 255 {
+            return bad(
+                "namespace_group",
+                format!("{:?} (must be 1..=255 bytes)", self.namespace_group),
             );
         }
         self.capacity.validate()?;

@@ -438,7 +438,7 @@ impl Store {
     /// Registers a namespace with its layout and codec, and marks it active now (see
     /// [`NamespaceStats::active_ms`]). Idempotent for the same layout; the codec may be changed
     /// (it applies to blocks written from now on). A namespace keeps its group; a new one joins
-    /// [`DEFAULT_GROUP`]. A namespace that is used without registering gets
+    /// `StoreOptions::namespace_group`. A namespace that is used without registering gets
     /// `StoreOptions::default_codec`.
     pub fn register_namespace(
         &self,
@@ -605,7 +605,9 @@ impl Store {
     /// verify are never returned.
     pub fn get_batch(&self, ns: NamespaceId, tokens: &[u32], up_to: usize) -> Result<KvData> {
         let mut bytes = Vec::new();
-        let layout = self.inner.get_batch_into(ns, tokens, up_to, &mut bytes)?;
+        let layout = self
+            .inner
+            .get_batch_into(ns, tokens, up_to, &mut bytes, true)?;
         Ok(KvData {
             layout,
             tokens: up_to,
@@ -623,7 +625,20 @@ impl Store {
         up_to: usize,
         out: &mut Vec<u8>,
     ) -> Result<KvLayout> {
-        self.inner.get_batch_into(ns, tokens, up_to, out)
+        self.inner.get_batch_into(ns, tokens, up_to, out, true)
+    }
+
+    /// [`Store::get_batch_into`] for maintenance (verification, re-materialization scans): the
+    /// read is not counted in the sequence's access statistics, so it does not make a chunk
+    /// look hot to the eviction policy.
+    pub fn peek_into(
+        &self,
+        ns: NamespaceId,
+        tokens: &[u32],
+        up_to: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<KvLayout> {
+        self.inner.get_batch_into(ns, tokens, up_to, out, false)
     }
 
     /// Drops the blocks of `tokens` from the block containing token `from` on, and every
@@ -1086,7 +1101,7 @@ impl Inner {
         let meta = self.ns_meta.read().get(&ns).cloned().unwrap_or_else(|| {
             let now = now_ms();
             NsMeta {
-                group: DEFAULT_GROUP.into(),
+                group: self.opts.namespace_group.clone(),
                 registered_ms: now,
                 active_ms: now,
             }
@@ -1494,6 +1509,7 @@ impl Inner {
         tokens: &[u32],
         up_to: usize,
         out: &mut Vec<u8>,
+        record: bool,
     ) -> Result<KvLayout> {
         if up_to == 0 || up_to > tokens.len() {
             return Err(Error::Invalid {
@@ -1531,7 +1547,7 @@ impl Inner {
                         bump(&self.counters.misses, 1);
                         // Demand counts, hit or miss: an evicted chunk that keeps being asked
                         // for earns its way back.
-                        if let Some(last) = blocks.last() {
+                        if let Some(last) = blocks.last().filter(|_| record) {
                             self.access.lock().read(&last.key, now_ms());
                         }
                     }
@@ -1543,7 +1559,7 @@ impl Inner {
                 }
                 Ok(()) => {
                     bump(&self.counters.hits, 1);
-                    if let Some(last) = blocks.last() {
+                    if let Some(last) = blocks.last().filter(|_| record) {
                         self.access.lock().read(&last.key, now_ms());
                     }
                     return Ok(info.layout);

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::assembly::Assembly;
+use crate::schedule::Cron;
 
 /// Server settings; validated before binding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,6 +30,15 @@ pub struct ServeConfig {
     pub assembly: Assembly,
     /// Share of chunk tokens `reposition+recompute` recomputes, in (0, 1].
     pub recompute_share: f64,
+    /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
+    /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
+    /// `rematerialize_limit` chunks per run (0: no limit).
+    pub rematerialize_cron: String,
+    pub rematerialize_scope: String,
+    pub rematerialize_limit: usize,
+    /// Built-in schedule of `gc` (namespaces past their grace, orphaned KV, dead segment
+    /// bytes); empty: none.
+    pub gc_cron: String,
 }
 
 impl Default for ServeConfig {
@@ -47,6 +57,10 @@ impl Default for ServeConfig {
             system_prompt: "Answer the question using the context. Be brief.".into(),
             assembly: Assembly::default(),
             recompute_share: 0.15,
+            rematerialize_cron: String::new(),
+            rematerialize_scope: "all".into(),
+            rematerialize_limit: 0,
+            gc_cron: String::new(),
         }
     }
 }
@@ -82,6 +96,33 @@ impl ServeConfig {
                 self.recompute_share
             ));
         }
+        self.schedules()?;
         Ok(())
+    }
+
+    /// The parsed schedules: (rematerialize with its options, gc).
+    #[allow(clippy::type_complexity)]
+    pub fn schedules(
+        &self,
+    ) -> Result<(Option<(Cron, ingest::RematOptions)>, Option<Cron>), String> {
+        let cron = |key: &str, s: &str| -> Result<Option<Cron>, String> {
+            if s.trim().is_empty() {
+                return Ok(None);
+            }
+            s.parse().map(Some).map_err(|e| format!("serve.{key}: {e}"))
+        };
+        let scope: ingest::Scope = self
+            .rematerialize_scope
+            .parse()
+            .map_err(|e| format!("serve.rematerialize_scope: {e}"))?;
+        let opts = ingest::RematOptions {
+            scope,
+            limit: (self.rematerialize_limit > 0).then_some(self.rematerialize_limit),
+            dry_run: false,
+        };
+        Ok((
+            cron("rematerialize_cron", &self.rematerialize_cron)?.map(|c| (c, opts)),
+            cron("gc_cron", &self.gc_cron)?,
+        ))
     }
 }

@@ -49,6 +49,8 @@ pub fn app(state: AppState) -> Router {
             "/v1/documents/{id}",
             get(get_document).delete(delete_document),
         )
+        .route("/v1/admin/rematerialize", post(rematerialize))
+        .route("/v1/admin/gc", post(gc))
         .route("/v1/stats", get(stats))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
@@ -594,6 +596,44 @@ async fn delete_document(
     Ok(Json(json!({"id": id, "deleted": true})))
 }
 
+fn job_error(e: crate::maintenance::JobError) -> ApiError {
+    match e {
+        crate::maintenance::JobError::Busy => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+/// `POST /v1/admin/rematerialize`: the body (optional) is `ingest::RematOptions`.
+async fn rematerialize(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    let opts: ingest::RematOptions = if body.iter().all(u8::is_ascii_whitespace) {
+        ingest::RematOptions::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("body: {e}")))?
+    };
+    let m = state.rag.maintenance.clone();
+    let report = tokio::task::spawn_blocking(move || m.rematerialize(&opts, false))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(job_error)?;
+    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
+}
+
+/// `POST /v1/admin/gc`.
+async fn gc(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    let m = state.rag.maintenance.clone();
+    let report = tokio::task::spawn_blocking(move || m.gc(false))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(job_error)?;
+    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
+}
+
 async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let engine = state.rag.engine.clone();
     let (s, info) =
@@ -605,12 +645,18 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     Ok(Json(json!({
         "kv": {"entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
-               "segments": s.segments.len(), "namespace": state.rag.engine.namespace().to_hex()},
+               "segments": s.segments.len(), "namespace": state.rag.engine.namespace().to_hex(),
+               "evicted_sequences": s.evicted_sequences, "evicted_bytes": s.evicted_bytes,
+               "refused_writes": s.refused_writes,
+               "index_tuning": {"size_ratio": s.tuning.size_ratio, "l0_trigger": s.tuning.l0_trigger,
+                                "transitions": s.tuning_transitions}},
         "index": info,
         "queries": {"admitted": g(&m.requests), "rejected": g(&m.rejected), "failed": g(&m.failed),
                     "cancelled": g(&m.cancelled), "inflight": g(&m.inflight),
                     "kv_hits": g(&m.kv_hits), "kv_misses": g(&m.kv_misses),
                     "kv_bytes_loaded": g(&m.kv_bytes_loaded), "rematerialized": g(&m.rematerialized)},
+        "maintenance": {"runs": g(&m.maintenance_runs), "failures": g(&m.maintenance_failures),
+                        "chunks_rematerialized": g(&m.maintenance_chunks)},
     })))
 }
 

@@ -7,6 +7,8 @@
 //! | `POST /v1/documents` | add or replace documents through the ingest pipeline (admin) |
 //! | `GET /v1/documents/{id}` | a document's chunks |
 //! | `DELETE /v1/documents/{id}` | remove its vectors and KV references (admin) |
+//! | `POST /v1/admin/rematerialize` | `{scope?: all\|stale\|hot, min_reads?, limit?, dry_run?}`: redo missing, corrupt or stale chunk KV (admin; 409 while another job runs) |
+//! | `POST /v1/admin/gc` | drop namespaces past their grace, orphaned KV, dead segment bytes (admin; 409 while another job runs) |
 //! | `GET /v1/stats`, `GET /metrics`, `GET /healthz` | counters (JSON), Prometheus, liveness |
 //!
 //! The request path and its threads are described in [`rag`].
@@ -15,11 +17,14 @@ pub mod assembly;
 pub mod client;
 pub mod config;
 pub mod http;
+pub mod maintenance;
 pub mod metrics;
 pub mod overlap;
 pub mod rag;
+pub mod schedule;
 
 pub use assembly::Assembly;
 pub use config::ServeConfig;
 pub use http::{app, AppState};
+pub use maintenance::Maintenance;
 pub use rag::{Citation, Event, Final, KvMode, KvSource, Query, Rag, Timings};

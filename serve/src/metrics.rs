@@ -76,6 +76,10 @@ pub struct Metrics {
     pub load_queue: AtomicU64,
     pub compute_queue: AtomicU64,
     pub tokens_generated: AtomicU64,
+    /// Maintenance jobs run (requested or scheduled), failed, and chunks they prefilled.
+    pub maintenance_runs: AtomicU64,
+    pub maintenance_failures: AtomicU64,
+    pub maintenance_chunks: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -97,6 +101,9 @@ impl Default for Metrics {
             load_queue: AtomicU64::new(0),
             compute_queue: AtomicU64::new(0),
             tokens_generated: AtomicU64::new(0),
+            maintenance_runs: AtomicU64::new(0),
+            maintenance_failures: AtomicU64::new(0),
+            maintenance_chunks: AtomicU64::new(0),
         }
     }
 }
@@ -182,6 +189,24 @@ impl Metrics {
                 "counter",
                 "Chunks whose KV was written back in the background.",
                 g(&self.rematerialized),
+            ),
+            (
+                "ragkv_maintenance_runs_total",
+                "counter",
+                "Maintenance jobs run (rematerialize, gc), requested or scheduled.",
+                g(&self.maintenance_runs),
+            ),
+            (
+                "ragkv_maintenance_failures_total",
+                "counter",
+                "Maintenance jobs that failed.",
+                g(&self.maintenance_failures),
+            ),
+            (
+                "ragkv_maintenance_chunks_rematerialized_total",
+                "counter",
+                "Chunks prefilled by rematerialize jobs.",
+                g(&self.maintenance_chunks),
             ),
             (
                 "ragkv_tokens_generated_total",

@@ -170,6 +170,8 @@ pub struct Rag {
     pub engine: Arc<Engine>,
     pub config: ServeConfig,
     pub metrics: Arc<Metrics>,
+    /// Rematerialize and GC jobs (requested, or on the configured schedule).
+    pub maintenance: Arc<crate::Maintenance>,
     load_tx: Sender<LoadJob>,
 }
 
@@ -246,10 +248,14 @@ impl Rag {
                 Box::new(move || writeback(&e, &m, wb_rx)),
             )?;
         }
+        let maintenance = crate::Maintenance::new(engine.clone(), metrics.clone());
+        let (remat, gc) = config.schedules()?;
+        maintenance.schedule(remat, gc)?;
         Ok(Arc::new(Rag {
             engine,
             config,
             metrics,
+            maintenance,
             load_tx,
         }))
     }

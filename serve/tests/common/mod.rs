@@ -1,4 +1,5 @@
 //! Shared by the serve test binaries: an engine over real models (SmolLM2-135M, MiniLM).
+#![allow(dead_code)]
 
 use std::path::Path;
 
@@ -12,13 +13,12 @@ pub fn model() -> model::Model {
     .unwrap()
 }
 
-/// An engine (store, embedded index, MiniLM, SmolLM2, KV as f16) in `dir`, with `source`
-/// ingested eagerly; asserts that `docs` documents were new.
-pub fn engine(
+/// An engine (store, embedded index, MiniLM, SmolLM2) over the data in `dir`, storing KV in
+/// `kv_dtype` (part of the namespace).
+pub fn open_engine(
     dir: &Path,
     config: ingest::IngestConfig,
-    source: ingest::Source,
-    docs: usize,
+    kv_dtype: model::DType,
 ) -> ingest::Engine {
     let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
@@ -28,15 +28,26 @@ pub fn engine(
         &retrieval::IndexConfig::default(),
     )
     .unwrap();
-    let engine = ingest::Engine::new(
+    ingest::Engine::new(
         std::sync::Arc::new(store),
         std::sync::Arc::new(index),
         std::sync::Arc::new(embedder),
         std::sync::Arc::new(model()),
         config,
-        model::DType::F16,
+        kv_dtype,
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// [`open_engine`] with KV as f16, and `source` ingested eagerly; asserts that `docs`
+/// documents were new.
+pub fn engine(
+    dir: &Path,
+    config: ingest::IngestConfig,
+    source: ingest::Source,
+    docs: usize,
+) -> ingest::Engine {
+    let engine = open_engine(dir, config, model::DType::F16);
     let report = engine
         .ingest(
             &[source],

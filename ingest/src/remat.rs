@@ -1,0 +1,381 @@
+//! Re-materialization and namespace garbage collection: what `ragkv rematerialize` and
+//! `ragkv gc` (or the server's schedule) run.
+//!
+//! Every indexed chunk that was materialized (its point names a KV key) is classified under the
+//! current namespace (the configured model's fingerprint):
+//!
+//! | state     | meaning                                                                 |
+//! |-----------|-------------------------------------------------------------------------|
+//! | present   | its KV reads back verified (checksums, key, token digest)               |
+//! | missing   | not stored: evicted, deleted, or its segment file was lost               |
+//! | corrupt   | stored but fails verification (or a block inside it is gone)            |
+//! | stale     | missing here, but its document version has KV under another namespace   |
+//! |           | (a model change: migrate it)                                             |
+//!
+//! Chunks to redo are ordered hottest first (reads recorded by the store, under this namespace
+//! or the one being migrated from), then cut to the limit. Corrupt ones are deleted first;
+//! each chunk is probed again just before its prefill: a chunk identical to one redone earlier
+//! in the run (the same text in two documents) is attached to its document, not recomputed.
+//! A second run finds nothing to do.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvstore::{NamespaceId, PutItem};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::pipeline::{kv_doc, split_kv_doc, Engine};
+use crate::progress::Counters;
+
+/// Which chunks a run redoes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "scope")]
+pub enum Scope {
+    /// Missing, corrupt and stale chunks.
+    All,
+    /// Stale chunks only (migration after a model change).
+    Stale,
+    /// Chunks to redo that were read at least `min_reads` times.
+    Hot { min_reads: u32 },
+}
+
+/// Options of [`Engine::rematerialize`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RematOptions {
+    #[serde(flatten)]
+    pub scope: Scope,
+    /// Redo at most this many chunks (hottest first).
+    pub limit: Option<usize>,
+    /// Classify and list, change nothing.
+    pub dry_run: bool,
+}
+
+impl Default for RematOptions {
+    fn default() -> Self {
+        RematOptions {
+            scope: Scope::All,
+            limit: None,
+            dry_run: false,
+        }
+    }
+}
+
+/// Why a chunk is redone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    Missing,
+    Corrupt,
+    Stale,
+}
+
+/// One chunk a run redoes (or would, with `dry_run`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Planned {
+    pub doc_id: String,
+    pub chunk: u32,
+    pub tokens: usize,
+    pub reason: Reason,
+    pub reads: u32,
+}
+
+/// What a run found and did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RematReport {
+    pub dry_run: bool,
+    /// Materialized chunks examined.
+    pub chunks: usize,
+    pub present: usize,
+    pub missing: usize,
+    pub corrupt: usize,
+    pub stale: usize,
+    /// Chunks selected by scope and limit.
+    pub planned: usize,
+    /// Chunks prefilled and stored.
+    pub prefilled: usize,
+    /// Chunks found stored by the time their turn came (an identical chunk), attached only.
+    pub attached: usize,
+    pub tokens_prefilled: usize,
+    /// Chunks that could not be redone, with the reason.
+    pub failures: Vec<String>,
+    /// The selected chunks (listed for dry runs; empty otherwise).
+    pub plan: Vec<Planned>,
+    pub elapsed_s: f64,
+}
+
+/// What [`Engine::gc`] did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GcReport {
+    /// Namespaces dropped (hex ids): not the current one, and inactive for the grace period.
+    pub namespaces_dropped: Vec<String>,
+    /// Index entries of dropped namespaces.
+    pub blocks_dropped: usize,
+    pub segments_rewritten: usize,
+    pub bytes_reclaimed: u64,
+}
+
+struct Candidate {
+    doc_id: String,
+    kv_doc: String,
+    chunk: u32,
+    tokens: Vec<u32>,
+    reason: Reason,
+    reads: u32,
+}
+
+impl Engine {
+    /// Finds chunks whose KV is missing, corrupt or stale and prefills them again; see the
+    /// module documentation. `counters` drive a progress display (chunks and tokens).
+    pub fn rematerialize(&self, opts: &RematOptions, counters: &Counters) -> Result<RematReport> {
+        let start = Instant::now();
+        let ns = self.namespace();
+        let mut report = RematReport {
+            dry_run: opts.dry_run,
+            ..RematReport::default()
+        };
+        let verify = opts.scope != Scope::Stale;
+        let mut cands = Vec::new();
+        let mut buf = Vec::new();
+        let points = self.index.points()?;
+        counters
+            .chunks_total
+            .store(points.len() as u64, Ordering::Relaxed);
+        for (_, p) in points {
+            counters.chunks_done.fetch_add(1, Ordering::Relaxed);
+            if p.kv_key.is_empty() {
+                continue; // lazy or vectors-only: materialized at first retrieval, if ever
+            }
+            report.chunks += 1;
+            let tokens = self.chunk_tokens(&p.text)?;
+            if tokens.is_empty() {
+                continue;
+            }
+            let kv_doc = kv_doc(&p.doc_id, &p.doc_hash);
+            let state = if verify {
+                match self.store.peek_into(ns, &tokens, tokens.len(), &mut buf) {
+                    Ok(_) => None,
+                    Err(kvstore::Error::Miss { .. })
+                        if self.store.probe(ns, &tokens)? < tokens.len() =>
+                    {
+                        Some(Reason::Missing)
+                    }
+                    Err(e) if e.is_miss() => Some(Reason::Corrupt),
+                    Err(e) => return Err(e.into()),
+                }
+            } else {
+                (self.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)
+            };
+            let Some(mut reason) = state else {
+                report.present += 1;
+                continue;
+            };
+            let others: Vec<NamespaceId> = self
+                .store
+                .document_sequences(&kv_doc)?
+                .into_iter()
+                .map(|(n, _)| n)
+                .filter(|n| *n != ns)
+                .collect();
+            if reason == Reason::Missing && !others.is_empty() {
+                reason = Reason::Stale;
+            }
+            match reason {
+                Reason::Missing => report.missing += 1,
+                Reason::Corrupt => report.corrupt += 1,
+                Reason::Stale => report.stale += 1,
+            }
+            let reads = std::iter::once(ns)
+                .chain(others)
+                .filter_map(|n| self.store.access(n, &tokens))
+                .map(|a| a.reads)
+                .max()
+                .unwrap_or(0);
+            let wanted = match opts.scope {
+                Scope::All => true,
+                Scope::Stale => reason == Reason::Stale,
+                Scope::Hot { min_reads } => reads >= min_reads,
+            };
+            if wanted {
+                cands.push(Candidate {
+                    doc_id: p.doc_id,
+                    kv_doc,
+                    chunk: p.ordinal,
+                    tokens,
+                    reason,
+                    reads,
+                });
+            }
+        }
+        cands.sort_by(|a, b| {
+            b.reads
+                .cmp(&a.reads)
+                .then_with(|| a.doc_id.cmp(&b.doc_id))
+                .then(a.chunk.cmp(&b.chunk))
+        });
+        if let Some(limit) = opts.limit {
+            cands.truncate(limit);
+        }
+        report.planned = cands.len();
+        if opts.dry_run {
+            report.plan = cands
+                .iter()
+                .map(|c| Planned {
+                    doc_id: c.doc_id.clone(),
+                    chunk: c.chunk,
+                    tokens: c.tokens.len(),
+                    reason: c.reason,
+                    reads: c.reads,
+                })
+                .collect();
+            report.elapsed_s = start.elapsed().as_secs_f64();
+            return Ok(report);
+        }
+
+        // Redo: corrupt ones are deleted first, so their blocks are written again.
+        for c in cands.iter().filter(|c| c.reason == Reason::Corrupt) {
+            self.store.delete(ns, &c.tokens, 0)?;
+        }
+        counters
+            .chunks_total
+            .fetch_add(cands.len() as u64, Ordering::Relaxed);
+        counters.tokens_total.fetch_add(
+            cands.iter().map(|c| c.tokens.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        for c in &cands {
+            let stored = self.store.probe(ns, &c.tokens)? == c.tokens.len()
+                && self
+                    .store
+                    .peek_into(ns, &c.tokens, c.tokens.len(), &mut buf)
+                    .is_ok();
+            let bytes = if stored {
+                None
+            } else {
+                match self.prefill_bytes(&c.tokens) {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        report
+                            .failures
+                            .push(format!("{}#{}: prefill failed: {e}", c.doc_id, c.chunk));
+                        continue;
+                    }
+                }
+            };
+            let put = self.store.put_batch(
+                ns,
+                self.layout(),
+                &[PutItem {
+                    tokens: &c.tokens,
+                    kv: bytes.as_deref().unwrap_or(&[]),
+                    doc: Some(&c.kv_doc),
+                }],
+            );
+            match put {
+                Ok(_) if bytes.is_some() => {
+                    report.prefilled += 1;
+                    report.tokens_prefilled += c.tokens.len();
+                }
+                Ok(_) => report.attached += 1,
+                Err(e @ kvstore::Error::QuotaExceeded { .. }) => {
+                    report
+                        .failures
+                        .push(format!("{}#{}: {e}", c.doc_id, c.chunk));
+                }
+                Err(e) => return Err(e.into()),
+            }
+            counters.chunks_done.fetch_add(1, Ordering::Relaxed);
+            counters
+                .tokens_done
+                .fetch_add(c.tokens.len() as u64, Ordering::Relaxed);
+        }
+        self.store.sync()?;
+        report.elapsed_s = start.elapsed().as_secs_f64();
+        tracing::info!(
+            planned = report.planned,
+            prefilled = report.prefilled,
+            failed = report.failures.len(),
+            "rematerialized"
+        );
+        Ok(report)
+    }
+
+    /// Garbage collection: drops every namespace other than the current one that no process
+    /// has registered for `ingest.namespace_grace_hours`, detaches KV documents whose
+    /// document no point references any more, then rewrites segments holding dead bytes.
+    pub fn gc(&self) -> Result<GcReport> {
+        let mut report = GcReport::default();
+        let grace = Duration::from_secs_f64(self.config.namespace_grace_hours * 3600.0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        for n in self.store.namespaces() {
+            if n.id == self.namespace() {
+                continue;
+            }
+            if now.saturating_sub(n.active_ms) >= grace.as_millis() as u64 {
+                let r = self.store.drop_namespace(n.id)?;
+                report.blocks_dropped += r.blocks;
+                report.namespaces_dropped.push(n.id.to_string());
+            }
+        }
+        let mut live = HashSet::new();
+        for (_, p) in self.index.points()? {
+            live.insert(kv_doc(&p.doc_id, &p.doc_hash));
+        }
+        for d in self.store.documents()? {
+            if split_kv_doc(&d).is_some() && !live.contains(&d) {
+                self.store.delete_document(&d)?;
+            }
+        }
+        let m = self.store.compact_all()?;
+        report.segments_rewritten = m.segments_rewritten;
+        report.bytes_reclaimed = m.bytes_reclaimed;
+        Ok(report)
+    }
+}
+
+impl std::str::FromStr for Scope {
+    type Err = Error;
+    /// `all`, `stale` or `hot:N`.
+    fn from_str(s: &str) -> Result<Scope> {
+        match s {
+            "all" => Ok(Scope::All),
+            "stale" => Ok(Scope::Stale),
+            _ => s
+                .strip_prefix("hot:")
+                .and_then(|n| n.parse().ok())
+                .map(|min_reads| Scope::Hot { min_reads })
+                .ok_or_else(|| Error::Invalid {
+                    what: "rematerialize scope",
+                    why: format!("{s:?} (all, stale, or hot:N)"),
+                }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_parse_and_serialize() {
+        assert_eq!("all".parse::<Scope>().unwrap(), Scope::All);
+        assert_eq!(
+            "hot:3".parse::<Scope>().unwrap(),
+            Scope::Hot { min_reads: 3 }
+        );
+        assert!("hot".parse::<Scope>().is_err());
+        let o = RematOptions {
+            scope: Scope::Hot { min_reads: 2 },
+            limit: Some(5),
+            dry_run: true,
+        };
+        let j = serde_json::to_value(o).unwrap();
+        assert_eq!(j["scope"], "hot");
+        assert_eq!(j["min_reads"], 2);
+        assert_eq!(serde_json::from_value::<RematOptions>(j).unwrap(), o);
+    }
+}

@@ -1,0 +1,140 @@
+//! Maintenance jobs the server runs for the store it owns: re-materialization and garbage
+//! collection, on request (`POST /v1/admin/rematerialize`, `POST /v1/admin/gc`: how the CLI
+//! hands a cron job to a running server) and on the built-in schedule (`serve.*_cron`).
+//!
+//! One job runs at a time: a request that finds one running gets 409, a scheduled run waits
+//! for it. Jobs share the process with queries but not their threads: the query pipeline keeps
+//! serving (chunks a job has not reached yet are recomputed, as on any miss).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use ingest::{Counters, Engine, GcReport, RematOptions, RematReport};
+use parking_lot::Mutex;
+
+use crate::metrics::Metrics;
+use crate::schedule::Cron;
+
+/// Why a job did not run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("another maintenance job is running")]
+    Busy,
+    #[error("{0}")]
+    Failed(#[from] ingest::Error),
+}
+
+/// The server's maintenance runner.
+#[derive(Debug)]
+pub struct Maintenance {
+    engine: Arc<Engine>,
+    metrics: Arc<Metrics>,
+    running: Mutex<()>,
+}
+
+impl Maintenance {
+    pub fn new(engine: Arc<Engine>, metrics: Arc<Metrics>) -> Arc<Maintenance> {
+        Arc::new(Maintenance {
+            engine,
+            metrics,
+            running: Mutex::new(()),
+        })
+    }
+
+    /// Re-materializes now (blocking); [`JobError::Busy`] if a job runs, unless `wait`.
+    pub fn rematerialize(&self, opts: &RematOptions, wait: bool) -> Result<RematReport, JobError> {
+        let _g = self.lock(wait)?;
+        let r = self.engine.rematerialize(opts, &Counters::default());
+        self.count(&r);
+        let r = r?;
+        self.metrics
+            .maintenance_chunks
+            .fetch_add(r.prefilled as u64, Ordering::Relaxed);
+        Ok(r)
+    }
+
+    /// Garbage-collects now (blocking); [`JobError::Busy`] if a job runs, unless `wait`.
+    pub fn gc(&self, wait: bool) -> Result<GcReport, JobError> {
+        let _g = self.lock(wait)?;
+        let r = self.engine.gc();
+        self.count(&r);
+        Ok(r?)
+    }
+
+    fn lock(&self, wait: bool) -> Result<parking_lot::MutexGuard<'_, ()>, JobError> {
+        if wait {
+            Ok(self.running.lock())
+        } else {
+            self.running.try_lock().ok_or(JobError::Busy)
+        }
+    }
+
+    fn count<T>(&self, r: &ingest::Result<T>) {
+        self.metrics
+            .maintenance_runs
+            .fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "maintenance job failed");
+            self.metrics
+                .maintenance_failures
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Starts the `ragkv-cron` thread for the configured schedules (none: no thread). It
+    /// stops when the last handle to `self` is dropped.
+    pub fn schedule(
+        self: &Arc<Self>,
+        rematerialize: Option<(Cron, RematOptions)>,
+        gc: Option<Cron>,
+    ) -> Result<(), String> {
+        if rematerialize.is_none() && gc.is_none() {
+            return Ok(());
+        }
+        let weak: Weak<Maintenance> = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("ragkv-cron".into())
+            .spawn(move || cron_loop(weak, rematerialize, gc))
+            .map(drop)
+            .map_err(|e| format!("spawning ragkv-cron: {e}"))
+    }
+}
+
+fn cron_loop(m: Weak<Maintenance>, remat: Option<(Cron, RematOptions)>, gc: Option<Cron>) {
+    let now = chrono::Utc::now;
+    let mut next_remat = remat.as_ref().and_then(|(c, _)| c.next_after(now()));
+    let mut next_gc = gc.as_ref().and_then(|c| c.next_after(now()));
+    loop {
+        let due = [next_remat, next_gc].into_iter().flatten().min();
+        let Some(due) = due else {
+            return; // neither schedule ever fires again
+        };
+        // Sleep in short slices so the thread notices the server going away.
+        let wait = (due - now()).to_std().unwrap_or(Duration::ZERO);
+        std::thread::sleep(wait.min(Duration::from_millis(500)));
+        let Some(m) = m.upgrade() else {
+            return;
+        };
+        let t = now();
+        if next_remat.is_some_and(|d| d <= t) {
+            let (cron, opts) = remat.as_ref().expect("scheduled");
+            match m.rematerialize(opts, true) {
+                Ok(r) => tracing::info!(
+                    planned = r.planned,
+                    prefilled = r.prefilled,
+                    "scheduled rematerialize done"
+                ),
+                Err(e) => tracing::warn!(error = %e, "scheduled rematerialize failed"),
+            }
+            next_remat = cron.next_after(now());
+        }
+        if next_gc.is_some_and(|d| d <= t) {
+            match m.gc(true) {
+                Ok(r) => tracing::info!(?r, "scheduled gc done"),
+                Err(e) => tracing::warn!(error = %e, "scheduled gc failed"),
+            }
+            next_gc = gc.as_ref().and_then(|c| c.next_after(now()));
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Re-materialization and GC over real models: after a model fingerprint change, after segment
+//! files are deleted, after records are corrupted. Each ends with every live chunk verified,
+//! and a second run that finds nothing to do.
+
+mod common;
+
+use std::path::Path;
+
+use ingest::{Counters, IngestConfig, RematOptions, Scope};
+
+/// Twelve short documents of two or three 48-token chunks each.
+fn docs() -> ingest::Source {
+    let docs = (0..12)
+        .map(|i| ingest::Doc {
+            id: format!("doc-{i}"),
+            text: format!(
+                "Station {i} of the Harwick survey lies {} kilometres north of the river. \
+                 Its keeper in the year {} was a surveyor named Odile Marchetti-{i}, who \
+                 recorded rainfall, wind and the arrival of migrating geese each morning. \
+                 The station house has {} rooms, a brass barometer and a small library of \
+                 maps. Visitors reach it by a gravel road that floods every spring, and \
+                 the keeper's log of {} winters is kept in the regional archive.",
+                3 * i + 2,
+                1900 + 7 * i,
+                i % 5 + 2,
+                i + 10
+            ),
+            metadata: Default::default(),
+            origin: format!("doc-{i}"),
+        })
+        .collect();
+    ingest::Source::Docs(docs)
+}
+
+fn config() -> IngestConfig {
+    IngestConfig {
+        chunk_tokens: 48,
+        ..IngestConfig::default()
+    }
+}
+
+/// Asserts the index and store agree and every point's KV reads back verified.
+fn all_verified(engine: &ingest::Engine) -> usize {
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert_eq!(c.kv_missing, 0, "{c:?}");
+    assert_eq!(c.kv_verified, c.points, "{c:?}");
+    assert!(engine.store.verify().unwrap().failures.is_empty());
+    c.points
+}
+
+fn remat(engine: &ingest::Engine, scope: Scope, dry_run: bool) -> ingest::RematReport {
+    let opts = RematOptions {
+        scope,
+        limit: None,
+        dry_run,
+    };
+    engine.rematerialize(&opts, &Counters::default()).unwrap()
+}
+
+/// Distinct chunk texts (the same sentence in two documents is one stored chunk).
+fn unique(engine: &ingest::Engine) -> usize {
+    let texts: std::collections::HashSet<String> = engine
+        .index
+        .points()
+        .unwrap()
+        .into_iter()
+        .map(|(_, p)| p.text)
+        .collect();
+    texts.len()
+}
+
+fn ingest_all(dir: &Path) -> usize {
+    let engine = common::engine(dir, config(), docs(), 12);
+    all_verified(&engine)
+}
+
+#[test]
+fn a_model_change_is_migrated_by_rematerialize_and_the_old_namespace_collected() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    assert!(points >= 24, "{points}");
+
+    // A new fingerprint (KV kept as bf16 now): a new namespace, nothing stored under it.
+    let grace = IngestConfig {
+        namespace_grace_hours: 0.0,
+        ..config()
+    };
+    let engine = common::open_engine(dir.path(), grace, model::DType::BF16);
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert_eq!((c.kv_missing, c.kv_verified), (points, 0));
+    assert_eq!(engine.store.namespaces().len(), 2);
+
+    let dry = remat(&engine, Scope::All, true);
+    assert_eq!(
+        (dry.stale, dry.planned, dry.plan.len()),
+        (points, points, points)
+    );
+    assert_eq!(dry.prefilled, 0);
+    assert_eq!(
+        engine.check(false).unwrap().kv_missing,
+        points,
+        "dry run changed nothing"
+    );
+    // A limit takes the hottest first; all are cold here, so any two.
+    let distinct = unique(&engine);
+    let two = engine
+        .rematerialize(
+            &RematOptions {
+                scope: Scope::Stale,
+                limit: Some(2),
+                dry_run: false,
+            },
+            &Counters::default(),
+        )
+        .unwrap();
+    assert_eq!((two.planned, two.prefilled + two.attached), (2, 2));
+
+    let r = remat(&engine, Scope::Stale, false);
+    assert_eq!((r.stale, r.planned), (points - 2, points - 2));
+    assert_eq!(r.prefilled + two.prefilled, distinct, "{r:?}");
+    assert_eq!(r.prefilled + r.attached, points - 2, "{r:?}");
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    assert_eq!(all_verified(&engine), points);
+    let again = remat(&engine, Scope::All, false);
+    assert_eq!((again.planned, again.present), (0, points), "idempotent");
+
+    // GC: the old namespace is past its (zero) grace; the current one stays.
+    let gc = engine.gc().unwrap();
+    assert_eq!(gc.namespaces_dropped.len(), 1, "{gc:?}");
+    assert!(gc.blocks_dropped > 0 && gc.bytes_reclaimed > 0, "{gc:?}");
+    let nss = engine.store.namespaces();
+    assert_eq!(nss.len(), 1);
+    assert_eq!(nss[0].id, engine.namespace());
+    assert_eq!(all_verified(&engine), points);
+}
+
+#[test]
+fn deleted_segment_files_are_rematerialized() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    for seg in std::fs::read_dir(dir.path().join("kv/segments")).unwrap() {
+        std::fs::remove_file(seg.unwrap().path()).unwrap();
+    }
+    let engine = common::open_engine(dir.path(), config(), model::DType::F16);
+    let c = engine.check(false).unwrap();
+    assert_eq!(c.kv_missing, points, "{c:?}");
+    let r = remat(&engine, Scope::All, false);
+    assert_eq!((r.missing, r.planned), (points, points), "{r:?}");
+    assert_eq!(
+        (r.prefilled, r.attached),
+        (unique(&engine), points - unique(&engine))
+    );
+    assert_eq!(all_verified(&engine), points);
+    assert_eq!(remat(&engine, Scope::All, false).planned, 0);
+}
+
+#[test]
+fn corrupt_records_are_found_deleted_and_rematerialized() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    // Flip bytes in the middle of every segment file (payload bytes of some record).
+    let mut flipped = 0;
+    for seg in std::fs::read_dir(dir.path().join("kv/segments")).unwrap() {
+        let path = seg.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        for at in [bytes.len() / 3, bytes.len() / 2, 2 * bytes.len() / 3] {
+            bytes[at] ^= 0x5a;
+            flipped += 1;
+        }
+        std::fs::write(&path, bytes).unwrap();
+    }
+    assert!(flipped >= 3);
+    let engine = common::open_engine(dir.path(), config(), model::DType::F16);
+    let c = engine.check(false).unwrap();
+    assert!(!c.ok(), "corruption must be reported");
+    let r = remat(&engine, Scope::All, false);
+    assert!(r.corrupt >= 1, "{r:?}");
+    assert_eq!(r.prefilled + r.attached, r.corrupt + r.missing, "{r:?}");
+    assert_eq!(all_verified(&engine), points);
+    assert_eq!(remat(&engine, Scope::All, false).planned, 0);
+}
+
+#[test]
+fn hot_scope_redoes_only_chunks_that_were_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    let engine = common::open_engine(dir.path(), config(), model::DType::F16);
+    // Read three chunks twice, then evict everything.
+    let mut count: std::collections::BTreeMap<String, usize> = Default::default();
+    for (_, p) in engine.index.points().unwrap() {
+        *count.entry(p.text).or_default() += 1;
+    }
+    let texts: Vec<String> = count
+        .into_iter()
+        .filter(|(_, n)| *n == 1)
+        .map(|(t, _)| t)
+        .take(3)
+        .collect();
+    assert_eq!(texts.len(), 3);
+    let mut buf = Vec::new();
+    for t in texts.iter().chain(&texts) {
+        let tokens = engine.chunk_tokens(t).unwrap();
+        engine
+            .store
+            .get_batch_into(engine.namespace(), &tokens, tokens.len(), &mut buf)
+            .unwrap();
+    }
+    let r = engine.store.evict(kvstore::DEFAULT_GROUP, 0).unwrap();
+    assert_eq!(r.sequences, unique(&engine));
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "evicted chunks are not problems: {:?}", c.problems);
+    assert_eq!(c.kv_missing, points);
+    let r = remat(&engine, Scope::Hot { min_reads: 2 }, false);
+    assert_eq!((r.missing, r.planned, r.prefilled), (points, 3, 3), "{r:?}");
+    assert!(engine.check(false).unwrap().kv_verified >= 3);
+    remat(&engine, Scope::All, false);
+    assert_eq!(all_verified(&engine), points);
+}
