@@ -64,7 +64,8 @@ pub struct KvStoreConfig {
     /// Eviction starts above `high_water` × quota and stops at `low_water` × quota.
     pub high_water: f64,
     pub low_water: f64,
-    /// Eviction policy: lru, lfu, ttl, cost.
+    /// Eviction policy: lru (default), lfu, ttl, cost. With no quota only `ttl` and `cost`
+    /// evict anything (their sweeps); lru and lfu act at the water levels.
     pub eviction: String,
     /// `evict` (by policy, at the water levels) or `refuse` (writes beyond the quota fail).
     pub on_full: String,
@@ -107,7 +108,7 @@ impl Default for KvStoreConfig {
             quota_mib: 0,
             high_water: d.capacity.high_water,
             low_water: d.capacity.low_water,
-            eviction: "cost".into(),
+            eviction: "lru".into(),
             on_full: "evict".into(),
             ttl_hours: 24.0 * 7.0,
             cost_prefill_tokens_per_s: kvstore::CostModel::default().prefill_tokens_per_s,

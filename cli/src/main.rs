@@ -398,7 +398,8 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
     Ok(())
 }
 
-/// POSTs to an admin route of the running server; the JSON answer, or an error naming the status.
+/// POSTs to an admin route of the running server (waiting while another maintenance job runs);
+/// the JSON answer, or an error naming the status.
 fn admin_post(
     config: &Config,
     addr: std::net::SocketAddr,
@@ -406,7 +407,15 @@ fn admin_post(
     body: Option<&serde_json::Value>,
 ) -> Result<serde_json::Value> {
     let token = Some(config.serve.admin_token.as_str());
-    let (status, text) = serve::client::request(addr, "POST", path, token, body)?;
+    // 409: another maintenance job (perhaps the server's own schedule) is running; wait.
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(3600);
+    let (status, text) = loop {
+        let (status, text) = serve::client::request(addr, "POST", path, token, body)?;
+        if status != 409 || std::time::Instant::now() > give_up {
+            break (status, text);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    };
     anyhow::ensure!(
         status == 200,
         "server answered {status}: {}",

@@ -55,7 +55,8 @@ pub enum EvictionPolicy {
     /// under pressure, least recently used first.
     Ttl { ttl: Duration },
     /// Keep a sequence while the recompute its expected reuse saves is worth more than the
-    /// storage it occupies; under pressure, the lowest net value per byte goes first.
+    /// storage it occupies (judged by the periodic sweep once a sequence is `prior_s` old);
+    /// under pressure, the lowest net value per byte goes first.
     CostAware(CostModel),
 }
 
@@ -319,7 +320,10 @@ fn order(policy: &EvictionPolicy, s: &SeqStat, now: u64) -> f64 {
 fn sweep_out(policy: &EvictionPolicy, s: &SeqStat, now: u64) -> bool {
     match policy {
         EvictionPolicy::Ttl { ttl } => now.saturating_sub(s.last_ms) >= ttl.as_millis() as u64,
-        EvictionPolicy::CostAware(m) => m.net_per_s(s, now) < 0.0,
+        // Judged only after one prior window: a new chunk has had no chance to be read.
+        EvictionPolicy::CostAware(m) => {
+            now.saturating_sub(s.created_ms) as f64 >= m.prior_s * 1e3 && m.net_per_s(s, now) < 0.0
+        }
         EvictionPolicy::Lru | EvictionPolicy::Lfu => false,
     }
 }
@@ -579,6 +583,17 @@ mod tests {
         };
         let years = 3 * 365 * 86_400_000;
         assert!(m.net_per_s(&s, years) < 0.0);
+        let cost = EvictionPolicy::CostAware(m);
+        assert!(sweep_out(&cost, &s, years));
+        // A large, cheap-to-recompute chunk is not worth keeping, but only after a prior window.
+        let big = SeqStat {
+            tokens: 16,
+            bytes: 1 << 30,
+            ..s
+        };
+        assert!(m.net_per_s(&big, 1000) < 0.0);
+        assert!(!sweep_out(&cost, &big, 1000));
+        assert!(sweep_out(&cost, &big, 2 * 86_400_000));
         assert!(m.net_per_s(&stat(1000, 0), 86_400_000) > 0.0);
     }
 

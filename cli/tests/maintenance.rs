@@ -1,0 +1,167 @@
+//! A model upgrade on a running server, maintained the way an operator would: the server is
+//! started with a new KV fingerprint (KV kept as bf16 instead of f16), its built-in schedule
+//! re-materializes and collects every few seconds, and `ragkv rematerialize` / `ragkv gc` are
+//! run from "cron" (hand-off to the server) while a client keeps querying. Zero failed queries;
+//! at the end every chunk is verified under the new namespace and the old one is gone.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn ragkv(data: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
+    c.arg("--data-dir").arg(data);
+    c
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn json_out(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        cmd,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(&text)
+        .or_else(|_| serde_json::from_str(text.lines().last().unwrap_or_default()))
+        .unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[test]
+fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let st = ragkv(&data)
+        .args(["ingest", "--progress", "quiet"])
+        .arg(&corpus)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let before = json_out(ragkv(&data).arg("verify"));
+    let points = before["index"]["kv_verified"].as_u64().unwrap();
+    assert!(points > 0);
+    assert_eq!(before["index"]["points"], points, "{before}");
+
+    let child = ragkv(&data)
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .env("RAGKV__MODEL__KV_DTYPE", "bf16")
+        .env("RAGKV__SERVE__REMATERIALIZE_CRON", "*/4 * * * * *")
+        .env("RAGKV__SERVE__REMATERIALIZE_LIMIT", "3")
+        .env("RAGKV__SERVE__GC_CRON", "*/5 * * * * *")
+        .env("RAGKV__INGEST__NAMESPACE_GRACE_HOURS", "0")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let file = data.join("server.json");
+    let start = Instant::now();
+    while !file.exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no server");
+        assert!(server.0.try_wait().unwrap().is_none(), "server exited");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let addr: std::net::SocketAddr = info["url"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("http://")
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    // A client that keeps asking until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut results = Vec::new();
+            let questions = [
+                "Who was the last resident keeper of the Varrow Point Lighthouse?",
+                "How do honey bees tell each other where flowers are?",
+                "When did the Meridian railway open?",
+            ];
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let body = serde_json::json!({"question": questions[i % 3], "stream": false,
+                                              "max_tokens": 4});
+                let r = serve::client::request(addr, "POST", "/v1/query", None, Some(&body));
+                results.push(r.map(|(s, b)| (s, b)).map_err(|e| e.to_string()));
+                i += 1;
+            }
+            results
+        })
+    };
+
+    // "Cron": a dry run, a real run, a GC, each handed to the server.
+    std::thread::sleep(Duration::from_secs(2));
+    let dry = json_out(ragkv(&data).args(["rematerialize", "--dry-run", "--json"]));
+    assert_eq!(dry["dry_run"], true, "{dry}");
+    let run = json_out(ragkv(&data).args(["rematerialize", "--json", "--progress", "quiet"]));
+    assert!(run["failures"].as_array().unwrap().is_empty(), "{run}");
+    let gc = json_out(ragkv(&data).arg("gc"));
+    assert!(gc.get("namespaces_dropped").is_some(), "{gc}");
+    // Let the built-in schedule run at least once more while queries continue.
+    std::thread::sleep(Duration::from_secs(6));
+    let done = json_out(ragkv(&data).args(["rematerialize", "--dry-run", "--json"]));
+    assert_eq!(done["planned"], 0, "{done}");
+    assert_eq!(done["present"], points, "{done}");
+
+    stop.store(true, Ordering::Relaxed);
+    let results = client.join().unwrap();
+    assert!(results.len() >= 3, "{} queries", results.len());
+    for r in &results {
+        let (status, body) = r.as_ref().expect("query request failed");
+        assert_eq!(*status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert!(v["answer"].is_string(), "{v}");
+    }
+    let (_, metrics) = serve::client::request(addr, "GET", "/metrics", None, None).unwrap();
+    let runs: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ragkv_maintenance_runs_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(runs >= 4, "{runs} maintenance runs");
+    assert!(
+        metrics.contains("ragkv_maintenance_failures_total 0"),
+        "{metrics}"
+    );
+
+    // Stop; everything is verified under the new namespace, and the old one is gone.
+    assert!(Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    assert!(server.0.wait().unwrap().success());
+    let after = json_out(
+        ragkv(&data)
+            .arg("verify")
+            .env("RAGKV__MODEL__KV_DTYPE", "bf16"),
+    );
+    assert_eq!(after["index"]["kv_verified"], points, "{after}");
+    let stats = json_out(ragkv(&data).arg("stats"));
+    let nss = stats["namespaces"].as_array().unwrap();
+    assert_eq!(nss.len(), 1, "{stats}");
+    assert!(
+        nss[0]["layout"].as_str().unwrap().contains("bf16"),
+        "{stats}"
+    );
+}
