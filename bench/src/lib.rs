@@ -3,8 +3,10 @@
 //! `{"bench", "ours", "baseline", "ratio", "unit", ...}` where `ratio` says how many times better
 //! ours is (throughput: ours / baseline; latency and counts: baseline / ours).
 
+pub mod compaction;
 pub mod dataset;
 pub mod engine;
+pub mod eviction;
 pub mod ingest;
 pub mod kvstore;
 pub mod load;
@@ -59,7 +61,8 @@ impl Line {
             bench: bench.into(),
             ours,
             baseline,
-            ratio,
+            // Equal figures (0 and 0 included) are a tie, not a division by zero.
+            ratio: if ours == baseline { 1.0 } else { ratio },
             unit: unit.into(),
             baseline_name: baseline_name.into(),
             bar: None,

@@ -131,6 +131,10 @@ enum BenchCommand {
     Ttft(bench::ttft::Args),
     /// Concurrent clients against one server (status codes, latency, memory).
     Load(bench::load::Args),
+    /// The SGLang-LSM phased workload with the adaptive compaction controller on and off.
+    Compaction(bench::compaction::Args),
+    /// Hit rate of each eviction policy at several budgets on a Zipf-skewed trace.
+    Eviction(bench::eviction::Args),
 }
 
 fn main() {
@@ -244,6 +248,8 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Ingest(args) => bench::ingest::run(&args)?,
                 BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
                 BenchCommand::Load(args) => bench::load::run(&args)?,
+                BenchCommand::Compaction(args) => bench::compaction::run(&args)?,
+                BenchCommand::Eviction(args) => bench::eviction::run(&args)?,
             };
             for line in lines {
                 println!("{}", serde_json::to_string(&line)?);

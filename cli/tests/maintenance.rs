@@ -101,7 +101,7 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
                 let body = serde_json::json!({"question": questions[i % 3], "stream": false,
                                               "max_tokens": 4});
                 let r = serve::client::request(addr, "POST", "/v1/query", None, Some(&body));
-                results.push(r.map(|(s, b)| (s, b)).map_err(|e| e.to_string()));
+                results.push(r.map_err(|e| e.to_string()));
                 i += 1;
             }
             results
