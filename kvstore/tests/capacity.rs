@@ -373,3 +373,110 @@ fn adaptive_controller_moves_to_more_runs_under_writes_and_back_under_reads() {
     store.adapt_now().unwrap();
     assert_eq!(store.stats().tuning_transitions, 2);
 }
+
+const CRASH_CHILD_ENV: &str = "KVSTORE_CAPACITY_CRASH_DIR";
+
+fn crash_options() -> StoreOptions {
+    let per = 4 * 16 * layout().plane_token_bytes() as u64 * layout().planes() as u64;
+    StoreOptions {
+        capacity: CapacityOptions {
+            flush_interval: Duration::from_millis(20),
+            ..with_quota(40 * (per + 200), EvictionPolicy::Lfu, OnFull::Evict).capacity
+        },
+        ..small_options()
+    }
+}
+
+/// The child: a write flood through the quota, with reads, until killed.
+#[test]
+fn capacity_crash_child() {
+    let Ok(dir) = std::env::var(CRASH_CHILD_ENV) else {
+        return; // only meaningful as a child of the test below
+    };
+    let store = open(std::path::Path::new(&dir), crash_options());
+    let start: u32 = std::env::var("KVSTORE_CAPACITY_CRASH_FROM")
+        .unwrap()
+        .parse()
+        .unwrap();
+    for i in start.. {
+        put_seq(&store, &chunk(i), Some(&format!("doc-{i}")));
+        println!("put {i}");
+        for j in (start..=i).rev().step_by(3).take(5) {
+            let _ = store.get_batch(NS, &chunk(j), 64);
+        }
+    }
+}
+
+/// Kill the flood at random moments: after each reopen every chunk reads back exactly or is a
+/// clean miss, the statistics agree with what is stored, and the quota still holds.
+#[test]
+fn a_killed_write_flood_leaves_a_consistent_store_within_quota() {
+    use rand::{Rng, SeedableRng};
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let quota = crash_options().capacity.quota_bytes.unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut acked = Vec::new();
+    let mut last = (0, 0);
+    for round in 0..6u32 {
+        let from = round * 10_000;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "capacity_crash_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CRASH_CHILD_ENV, dir.path())
+            .env("KVSTORE_CAPACITY_CRASH_FROM", from.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let kill_after = rng.gen_range(30..150);
+        let mut n = 0;
+        for line in out.lines() {
+            let line = line.unwrap();
+            if let Some(i) = line.strip_prefix("put ") {
+                acked.push(i.parse::<u32>().unwrap());
+                n += 1;
+                if n == kill_after {
+                    child.kill().unwrap();
+                    break;
+                }
+            }
+        }
+        child.wait().unwrap();
+        assert!(
+            n >= kill_after,
+            "round {round}: the child stopped after {n} puts"
+        );
+
+        let store = open(dir.path(), crash_options());
+        assert!(store.group_bytes(DEFAULT_GROUP) <= quota);
+        let v = store.verify().unwrap();
+        assert!(v.failures.is_empty(), "{:?}", v.failures);
+        let mut resident = 0;
+        for &i in &acked {
+            let t = chunk(i);
+            match store.get_batch(NS, &t, 64) {
+                Ok(kv) => {
+                    assert_eq!(kv.bytes, kv_for(&layout(), &t), "chunk {i}");
+                    resident += 1;
+                    assert!(store.access(NS, &t).unwrap().resident, "chunk {i}");
+                }
+                Err(e) => {
+                    assert!(matches!(e, kvstore::Error::Miss { .. }), "chunk {i}: {e}");
+                    assert_eq!(store.probe(NS, &t).unwrap(), 0, "chunk {i}: half evicted");
+                    if let Some(a) = store.access(NS, &t) {
+                        assert!(!a.resident, "chunk {i} is a miss but marked resident");
+                    }
+                }
+            }
+        }
+        assert!(resident > 0);
+        last = (resident, acked.len());
+    }
+    assert!(last.0 < last.1, "the flood never evicted: {last:?}");
+}
