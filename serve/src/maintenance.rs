@@ -62,6 +62,13 @@ impl Maintenance {
         Ok(r?)
     }
 
+    /// Holds maintenance off while the guard lives (e.g. during a backup of the data
+    /// directory): requested jobs get [`JobError::Busy`], scheduled ones wait. `None` if a job
+    /// is running.
+    pub fn try_exclusive(&self) -> Option<parking_lot::MutexGuard<'_, ()>> {
+        self.running.try_lock()
+    }
+
     fn lock(&self, wait: bool) -> Result<parking_lot::MutexGuard<'_, ()>, JobError> {
         if wait {
             Ok(self.running.lock())

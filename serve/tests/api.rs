@@ -253,6 +253,44 @@ async fn admin_routes_need_the_token_and_documents_round_trip() {
     let (s, _, _) = call(&app, "GET", "/v1/documents/notes%2Fferry.txt", None, None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert!(f.engine.check(false).unwrap().ok());
+
+    // Maintenance routes: admin only, validated, one job at a time.
+    let remat = "/v1/admin/rematerialize";
+    let (s, _, _) = call(&app, "POST", remat, None, None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, e, _) = call(
+        &app,
+        "POST",
+        remat,
+        Some(json!({"scope": "some"})),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{e}");
+    let dry = json!({"scope": "hot", "min_reads": 1, "limit": 2, "dry_run": true});
+    let (s, r, text) = call(&app, "POST", remat, Some(dry), Some("s3cret")).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(
+        (r["dry_run"].clone(), r["planned"].clone()),
+        (json!(true), json!(0)),
+        "{r}"
+    );
+    assert!(r["present"].as_u64().unwrap() > 0, "{r}");
+    {
+        // While a job runs (here: maintenance held off by hand), requests get 409.
+        let rag = Rag::start(f.engine.clone(), ServeConfig::default()).unwrap();
+        let maintenance = rag.maintenance.clone();
+        let app2 = serve::app(AppState::new(rag));
+        let guard = maintenance.try_exclusive().unwrap();
+        let (s, e, _) = call(&app2, "POST", "/v1/admin/gc", None, None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{e}");
+        drop(guard);
+        let (s, r, _) = call(&app2, "POST", "/v1/admin/gc", None, None).await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+    }
+    let (s, r, text) = call(&app, "POST", "/v1/admin/gc", None, Some("s3cret")).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(r["namespaces_dropped"], json!([]), "{r}");
     drop(app);
     tokio::task::spawn_blocking(move || f.close())
         .await
