@@ -281,10 +281,19 @@ async fn admin_routes_need_the_token_and_documents_round_trip() {
         let rag = Rag::start(f.engine.clone(), ServeConfig::default()).unwrap();
         let maintenance = rag.maintenance.clone();
         let app2 = serve::app(AppState::new(rag));
-        let guard = maintenance.try_exclusive().unwrap();
+        // A thread holds maintenance off, as a running job would.
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (held, is_held) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _guard = maintenance.try_exclusive().unwrap();
+            held.send(()).unwrap();
+            released.recv().unwrap();
+        });
+        is_held.recv().unwrap();
         let (s, e, _) = call(&app2, "POST", "/v1/admin/gc", None, None).await;
         assert_eq!(s, StatusCode::CONFLICT, "{e}");
-        drop(guard);
+        release.send(()).unwrap();
+        holder.join().unwrap();
         let (s, r, _) = call(&app2, "POST", "/v1/admin/gc", None, None).await;
         assert_eq!(s, StatusCode::OK, "{r}");
     }
