@@ -138,7 +138,9 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!(runs >= 4, "{runs} maintenance runs");
+    // Four were requested (dry run, run, gc, dry run); the schedule fired at least twice more
+    // in the ~10 s the client ran (rematerialize every 4 s, gc every 5 s).
+    assert!(runs >= 6, "{runs} maintenance runs");
     assert!(
         metrics.contains("ragkv_maintenance_failures_total 0"),
         "{metrics}"
