@@ -138,12 +138,24 @@ impl Engine {
         let verify = opts.scope != Scope::Stale;
         let mut cands = Vec::new();
         let mut buf = Vec::new();
-        let points = self.index.points()?;
+        let mut points = self.index.points()?;
+        points.sort_by(|a, b| (&a.1.doc_id, a.1.ordinal).cmp(&(&b.1.doc_id, b.1.ordinal)));
         counters
             .chunks_total
             .store(points.len() as u64, Ordering::Relaxed);
+        // The documents bar counts documents scanned; chunks and tokens, the whole run.
+        let docs: HashSet<&str> = points.iter().map(|(_, p)| p.doc_id.as_str()).collect();
+        counters
+            .docs_seen
+            .store(docs.len() as u64, Ordering::Relaxed);
+        drop(docs);
+        let mut last_doc = String::new();
         for (_, p) in points {
             counters.chunks_done.fetch_add(1, Ordering::Relaxed);
+            if p.doc_id != last_doc {
+                counters.docs_done.fetch_add(1, Ordering::Relaxed);
+                last_doc.clone_from(&p.doc_id);
+            }
             if p.kv_key.is_empty() {
                 continue; // lazy or vectors-only: materialized at first retrieval, if ever
             }
