@@ -20,6 +20,10 @@ pub struct CheckReport {
     /// Points whose KV is not stored (evicted by the capacity policy, deleted, or lost with a
     /// segment): served by recompute, restored by `rematerialize`. Not a problem.
     pub kv_missing: usize,
+    /// Points whose text now tokenizes to another length than when it was indexed (the model's
+    /// tokenizer or the chunk preamble changed). Their KV is checked under the current
+    /// tokenization; the payload keeps the old token count and key. Not a problem.
+    pub retokenized: usize,
     /// Points found by searching with their own text (when `search` was asked).
     pub searchable: usize,
     pub problems: Vec<String>,
@@ -75,17 +79,13 @@ impl Engine {
                 .collect();
             for (id, p) in &pts {
                 let tokens = self.chunk_tokens(&p.text)?;
-                if tokens.len() != p.tokens as usize {
-                    r.problems.push(format!(
-                        "{doc}#{}: text has {} tokens, payload says {}",
-                        p.ordinal,
-                        tokens.len(),
-                        p.tokens
-                    ));
-                }
+                // Indexed under another tokenization (a model change): its KV identity is its
+                // tokens now; the payload's count and key are the old tokenizer's.
+                let retokenized = tokens.len() != p.tokens as usize;
+                r.retokenized += retokenized as usize;
                 if p.kv_key.is_empty() {
                     r.kv_absent += 1;
-                } else if kv_key(&tokens) != p.kv_key {
+                } else if !retokenized && kv_key(&tokens) != p.kv_key {
                     r.problems.push(format!(
                         "{doc}#{}: KV key does not match its text",
                         p.ordinal

@@ -218,3 +218,28 @@ fn hot_scope_redoes_only_chunks_that_were_read() {
     remat(&engine, Scope::All, false);
     assert_eq!(all_verified(&engine), points);
 }
+
+/// A change of tokenization (here the chunk preamble; a new tokenizer behaves the same): the
+/// points keep their old token counts, `check` counts them as re-tokenized, not as problems,
+/// and rematerialize stores their KV under the new tokens.
+#[test]
+fn a_tokenization_change_is_migrated_and_checked_by_the_current_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    let engine = common::open_engine(
+        dir.path(),
+        IngestConfig {
+            chunk_preamble: "Passage:\n".into(),
+            ..config()
+        },
+        model::DType::F16,
+    );
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert_eq!((c.retokenized, c.kv_missing), (points, points), "{c:?}");
+    let r = remat(&engine, Scope::Stale, false);
+    assert_eq!(r.planned, points, "{r:?}");
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert_eq!((c.retokenized, c.kv_verified), (points, points), "{c:?}");
+}
