@@ -234,14 +234,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             why: "must be > 0".into(),
         });
     }
-    let tmp;
-    let root = match &args.dir {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::tempdir().map_err(io("temporary directory"))?;
-            tmp.path().to_path_buf()
-        }
-    };
+    let work = crate::WorkDir::new(args.dir.as_deref())?;
+    let root = work.path().to_path_buf();
     let order: &[bool] = if args.abba {
         &[false, true, true, false]
     } else {

@@ -193,14 +193,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         .collect();
 
     // Record bytes of every chunk, measured on an unbounded store.
-    let tmp;
-    let root = match &args.dir {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::tempdir().map_err(io("temporary directory"))?;
-            tmp.path().to_path_buf()
-        }
-    };
+    let work = crate::WorkDir::new(args.dir.as_deref())?;
+    let root = work.path().to_path_buf();
     let total: u64 = {
         let dir = root.join("all");
         let store = Store::open(

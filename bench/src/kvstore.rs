@@ -764,14 +764,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             })
         }
     };
-    let tmp;
-    let root = match &args.dir {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
-            tmp.path().to_path_buf()
-        }
-    };
+    let work = crate::WorkDir::new(args.dir.as_deref())?;
+    let root = work.path().to_path_buf();
     let chunks = args.blocks / args.chunk_blocks;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(99);
     let mut sample: Vec<usize> = (0..args.samples)

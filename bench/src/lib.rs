@@ -108,6 +108,36 @@ pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Erro
     move |source| Error::Io { what, source }
 }
 
+/// A benchmark's working directory: the one given (`--dir`), or a fresh temporary one that
+/// is removed when this is dropped.
+#[derive(Debug)]
+pub(crate) struct WorkDir {
+    path: std::path::PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl WorkDir {
+    pub(crate) fn new(given: Option<&std::path::Path>) -> Result<WorkDir, Error> {
+        Ok(match given {
+            Some(d) => WorkDir {
+                path: d.to_path_buf(),
+                _tmp: None,
+            },
+            None => {
+                let tmp = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
+                WorkDir {
+                    path: tmp.path().to_path_buf(),
+                    _tmp: Some(tmp),
+                }
+            }
+        })
+    }
+
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
 /// Percentile of sorted samples.
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -168,8 +168,8 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         }
     }
     let ds = dataset::resolve(args.dataset.as_deref())?;
-    let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
-    let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
+    let work = work_dir.path().to_path_buf();
     let engine = Arc::new(crate::engine::open_indexed(
         &work,
         args.model.as_ref(),
