@@ -330,10 +330,7 @@ impl Engine {
 
     /// Prune (when asked), build the HNSW index, and detach KV no point references.
     fn finish(&self, opts: &RunOptions, seen: &HashSet<String>, report: &mut Report) -> Result<()> {
-        let mut versions: HashMap<String, HashSet<String>> = HashMap::new();
-        for (_, p) in self.index.points()? {
-            versions.entry(p.doc_id).or_default().insert(p.doc_hash);
-        }
+        let mut versions = self.indexed_versions()?;
         // A source that could not be listed would look like a source whose documents all
         // vanished: never prune then.
         let unlisted = report
@@ -359,18 +356,38 @@ impl Engine {
             }
             self.index.flush()?;
         }
-        for d in self.store.documents()? {
-            let live = split_kv_doc(&d)
-                .is_some_and(|(id, h)| versions.get(id).is_some_and(|hs| hs.contains(h)));
-            // KV documents are `doc@hash`; anything else was not written by ingest.
-            if !live && split_kv_doc(&d).is_some() {
-                self.store.delete_document(&d)?;
-                report.orphans_removed += 1;
-            }
-        }
+        report.orphans_removed += self.detach_orphans(&versions)?;
         self.index.optimize()?;
         self.index.flush()?;
         Ok(())
+    }
+
+    /// Document → content hashes of the versions the vector index holds.
+    pub(crate) fn indexed_versions(&self) -> Result<HashMap<String, HashSet<String>>> {
+        let mut versions: HashMap<String, HashSet<String>> = HashMap::new();
+        for (_, p) in self.index.points()? {
+            versions.entry(p.doc_id).or_default().insert(p.doc_hash);
+        }
+        Ok(versions)
+    }
+
+    /// Detaches the KV documents (`doc@hash`) of versions not in `versions`; returns how many.
+    /// KV documents of another form were not written by ingest and are left alone.
+    pub(crate) fn detach_orphans(
+        &self,
+        versions: &HashMap<String, HashSet<String>>,
+    ) -> Result<usize> {
+        let mut n = 0;
+        for d in self.store.documents()? {
+            let Some((id, h)) = split_kv_doc(&d) else {
+                continue;
+            };
+            if !versions.get(id).is_some_and(|hs| hs.contains(h)) {
+                self.store.delete_document(&d)?;
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     fn read_stage(

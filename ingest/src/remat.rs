@@ -26,7 +26,7 @@ use kvstore::{NamespaceId, PutItem};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::pipeline::{kv_doc, split_kv_doc, Engine};
+use crate::pipeline::{kv_doc, Engine};
 use crate::progress::Counters;
 
 /// Which chunks a run redoes.
@@ -112,6 +112,8 @@ pub struct GcReport {
     pub namespaces_dropped: Vec<String>,
     /// Index entries of dropped namespaces.
     pub blocks_dropped: usize,
+    /// KV documents of versions no point references any more, detached.
+    pub orphans_detached: usize,
     pub segments_rewritten: usize,
     pub bytes_reclaimed: u64,
 }
@@ -333,15 +335,7 @@ impl Engine {
                 report.namespaces_dropped.push(n.id.to_string());
             }
         }
-        let mut live = HashSet::new();
-        for (_, p) in self.index.points()? {
-            live.insert(kv_doc(&p.doc_id, &p.doc_hash));
-        }
-        for d in self.store.documents()? {
-            if split_kv_doc(&d).is_some() && !live.contains(&d) {
-                self.store.delete_document(&d)?;
-            }
-        }
+        report.orphans_detached = self.detach_orphans(&self.indexed_versions()?)?;
         let m = self.store.compact_all()?;
         report.segments_rewritten = m.segments_rewritten;
         report.bytes_reclaimed = m.bytes_reclaimed;
