@@ -4,26 +4,15 @@
 //! run from "cron" (hand-off to the server) while a client keeps querying. Zero failed queries;
 //! at the end every chunk is verified under the new namespace and the old one is gone.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-fn ragkv(data: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
-    c.arg("--data-dir").arg(data);
-    c
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{ragkv, start_server};
 
 fn json_out(cmd: &mut Command) -> serde_json::Value {
     let out = cmd.output().unwrap();
@@ -55,35 +44,17 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
     assert!(points > 0);
     assert_eq!(before["index"]["points"], points, "{before}");
 
-    let child = ragkv(&data)
-        .args(["serve", "--bind", "127.0.0.1:0"])
-        .env("RAGKV__MODEL__KV_DTYPE", "bf16")
-        .env("RAGKV__SERVE__REMATERIALIZE_CRON", "*/4 * * * * *")
-        .env("RAGKV__SERVE__REMATERIALIZE_LIMIT", "3")
-        .env("RAGKV__SERVE__GC_CRON", "*/5 * * * * *")
-        .env("RAGKV__INGEST__NAMESPACE_GRACE_HOURS", "0")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut server = Server(child);
-    let file = data.join("server.json");
-    let start = Instant::now();
-    while !file.exists() {
-        assert!(start.elapsed() < Duration::from_secs(120), "no server");
-        assert!(server.0.try_wait().unwrap().is_none(), "server exited");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let info: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
-    let addr: std::net::SocketAddr = info["url"]
-        .as_str()
-        .unwrap()
-        .strip_prefix("http://")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (mut server, url) = start_server(
+        &data,
+        &[
+            ("RAGKV__MODEL__KV_DTYPE", "bf16"),
+            ("RAGKV__SERVE__REMATERIALIZE_CRON", "*/4 * * * * *"),
+            ("RAGKV__SERVE__REMATERIALIZE_LIMIT", "3"),
+            ("RAGKV__SERVE__GC_CRON", "*/5 * * * * *"),
+            ("RAGKV__INGEST__NAMESPACE_GRACE_HOURS", "0"),
+        ],
+    );
+    let addr: std::net::SocketAddr = url.strip_prefix("http://").unwrap().parse().unwrap();
 
     // A client that keeps asking until told to stop.
     let stop = Arc::new(AtomicBool::new(false));

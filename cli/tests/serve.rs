@@ -2,50 +2,13 @@
 //! `openai` Python client (installed by scripts/setup.sh into the cache) against it, streaming
 //! and not; then SIGTERM for a graceful shutdown.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn ragkv(data: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
-    c.arg("--data-dir").arg(data);
-    c
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_server(data: &Path) -> (Server, String) {
-    let child = ragkv(data)
-        .args(["serve", "--bind", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut server = Server(child);
-    let file = data.join("server.json");
-    let start = Instant::now();
-    while !file.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "server did not start"
-        );
-        if let Some(s) = server.0.try_wait().unwrap() {
-            panic!("server exited: {s}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    let info: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
-    (server, info["url"].as_str().unwrap().to_string())
-}
+use common::{ragkv, start_server};
 
 const CLIENT: &str = r#"
 import json, sys
@@ -90,7 +53,7 @@ fn openai_python_client_streams_and_not_against_the_real_server() {
         .unwrap();
     assert!(st.success());
 
-    let (mut server, url) = start_server(&data);
+    let (mut server, url) = start_server(&data, &[]);
     let out = Command::new("python3")
         .arg("-c")
         .arg(CLIENT)
