@@ -6,13 +6,12 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ragkv, start_server};
+use common::{ingested_example, ragkv, start_server};
 
 fn json_out(cmd: &mut Command) -> serde_json::Value {
     let out = cmd.output().unwrap();
@@ -30,15 +29,7 @@ fn json_out(cmd: &mut Command) -> serde_json::Value {
 
 #[test]
 fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    let st = ragkv(&data)
-        .args(["ingest", "--progress", "quiet"])
-        .arg(&corpus)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let (_tmp, data) = ingested_example();
     let before = json_out(ragkv(&data).arg("verify"));
     let points = before["index"]["kv_verified"].as_u64().unwrap();
     assert!(points > 0);

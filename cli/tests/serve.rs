@@ -4,11 +4,10 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ragkv, start_server};
+use common::{ingested_example, ragkv, start_server};
 
 const CLIENT: &str = r#"
 import json, sys
@@ -43,15 +42,7 @@ fn openai_python_client_streams_and_not_against_the_real_server() {
         "the openai client is missing from {}: run scripts/setup.sh",
         pylib.display()
     );
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    let st = ragkv(&data)
-        .args(["ingest", "--progress", "quiet"])
-        .arg(&corpus)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let (tmp, data) = ingested_example();
 
     let (mut server, url) = start_server(&data, &[]);
     let out = Command::new("python3")

@@ -1,7 +1,7 @@
 //! Shared by the CLI test binaries: the real `ragkv` binary and a server started from it.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -10,6 +10,21 @@ pub fn ragkv(data: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ragkv"));
     c.arg("--data-dir").arg(data);
     c
+}
+
+/// A fresh data directory (inside the returned temporary directory) with the example corpus
+/// ingested by `ragkv ingest`.
+pub fn ingested_example() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let st = ragkv(&data)
+        .args(["ingest", "--progress", "quiet"])
+        .arg(&corpus)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    (tmp, data)
 }
 
 /// A `ragkv serve` child, killed when dropped.
