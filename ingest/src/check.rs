@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use kvstore::SeqState;
 use retrieval::SearchFilter;
 use serde::Serialize;
 
@@ -91,22 +92,16 @@ impl Engine {
                         p.ordinal
                     ));
                 } else {
-                    let read =
-                        self.store
-                            .peek_into(self.namespace(), &tokens, tokens.len(), &mut buf);
-                    match read {
-                        Ok(_) => r.kv_verified += 1,
-                        Err(kvstore::Error::Miss { .. })
-                            if self.store.probe(self.namespace(), &tokens)? < tokens.len() =>
-                        {
-                            r.kv_missing += 1
-                        }
-                        Err(ref e) => r
+                    let state = self.store.inspect(self.namespace(), &tokens, &mut buf)?;
+                    match &state {
+                        SeqState::Present => r.kv_verified += 1,
+                        SeqState::Absent => r.kv_missing += 1,
+                        SeqState::Damaged(e) => r
                             .problems
                             .push(format!("{doc}#{}: KV unreadable: {e}", p.ordinal)),
                     }
                     // Missing KV is attached when it is stored again.
-                    if read.is_ok() && !attached.contains(&tokens.len()) {
+                    if matches!(state, SeqState::Present) && !attached.contains(&tokens.len()) {
                         r.problems.push(format!(
                             "{doc}#{}: KV not attached to document version {hash}",
                             p.ordinal

@@ -22,7 +22,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvstore::{NamespaceId, PutItem};
+use kvstore::{NamespaceId, PutItem, SeqState};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -168,15 +168,10 @@ impl Engine {
             }
             let kv_doc = kv_doc(&p.doc_id, &p.doc_hash);
             let state = if verify {
-                match self.store.peek_into(ns, &tokens, tokens.len(), &mut buf) {
-                    Ok(_) => None,
-                    Err(kvstore::Error::Miss { .. })
-                        if self.store.probe(ns, &tokens)? < tokens.len() =>
-                    {
-                        Some(Reason::Missing)
-                    }
-                    Err(e) if e.is_miss() => Some(Reason::Corrupt),
-                    Err(e) => return Err(e.into()),
+                match self.store.inspect(ns, &tokens, &mut buf)? {
+                    SeqState::Present => None,
+                    SeqState::Absent => Some(Reason::Missing),
+                    SeqState::Damaged(_) => Some(Reason::Corrupt),
                 }
             } else {
                 (self.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)

@@ -40,8 +40,8 @@ pub use merge::MergeReport;
 pub use options::{MergePolicy, StoreOptions, SyncPolicy};
 pub use schema::{Codec, DType, KvLayout, NamespaceId};
 pub use store::{
-    DeleteReport, IndexIo, KvData, NamespaceStats, PutItem, PutReport, Store, VerifyReport,
-    DEFAULT_GROUP,
+    DeleteReport, IndexIo, KvData, NamespaceStats, PutItem, PutReport, SeqState, Store,
+    VerifyReport, DEFAULT_GROUP,
 };
 
 /// Space accounting of one segment file.

@@ -641,6 +641,22 @@ impl Store {
         self.inner.get_batch_into(ns, tokens, up_to, out, false)
     }
 
+    /// Maintenance view of the sequence `tokens` (read into `out`, not counted in its access
+    /// statistics): present and verified, cleanly absent (evicted or deleted: no block from
+    /// the first missing one on), or damaged (a record fails verification, its segment is
+    /// gone, or a block inside it is missing while later ones remain). Errors of the store
+    /// itself are returned as errors.
+    pub fn inspect(&self, ns: NamespaceId, tokens: &[u32], out: &mut Vec<u8>) -> Result<SeqState> {
+        match self.peek_into(ns, tokens, tokens.len(), out) {
+            Ok(_) => Ok(SeqState::Present),
+            Err(Error::Miss { .. }) if self.probe(ns, tokens)? < tokens.len() => {
+                Ok(SeqState::Absent)
+            }
+            Err(e) if e.is_miss() => Ok(SeqState::Damaged(e)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Drops the blocks of `tokens` from the block containing token `from` on, and every
     /// cached sequence that extends them. Returns what was removed.
     pub fn delete(&self, ns: NamespaceId, tokens: &[u32], from: usize) -> Result<DeleteReport> {
@@ -734,6 +750,15 @@ impl Store {
     pub fn dir(&self) -> &Path {
         &self.inner.dir
     }
+}
+
+/// What [`Store::inspect`] found.
+#[derive(Debug)]
+pub enum SeqState {
+    Present,
+    Absent,
+    /// Stored but unusable; the error says why.
+    Damaged(Error),
 }
 
 /// Index I/O counters (RocksDB statistics), bytes since open.

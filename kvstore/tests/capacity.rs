@@ -151,6 +151,15 @@ fn suffix_blocks_go_before_their_parents() {
     assert!(!readable(&store, &child));
     assert_eq!(store.probe(NS, &child).unwrap(), 32);
     assert!(!store.access(NS, &child).unwrap().resident);
+    let mut buf = Vec::new();
+    assert!(matches!(
+        store.inspect(NS, &child, &mut buf).unwrap(),
+        kvstore::SeqState::Absent
+    ));
+    assert!(matches!(
+        store.inspect(NS, &parent, &mut buf).unwrap(),
+        kvstore::SeqState::Present
+    ));
     // Then the parent.
     let r = store.evict(DEFAULT_GROUP, 0).unwrap();
     assert_eq!((r.sequences, r.blocks), (1, 2));
