@@ -254,11 +254,10 @@ impl Engine {
             Ordering::Relaxed,
         );
         for c in &cands {
-            let stored = self.store.probe(ns, &c.tokens)? == c.tokens.len()
-                && self
-                    .store
-                    .peek_into(ns, &c.tokens, c.tokens.len(), &mut buf)
-                    .is_ok();
+            let stored = matches!(
+                self.store.inspect(ns, &c.tokens, &mut buf)?,
+                SeqState::Present
+            );
             let bytes = if stored {
                 None
             } else {
