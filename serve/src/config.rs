@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::assembly::Assembly;
+use crate::maintenance::Schedules;
 use crate::schedule::Cron;
 
 /// Server settings; validated before binding.
@@ -100,11 +101,8 @@ impl ServeConfig {
         Ok(())
     }
 
-    /// The parsed schedules: (rematerialize with its options, gc).
-    #[allow(clippy::type_complexity)]
-    pub fn schedules(
-        &self,
-    ) -> Result<(Option<(Cron, ingest::RematOptions)>, Option<Cron>), String> {
+    /// The parsed maintenance schedules.
+    pub fn schedules(&self) -> Result<Schedules, String> {
         let cron = |key: &str, s: &str| -> Result<Option<Cron>, String> {
             if s.trim().is_empty() {
                 return Ok(None);
@@ -120,9 +118,9 @@ impl ServeConfig {
             limit: (self.rematerialize_limit > 0).then_some(self.rematerialize_limit),
             dry_run: false,
         };
-        Ok((
-            cron("rematerialize_cron", &self.rematerialize_cron)?.map(|c| (c, opts)),
-            cron("gc_cron", &self.gc_cron)?,
-        ))
+        Ok(Schedules {
+            rematerialize: cron("rematerialize_cron", &self.rematerialize_cron)?.map(|c| (c, opts)),
+            gc: cron("gc_cron", &self.gc_cron)?,
+        })
     }
 }

@@ -16,6 +16,14 @@ use parking_lot::Mutex;
 use crate::metrics::Metrics;
 use crate::schedule::Cron;
 
+/// When the server runs jobs by itself (`ServeConfig::schedules`).
+#[derive(Debug, Clone, Default)]
+pub struct Schedules {
+    /// Re-materialization, with what it redoes.
+    pub rematerialize: Option<(Cron, RematOptions)>,
+    pub gc: Option<Cron>,
+}
+
 /// Why a job did not run.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -91,24 +99,24 @@ impl Maintenance {
 
     /// Starts the `ragkv-cron` thread for the configured schedules (none: no thread). It
     /// stops when the last handle to `self` is dropped.
-    pub fn schedule(
-        self: &Arc<Self>,
-        rematerialize: Option<(Cron, RematOptions)>,
-        gc: Option<Cron>,
-    ) -> Result<(), String> {
-        if rematerialize.is_none() && gc.is_none() {
+    pub fn schedule(self: &Arc<Self>, schedules: Schedules) -> Result<(), String> {
+        if schedules.rematerialize.is_none() && schedules.gc.is_none() {
             return Ok(());
         }
         let weak: Weak<Maintenance> = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("ragkv-cron".into())
-            .spawn(move || cron_loop(weak, rematerialize, gc))
+            .spawn(move || cron_loop(weak, schedules))
             .map(drop)
             .map_err(|e| format!("spawning ragkv-cron: {e}"))
     }
 }
 
-fn cron_loop(m: Weak<Maintenance>, remat: Option<(Cron, RematOptions)>, gc: Option<Cron>) {
+fn cron_loop(m: Weak<Maintenance>, schedules: Schedules) {
+    let Schedules {
+        rematerialize: remat,
+        gc,
+    } = schedules;
     let now = chrono::Utc::now;
     let mut next_remat = remat.as_ref().and_then(|(c, _)| c.next_after(now()));
     let mut next_gc = gc.as_ref().and_then(|c| c.next_after(now()));

@@ -249,8 +249,7 @@ impl Rag {
             )?;
         }
         let maintenance = crate::Maintenance::new(engine.clone(), metrics.clone());
-        let (remat, gc) = config.schedules()?;
-        maintenance.schedule(remat, gc)?;
+        maintenance.schedule(config.schedules()?)?;
         Ok(Arc::new(Rag {
             engine,
             config,
