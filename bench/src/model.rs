@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_transformers::models::llama as stock;
 use model::{Kv, LoadOptions, Logits, Model, ModelSource};
 
@@ -29,6 +29,9 @@ pub struct Args {
     /// Timed repetitions (median reported).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Compute device for both decoders: cpu, cuda or cuda:N (CUDA needs `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 fn merr(e: model::Error) -> Error {
@@ -51,7 +54,14 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         .clone()
         .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
     let source = ModelSource::from_path(&path).map_err(merr)?;
-    let ours = Model::load(&source, &LoadOptions::default()).map_err(merr)?;
+    let device = model::device(&args.device).map_err(merr)?;
+    let opts = LoadOptions {
+        device: device.clone(),
+        ..LoadOptions::default()
+    };
+    let ours = Model::load(&source, &opts).map_err(merr)?;
+    // Timings end when the device has finished the work (a no-op on the CPU).
+    let sync = || device.synchronize().map_err(cerr);
     if ours.config().arch != model::Arch::Llama {
         return Err(Error::Invalid {
             what: "--model",
@@ -59,7 +69,6 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
                 .into(),
         });
     }
-    let device = Device::Cpu;
     let dir = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     ours.export_hf(dir.path()).map_err(merr)?;
     let cfg_text = std::fs::read_to_string(dir.path().join("config.json"))
@@ -95,6 +104,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             .decoder()
             .forward(&mut cache, &prompt, Logits::Last)
             .map_err(merr)?;
+        sync()?;
         let p = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut ours_tokens = Vec::new();
@@ -115,6 +125,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             .map_err(cerr)?;
         let t = Instant::now();
         let mut slogits = stock_model.forward(&input, 0, &mut scache).map_err(cerr)?;
+        sync()?;
         let sp = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut stock_tokens = Vec::new();
@@ -160,6 +171,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         export.push(bytes.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
         let t = Instant::now();
         let back = Kv::from_bytes(&bytes, &layout, &device).map_err(merr)?;
+        sync()?;
         import.push(bytes.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
         std::hint::black_box(back);
         // The upper bound: one copy of the same bytes into a fresh buffer.

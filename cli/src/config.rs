@@ -29,6 +29,8 @@ pub struct ModelConfig {
     pub path: PathBuf,
     /// Dtype stored chunk KV is kept in: f16 (default, half the bytes), bf16 or f32.
     pub kv_dtype: String,
+    /// Compute device: `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda` build).
+    pub device: String,
 }
 
 impl Default for ModelConfig {
@@ -36,6 +38,7 @@ impl Default for ModelConfig {
         ModelConfig {
             path: PathBuf::new(),
             kv_dtype: "f16".into(),
+            device: "cpu".into(),
         }
     }
 }
@@ -154,6 +157,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.store_options()?;
         self.kv_dtype()?;
+        self.device_spec()?;
         self.embedder.validate()?;
         self.index.validate()?;
         self.ingest.validate()?;
@@ -169,6 +173,11 @@ impl Config {
             "f32" => Ok(model::DType::F32),
             other => bail!("model.kv_dtype: {other:?} (f16, bf16, f32)"),
         }
+    }
+
+    /// `model.device`, parsed (opened when the model loads).
+    pub fn device_spec(&self) -> Result<model::DeviceSpec> {
+        self.model.device.parse().context("model.device")
     }
 
     /// The model file or directory.

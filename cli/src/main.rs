@@ -625,7 +625,11 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
             path.display()
         )
     })?;
-    let llm = model::Model::load(&source, &model::LoadOptions::default())
+    let opts = model::LoadOptions {
+        device: config.device_spec()?.open().context("model.device")?,
+        ..model::LoadOptions::default()
+    };
+    let llm = model::Model::load(&source, &opts)
         .with_context(|| format!("loading {}", path.display()))?;
     Ok(ingest::Engine::new(
         store,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use ingest::Engine;
 use kvstore::PutItem;
-use model::{Device, GenerateParams, Kv, KvCache};
+use model::{GenerateParams, Kv, KvCache};
 use retrieval::{Hit, SearchFilter};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -311,12 +311,13 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype,
-/// placed for a prompt where the chunk starts at `pos`.
+/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype on the
+/// model's device (the host-to-device copy happens here, on the loader thread, overlapping
+/// the decoder's work), placed for a prompt where the chunk starts at `pos`.
 fn import(engine: &Engine, bytes: &[u8], assembly: Assembly, pos: usize) -> model::Result<Kv> {
     let model = &engine.model;
-    Kv::from_bytes(bytes, &engine.layout(), &Device::Cpu)
-        .and_then(|kv| kv.to(&Device::Cpu, model.dtype()))
+    Kv::from_bytes(bytes, &engine.layout(), model.device())
+        .and_then(|kv| kv.to(model.device(), model.dtype()))
         .and_then(|kv| assembly.place(model, kv, pos))
 }
 
