@@ -8,8 +8,13 @@
 //!   `multi_get` of its blocks.
 //!
 //! Every system gets the same chunks (sequences of `chunk_blocks` blocks) in the same order.
-//! Payload generation is outside the timed sections. Gets and probes run over one random sample
-//! of chunks, once untimed (to warm the page cache for every system alike) and once timed.
+//! Payload generation is outside the timed sections. The store and the file baseline are both
+//! loaded before either is read; then their gets and probes run interleaved over one random
+//! sample (slices of 500 samples, each slice on both systems in turn, the order alternating;
+//! one untimed pass that warms the page cache for both alike, then timed passes: one for gets,
+//! two for probes), so that both see the same machine: on a shared VM the tail moves by ±20 %
+//! from one minute to the next. BlobDB's gets are timed on their own, after the store is closed
+//! (one untimed pass, then one timed).
 //! The store runs without its hot tier, so every get goes through the index and the file.
 
 use std::fs::File;
@@ -69,6 +74,9 @@ pub struct Args {
     #[arg(long, default_value_t = 4096)]
     pub codec_tokens: usize,
 }
+
+/// Timed passes over the probe sample (after one untimed pass).
+const PROBE_PASSES: usize = 2;
 
 fn layout(block_bytes: usize) -> KvLayout {
     // 1 layer × (K, V) × 1 head × head_dim f16 per token, 16 tokens per block.
@@ -186,9 +194,6 @@ impl Workload {
 
 struct Figures {
     put_blocks_per_s: f64,
-    get_chunks_per_s: f64,
-    probe_p50_us: f64,
-    probe_p99_us: f64,
     files: u64,
 }
 
@@ -219,24 +224,82 @@ fn time_samples<T>(
     Ok(lat)
 }
 
-/// Prints p50/p99 of probes of stored and of never-stored chunks separately (stderr).
-fn report_probe_split(
-    name: &str,
-    probes: &[(Vec<u32>, bool)],
-    probe: impl Fn(&(Vec<u32>, bool)) -> Result<(), Error>,
-) -> Result<(), Error> {
-    for stored in [true, false] {
-        let subset: Vec<(Vec<u32>, bool)> =
-            probes.iter().filter(|p| p.1 == stored).cloned().collect();
-        let lat = time_samples(&subset, &probe)?;
+/// The probe sample as token sequences: half stored chunks, half never-stored ones.
+fn probe_tokens(w: &Workload) -> Vec<(Vec<u32>, bool)> {
+    w.probe_sample
+        .iter()
+        .map(|&(c, stored)| {
+            let c = if stored { c } else { c + 1_000_000_000 };
+            (chunk_tokens(c, w.chunk_tokens), stored)
+        })
+        .collect()
+}
+
+/// Calls, one per system, that serve one sample.
+type Systems<'a, T> = [&'a dyn Fn(&T) -> Result<(), Error>];
+
+/// Latencies (µs) of each system over `items`, measured interleaved so that every system sees
+/// the same machine: the items are cut into slices of [`SLICE`]; each slice runs on every
+/// system in turn, the order rotating from slice to slice. One untimed pass first (warming
+/// every system's caches alike), then `passes` timed ones; results are in item order, pass
+/// after pass.
+fn interleaved<T>(
+    items: &[T],
+    passes: usize,
+    systems: &Systems<'_, T>,
+) -> Result<Vec<Vec<f64>>, Error> {
+    const SLICE: usize = 500;
+    let n = systems.len();
+    let mut lat = vec![Vec::with_capacity(items.len() * passes); n];
+    for pass in 0..=passes {
+        for (i, slice) in items.chunks(SLICE).enumerate() {
+            for k in 0..n {
+                let s = (i + pass + k) % n;
+                for it in slice {
+                    let t = Instant::now();
+                    systems[s](it)?;
+                    if pass > 0 {
+                        lat[s].push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+            }
+        }
+    }
+    // Each system's latencies went in slice by slice, so they are already in item order.
+    Ok(lat)
+}
+
+/// Chunks per second from per-get latencies.
+fn rate(lat: &[f64]) -> f64 {
+    lat.len() as f64 / (lat.iter().sum::<f64>() / 1e6)
+}
+
+/// Splits one system's probe latencies (in [`interleaved`] order) into (stored, absent).
+fn split_probes(probes: &[(Vec<u32>, bool)], lat: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let mut split = (Vec::new(), Vec::new());
+    for (p, &us) in probes.iter().cycle().zip(lat) {
+        if p.1 { &mut split.0 } else { &mut split.1 }.push(us);
+    }
+    split
+}
+
+/// p50 and p99 of all of a system's probes, and (stderr) of its stored and absent ones.
+fn probe_figures(name: &str, (stored, absent): &(Vec<f64>, Vec<f64>)) -> (f64, f64) {
+    let sorted = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v
+    };
+    for (kind, v) in [("stored", stored), ("absent", absent)] {
+        let v = sorted(v);
         eprintln!(
-            "  {name}: probe of {} chunks p50 {:.1} us, p99 {:.1} us",
-            if stored { "stored" } else { "absent" },
-            percentile(&lat, 0.5),
-            percentile(&lat, 0.99)
+            "  {name}: probe of {kind} chunks p50 {:.1} us, p99 {:.1} us",
+            percentile(&v, 0.5),
+            percentile(&v, 0.99)
         );
     }
-    Ok(())
+    let all = sorted(&[stored.as_slice(), absent.as_slice()].concat());
+    (percentile(&all, 0.5), percentile(&all, 0.99))
 }
 
 fn bench_ours(w: &Workload, dir: &Path) -> Result<(Figures, Store), Error> {
@@ -275,54 +338,25 @@ fn bench_ours(w: &Workload, dir: &Path) -> Result<(Figures, Store), Error> {
     // by sync(2) before its reads in the same way).
     let settled = store.settle(Duration::from_secs(600))?;
     eprintln!("  ragkv: index settled in {settled:.1?} after the bulk load");
+    eprintln!("  ragkv: {} sorted runs in the index", store.index_runs()?);
 
-    let sample_toks: Vec<Vec<u32>> = w
-        .sample
-        .iter()
-        .map(|&c| chunk_tokens(c, w.chunk_tokens))
-        .collect();
-    let buf = std::cell::RefCell::new(Vec::new());
-    let get = |t: &Vec<u32>| -> Result<(), Error> {
-        let mut out = buf.borrow_mut();
-        store.get_batch_into(NS, t, t.len(), &mut out)?;
-        std::hint::black_box(&*out);
-        Ok(())
-    };
-    time_samples(&sample_toks, get)?; // warm
-    let lat = time_samples(&sample_toks, get)?;
-    let get_s: f64 = lat.iter().sum::<f64>() / 1e6;
-
-    let probe_toks: Vec<(Vec<u32>, bool)> = w
-        .probe_sample
-        .iter()
-        .map(|&(c, stored)| {
-            (
-                chunk_tokens(if stored { c } else { c + 1_000_000_000 }, w.chunk_tokens),
-                stored,
-            )
-        })
-        .collect();
-    let probe = |(t, stored): &(Vec<u32>, bool)| -> Result<(), Error> {
-        let n = store.probe(NS, t)?;
-        if (n == t.len()) != *stored {
-            return Err(Error::Check(format!("probe returned {n} of {}", t.len())));
-        }
-        Ok(())
-    };
-    time_samples(&probe_toks, probe)?;
-    let plat = time_samples(&probe_toks, probe)?;
-    report_probe_split("ragkv", &probe_toks, probe)?;
     store.sync()?;
     Ok((
         Figures {
             put_blocks_per_s: blocks / put_time.as_secs_f64(),
-            get_chunks_per_s: w.sample.len() as f64 / get_s,
-            probe_p50_us: percentile(&plat, 0.5),
-            probe_p99_us: percentile(&plat, 0.99),
             files: count_files(dir)?,
         },
         store,
     ))
+}
+
+/// ragkv's probe of one sample, checked against what was stored.
+fn ours_probe(store: &Store, (t, stored): &(Vec<u32>, bool)) -> Result<(), Error> {
+    let n = store.probe(NS, t)?;
+    if (n == t.len()) != *stored {
+        return Err(Error::Check(format!("probe returned {n} of {}", t.len())));
+    }
+    Ok(())
 }
 
 fn bench_files(w: &Workload, dir: &Path) -> Result<Figures, Error> {
@@ -361,76 +395,60 @@ fn bench_files(w: &Workload, dir: &Path) -> Result<Figures, Error> {
     // SAFETY: sync(2) takes no arguments and cannot fail.
     unsafe { libc::sync() };
 
-    // Like ours, the baselines hash tokens into block names inside the timed call.
-    let sample: Vec<Vec<u32>> = w
-        .sample
-        .iter()
-        .map(|&c| chunk_tokens(c, w.chunk_tokens))
-        .collect();
+    Ok(Figures {
+        put_blocks_per_s: blocks / put_time.as_secs_f64(),
+        files: count_files(dir)?,
+    })
+}
+
+/// The file baseline's chunk get: open and read each block file, placing it into one buffer.
+/// Like ours, it hashes the tokens into block names inside the timed call.
+fn file_getter<'a>(w: &Workload, dir: &'a Path) -> impl Fn(&Vec<u32>) -> Result<(), Error> + 'a {
+    let l = w.layout;
     let total = w.chunk_tokens;
     let bufs = std::cell::RefCell::new((
         vec![0u8; l.bytes_for(total)],
         vec![0u8; l.bytes_for(BLOCK_TOKENS)],
     ));
-    let get = |tokens: &Vec<u32>| -> Result<(), Error> {
+    move |tokens: &Vec<u32>| {
         let mut bufs = bufs.borrow_mut();
         let (out, buf) = &mut *bufs;
         for (j, name) in block_names(tokens).iter().enumerate() {
-            let mut f = File::open(path(name)).map_err(io("opening block file"))?;
+            let mut f = File::open(dir.join(hex(name))).map_err(io("opening block file"))?;
             f.read_exact(buf).map_err(io("reading block file"))?;
             place_block(out, &l, total, j, buf);
         }
         std::hint::black_box(&*out);
         Ok(())
-    };
-    time_samples(&sample, get)?;
-    let lat = time_samples(&sample, get)?;
-    let get_s: f64 = lat.iter().sum::<f64>() / 1e6;
+    }
+}
 
-    let probes: Vec<(Vec<u32>, bool)> = w
-        .probe_sample
-        .iter()
-        .map(|&(c, stored)| {
-            let c = if stored { c } else { c + 1_000_000_000 };
-            (chunk_tokens(c, w.chunk_tokens), stored)
-        })
-        .collect();
-    let probe = |(tokens, stored): &(Vec<u32>, bool)| -> Result<(), Error> {
-        let names = block_names(tokens);
-        // The same search as the store: last block, first block, then a binary search.
-        let exists = |i: usize| path(&names[i]).exists();
-        let last = names.len() - 1;
-        let n = if exists(last) {
-            names.len()
-        } else if last == 0 || !exists(0) {
-            0
-        } else {
-            let (mut lo, mut hi) = (0, last - 1);
-            while lo < hi {
-                let mid = (lo + hi).div_ceil(2);
-                if exists(mid) {
-                    lo = mid
-                } else {
-                    hi = mid - 1
-                }
+/// The file baseline's probe of one sample: the same search as the store (last block, first
+/// block, then a binary search), over `stat`.
+fn file_probe(dir: &Path, (tokens, stored): &(Vec<u32>, bool)) -> Result<(), Error> {
+    let names = block_names(tokens);
+    let exists = |i: usize| dir.join(hex(&names[i])).exists();
+    let last = names.len() - 1;
+    let n = if exists(last) {
+        names.len()
+    } else if last == 0 || !exists(0) {
+        0
+    } else {
+        let (mut lo, mut hi) = (0, last - 1);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if exists(mid) {
+                lo = mid
+            } else {
+                hi = mid - 1
             }
-            lo + 1
-        };
-        if (n == names.len()) != *stored {
-            return Err(Error::Check(format!("file probe returned {n} blocks")));
         }
-        Ok(())
+        lo + 1
     };
-    time_samples(&probes, probe)?;
-    let plat = time_samples(&probes, probe)?;
-    report_probe_split("file-per-block", &probes, probe)?;
-    Ok(Figures {
-        put_blocks_per_s: blocks / put_time.as_secs_f64(),
-        get_chunks_per_s: w.sample.len() as f64 / get_s,
-        probe_p50_us: percentile(&plat, 0.5),
-        probe_p99_us: percentile(&plat, 0.99),
-        files: count_files(dir)?,
-    })
+    if (n == names.len()) != *stored {
+        return Err(Error::Check(format!("file probe returned {n} blocks")));
+    }
+    Ok(())
 }
 
 fn bench_blobdb(w: &Workload, dir: &Path) -> Result<(f64, f64), Error> {
@@ -804,14 +822,37 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         .map(|c| chunk_tokens(c, w.chunk_tokens))
         .collect();
     let small_bw = bandwidth(&store, NS, &small_chunks)?;
-    drop(store);
-    remove(&ours_dir)?;
 
+    // Gets and probes of the store, and of the file baseline unless skipped, interleaved
+    // (the store stays open while the baseline loads).
+    let sample: Vec<Vec<u32>> = w
+        .sample
+        .iter()
+        .map(|&c| chunk_tokens(c, w.chunk_tokens))
+        .collect();
+    let probes = probe_tokens(&w);
+    let buf = std::cell::RefCell::new(Vec::new());
+    let ours_get = |t: &Vec<u32>| -> Result<(), Error> {
+        let mut out = buf.borrow_mut();
+        store.get_batch_into(NS, t, t.len(), &mut out)?;
+        std::hint::black_box(&*out);
+        Ok(())
+    };
+    let ours_probe = |p: &(Vec<u32>, bool)| ours_probe(&store, p);
+    let ours_get_rate;
     if !args.skip_files {
         let t = Instant::now();
         let files_dir = root.join("files");
         let base = bench_files(&w, &files_dir)?;
-        eprintln!("  file-per-block: done in {:.0?}", t.elapsed());
+        eprintln!("  file-per-block: loaded in {:.0?}", t.elapsed());
+        let file_get = file_getter(&w, &files_dir);
+        let gets = interleaved(&sample, 1, &[&ours_get, &file_get])?;
+        ours_get_rate = rate(&gets[0]);
+        let base_get_rate = rate(&gets[1]);
+        let file_probe = |p: &(Vec<u32>, bool)| file_probe(&files_dir, p);
+        let lat = interleaved(&probes, PROBE_PASSES, &[&ours_probe, &file_probe])?;
+        let (ours_p50, ours_p99) = probe_figures("ragkv", &split_probes(&probes, &lat[0]));
+        let (base_p50, base_p99) = probe_figures("file-per-block", &split_probes(&probes, &lat[1]));
         remove(&files_dir)?;
         let b = "file-per-block";
         lines.push(
@@ -827,8 +868,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         lines.push(
             Line::higher(
                 "kvstore.chunk_get",
-                ours.get_chunks_per_s,
-                base.get_chunks_per_s,
+                ours_get_rate,
+                base_get_rate,
                 "chunks/s",
                 b,
             )
@@ -836,21 +877,12 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         );
         lines.push(Line::lower(
             "kvstore.probe_p50",
-            ours.probe_p50_us,
-            base.probe_p50_us,
+            ours_p50,
+            base_p50,
             "us",
             b,
         ));
-        lines.push(
-            Line::lower(
-                "kvstore.probe_p99",
-                ours.probe_p99_us,
-                base.probe_p99_us,
-                "us",
-                b,
-            )
-            .bar(1.0),
-        );
+        lines.push(Line::lower("kvstore.probe_p99", ours_p99, base_p99, "us", b).bar(1.0));
         lines.push(
             Line::lower(
                 "kvstore.files",
@@ -861,7 +893,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             )
             .bar(1000.0),
         );
+    } else {
+        ours_get_rate = rate(&interleaved(&sample, 1, &[&ours_get])?[0]);
     }
+    drop(store);
+    remove(&ours_dir)?;
     if !args.skip_blobdb {
         let t = Instant::now();
         let blob_dir = root.join("blobdb");
@@ -871,7 +907,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         lines.push(
             Line::higher(
                 "kvstore.chunk_get_vs_blobdb",
-                ours.get_chunks_per_s,
+                ours_get_rate,
                 bget,
                 "chunks/s",
                 "rocksdb-blobdb",

@@ -83,8 +83,10 @@ pub struct StoreOptions {
     /// the table readers, ~3.5 MB per million keys). Default 64 MiB: location records are 60
     /// bytes, so this keeps about half a million hot entries in memory.
     pub index_cache_bytes: usize,
-    /// Bloom filter bits per key for the index. Default 10 (≈1 % false positives); probes of
-    /// absent prefixes then cost no disk read.
+    /// Bloom filter bits per key for the index. Default 20 (≈0.03 % false positives where 10
+    /// gives ≈1 %): a lookup checks the filter of every sorted run above the one holding its
+    /// key, and each false positive costs an index search and a data block, which set the
+    /// probe tail at 10 bits (docs/BENCHMARKS.md, kvstore). ~2.5 MB per million keys.
     pub bloom_bits_per_key: f64,
     /// Memtable size of the index's `kv` family. Default 64 MiB (RocksDB's default). The
     /// adaptive controller sizes level 1 from it.
@@ -113,7 +115,7 @@ impl Default for StoreOptions {
             merge: MergePolicy::default(),
             background_merge: true,
             index_cache_bytes: 64 << 20,
-            bloom_bits_per_key: 10.0,
+            bloom_bits_per_key: 20.0,
             index_write_buffer_bytes: 64 << 20,
             index_statistics: false,
             capacity: CapacityOptions::default(),

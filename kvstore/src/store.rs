@@ -205,6 +205,8 @@ pub(crate) struct Inner {
     pub shutdown: (Mutex<bool>, Condvar),
     /// The index's options, kept when statistics are on (tickers live there).
     pub db_opts: Option<rocksdb::Options>,
+    /// Read options of probe lookups, made once (the default per call allocates a pair).
+    pub probe_read: rocksdb::ReadOptions,
     _lock: File,
 }
 
@@ -382,6 +384,7 @@ impl Store {
             access: Mutex::new(crate::capacity::Access::default()),
             adaptive: crate::adaptive::Controller::default(),
             db_opts: (opts.index_statistics || opts.adaptive.is_some()).then_some(db_opts),
+            probe_read: rocksdb::ReadOptions::default(),
             poisoned: Mutex::new(None),
             shutdown: (Mutex::new(false), Condvar::new()),
             dir,
@@ -1502,7 +1505,7 @@ impl Inner {
         let exists = |i: usize| -> Result<bool> {
             Ok(self
                 .db
-                .get_pinned_cf(cf, &blocks[i].key)
+                .get_pinned_cf_opt(cf, &blocks[i].key, &self.probe_read)
                 .map_err(Error::index("probe"))?
                 .is_some())
         };
