@@ -6,9 +6,13 @@
 #   eval "$(scripts/cuda-toolkit.sh)"     # prints the exports, then:
 #   cargo build --release -p ragkv --features cuda
 #
-# Prints `export CUDA_HOME=… PATH=… LIBRARY_PATH=… CUDARC_CUDA_VERSION=… CUDA_COMPUTE_CAP=…` on
-# stdout; logs go to stderr. A machine with its own CUDA toolkit (CUDA_HOME set, nvcc on PATH)
-# does not need this script.
+# Prints `export CUDA_HOME=… NVCC=… LIBRARY_PATH=… CUDARC_CUDA_VERSION=… CUDA_COMPUTE_CAP=…` on
+# stdout; logs go to stderr. PATH is left alone: candle's kernel build finds nvcc through NVCC /
+# CUDA_HOME. A machine with its own CUDA toolkit (CUDA_HOME set) does not need this script.
+#
+# The first `--features cuda` build in a target directory also rebuilds RocksDB's C++ (~25 min
+# on 2 cores): the CUDA crates' build-time dependencies change how bindgen, a build dependency
+# of librocksdb-sys, is compiled.
 #
 # The wheels carry no driver library, so the script writes a link-time stub `libcuda.so` (SONAME
 # libcuda.so.1, one empty function per driver entry point cudarc binds), as the toolkit's own
@@ -94,7 +98,7 @@ fi
 
 cat <<EOF
 export CUDA_HOME="$root"
-export PATH="$root/bin:\$PATH"
+export NVCC="$root/bin/nvcc"
 export LIBRARY_PATH="$root/lib64:$root/lib64/stubs\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
 export CUDARC_CUDA_VERSION=13000
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
