@@ -37,6 +37,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use parking_lot::{Mutex, MutexGuard};
 use rocksdb::WriteBatch;
 use schema::NamespaceId;
 
@@ -259,6 +260,62 @@ pub(crate) fn decode_access(b: &[u8]) -> Option<SeqStat> {
     })
 }
 
+/// Reads logged since the access map was last locked, at most this many (~6 MB of keys at
+/// most); a read that finds the log full applies it itself.
+const READ_LOG_MAX: usize = 1 << 16;
+/// How often the `kvstore-capacity` thread applies the read log.
+pub(crate) const APPLY_READS_EVERY: Duration = Duration::from_millis(250);
+
+/// The access map behind its lock, with reads logged on the side: a get appends its sequence
+/// key to a flat buffer (no map search, no allocation once the buffer has grown), and the log
+/// is applied, in order, whenever the map is locked: by the `kvstore-capacity` thread every
+/// [`APPLY_READS_EVERY`], by anything else that needs the map, or by a read that finds the log
+/// full. So every reader of the map sees every read logged before it, and gets do not pay
+/// for the ordered map's search.
+#[derive(Debug, Default)]
+pub(crate) struct AccessLog {
+    map: Mutex<Access>,
+    reads: Mutex<ReadLog>,
+}
+
+#[derive(Debug, Default)]
+struct ReadLog {
+    keys: Vec<u8>,
+    /// (key length, time) of each read, in order; the keys lie back to back in `keys`.
+    reads: Vec<(u16, u64)>,
+}
+
+impl AccessLog {
+    /// The access map, with every logged read applied.
+    pub fn lock(&self) -> MutexGuard<'_, Access> {
+        let mut map = self.map.lock();
+        let log = std::mem::take(&mut *self.reads.lock());
+        let mut at = 0;
+        for (len, now) in log.reads {
+            let key = &log.keys[at..at + len as usize];
+            map.read(key, now);
+            at += len as usize;
+        }
+        map
+    }
+
+    /// A sequence was asked for now, hit or miss: logged, applied later ([`Access::read`]).
+    pub fn read(&self, key: &[u8], now: u64) {
+        let Ok(len) = u16::try_from(key.len()) else {
+            return self.lock().read(key, now);
+        };
+        let full = {
+            let mut log = self.reads.lock();
+            log.keys.extend_from_slice(key);
+            log.reads.push((len, now));
+            log.reads.len() >= READ_LOG_MAX
+        };
+        if full {
+            drop(self.lock());
+        }
+    }
+}
+
 /// The in-memory access map; see the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct Access {
@@ -431,7 +488,7 @@ impl Inner {
         let before = w.clone();
         let mut batch = WriteBatch::default();
         let mut report = EvictReport::default();
-        let mut done = BTreeSet::new();
+        let mut done = crate::store::Deleted::default();
         let mut del = crate::DeleteReport::default();
         for (_, seq) in cands {
             if !sweep_only && self.group_bytes(w, group) <= target {
@@ -465,7 +522,7 @@ impl Inner {
         report.blocks = del.blocks;
         report.bytes = del.bytes;
         if report.sequences > 0 {
-            self.commit(w, before, batch)?;
+            self.commit(w, before, batch, done.located)?;
             crate::store::bump(&self.counters.evicted_sequences, report.sequences as u64);
             crate::store::bump(&self.counters.evicted_bytes, report.bytes);
         }
@@ -538,6 +595,38 @@ mod tests {
             reads,
             resident: true,
         }
+    }
+
+    #[test]
+    fn logged_reads_are_applied_before_anyone_sees_the_map() {
+        let log = AccessLog::default();
+        log.lock().stored(b"seq-a", 4, 10, 100);
+        log.lock().stored(b"seq-bb", 4, 10, 100);
+        log.read(b"seq-a", 150);
+        log.read(b"seq-bb", 160);
+        log.read(b"seq-a", 170);
+        log.read(b"never-stored", 180);
+        {
+            let map = log.lock();
+            assert_eq!(
+                (
+                    map.seqs[&b"seq-a"[..]].reads,
+                    map.seqs[&b"seq-a"[..]].last_ms
+                ),
+                (2, 170)
+            );
+            assert_eq!(map.seqs[&b"seq-bb"[..]].reads, 1);
+            assert!(!map.seqs.contains_key(&b"never-stored"[..]));
+        }
+        // A full log is applied without waiting for a lock.
+        for i in 0..READ_LOG_MAX as u64 {
+            log.read(b"seq-bb", 200 + i);
+        }
+        assert!(log.reads.lock().reads.is_empty());
+        assert_eq!(
+            log.map.lock().seqs[&b"seq-bb"[..]].reads,
+            1 + READ_LOG_MAX as u32
+        );
     }
 
     #[test]

@@ -63,6 +63,32 @@ pub(crate) fn blocks(ns: &NamespaceId, tokens: &[u32], block_tokens: usize) -> V
     out
 }
 
+/// The token digest of each block's prefix, with the block's end: what [`blocks`] computes,
+/// without building keys (a probe answered from memory needs none).
+pub(crate) fn digests(tokens: &[u32], block_tokens: usize) -> Vec<(usize, TokenDigest)> {
+    debug_assert!(block_tokens > 0);
+    let mut digest = TokenDigest::EMPTY;
+    tokens
+        .chunks(block_tokens)
+        .enumerate()
+        .map(|(i, block)| {
+            digest = digest.extend(block);
+            (i * block_tokens + block.len(), digest)
+        })
+        .collect()
+}
+
+/// The key of the block whose prefix digests are `digests` (from [`digests`], through that
+/// block).
+pub(crate) fn key_of(ns: &NamespaceId, digests: &[(usize, TokenDigest)]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(NS_LEN + BLOCK_HASH_LEN * digests.len());
+    key.extend_from_slice(&ns.0);
+    for (_, d) in digests {
+        key.extend_from_slice(&d.0[..BLOCK_HASH_LEN]);
+    }
+    key
+}
+
 /// The namespace a key belongs to, if the key is well formed.
 pub(crate) fn namespace_of(key: &[u8]) -> Option<NamespaceId> {
     if key.len() < NS_LEN + BLOCK_HASH_LEN || (key.len() - NS_LEN) % BLOCK_HASH_LEN != 0 {
@@ -114,6 +140,18 @@ mod tests {
         assert_eq!(depth_of(&b[2].key), 2);
         assert_eq!(namespace_of(&b[1].key), Some(NS));
         assert_eq!(namespace_of(&b[1].key[..20]), None);
+    }
+
+    #[test]
+    fn digests_and_key_of_agree_with_blocks() {
+        let toks: Vec<u32> = (0..37).map(|i| i * 7919).collect();
+        let b = blocks(&NS, &toks, 8);
+        let d = digests(&toks, 8);
+        assert_eq!(b.len(), d.len());
+        for (i, r) in b.iter().enumerate() {
+            assert_eq!((r.end, r.digest), d[i]);
+            assert_eq!(r.key, key_of(&NS, &d[..=i]));
+        }
     }
 
     #[test]

@@ -27,8 +27,10 @@ mod codec;
 mod error;
 mod hot;
 mod key;
+mod locations;
 mod merge;
 mod options;
+mod presence;
 mod record;
 mod segment;
 mod store;
@@ -38,6 +40,7 @@ pub use capacity::{AccessInfo, CapacityOptions, CostModel, EvictReport, Eviction
 pub use error::{Error, Result};
 pub use merge::MergeReport;
 pub use options::{MergePolicy, StoreOptions, SyncPolicy};
+pub use presence::PresenceStats;
 pub use schema::{Codec, DType, KvLayout, NamespaceId};
 pub use store::{
     DeleteReport, IndexIo, KvData, NamespaceStats, PutItem, PutReport, SeqState, Store,
@@ -95,6 +98,19 @@ pub struct Stats {
     /// Index LSM parameters in force, and how often the adaptive controller changed them.
     pub tuning: Tuning,
     pub tuning_transitions: u64,
+    /// The in-memory filter of every stored block (`presence.rs`).
+    pub presence: PresenceStats,
+    /// The in-memory cache of location records (`locations.rs`).
+    pub location_cache: LocationCacheStats,
+}
+
+/// What the location cache holds; counters are since open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LocationCacheStats {
+    pub entries: u64,
+    pub capacity: u64,
+    pub hits: u64,
+    pub misses: u64,
 }
 
 #[cfg(test)]

@@ -14,10 +14,12 @@ use rocksdb::WriteBatch;
 use schema::Location;
 
 use crate::error::{Error, Result};
+use crate::key;
+use crate::locations::BlockId;
 use crate::options::MergePolicy;
 use crate::record::{self, RECORD_HEADER_LEN, SEGMENT_HEADER_LEN};
 use crate::segment::SegmentMeta;
-use crate::store::{bump, Inner, CF_KV};
+use crate::store::{bump, Change, Inner, CF_KV};
 
 /// What a merger pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -95,7 +97,7 @@ impl Inner {
                     let before = w.clone();
                     w.metas.get_mut(&id).expect("active meta").sealed = true;
                     w.active = None;
-                    self.commit(&mut w, before, WriteBatch::default())?;
+                    self.commit(&mut w, before, WriteBatch::default(), Vec::new())?;
                 }
             }
             w.metas
@@ -211,7 +213,7 @@ impl Inner {
         }
         let before = w.clone();
         w.metas.remove(&id);
-        self.commit(&mut w, before, WriteBatch::default())?;
+        self.commit(&mut w, before, WriteBatch::default(), Vec::new())?;
         drop(w);
         if let Some(seg) = self.segments.write().remove(&id) {
             seg.retire();
@@ -239,6 +241,7 @@ impl Inner {
         let keys: Vec<&[u8]> = pending.iter().map(|p| p.key.as_slice()).collect();
         let current = self.db.batched_multi_get_cf(cf, &keys, false);
         let mut batch = WriteBatch::default();
+        let mut located = Vec::new();
         let mut buf = Vec::new();
         let mut moved: Vec<(usize, usize, Location)> = Vec::new(); // (pending index, offset in buf, old location)
         for (
@@ -269,6 +272,10 @@ impl Inner {
                     tracing::error!(segment = from, offset = off, %why, "dropping corrupt record while merging");
                     batch.delete_cf(cf, key);
                     self.hot.remove(key);
+                    if let Some(ns) = key::namespace_of(key) {
+                        let digest = loc.digest;
+                        located.push((BlockId { ns, digest }, Change::Deleted));
+                    }
                     w.charge(key, -(loc.length as i64));
                     let m = w.metas.get_mut(&from).expect("victim meta");
                     m.live_records = m.live_records.saturating_sub(1);
@@ -287,6 +294,10 @@ impl Inner {
                     ..loc
                 };
                 batch.put_cf(cf, &pending[i].key, new.encode());
+                if let Some(ns) = key::namespace_of(&pending[i].key) {
+                    let digest = new.digest;
+                    located.push((BlockId { ns, digest }, Change::Moved(new)));
+                }
                 let len = loc.length as u64;
                 let src = w.metas.get_mut(&from).expect("victim meta");
                 src.live_records = src.live_records.saturating_sub(1);
@@ -300,7 +311,7 @@ impl Inner {
             bump(&self.counters.bytes_merged, buf.len() as u64);
         }
         if !batch.is_empty() {
-            self.commit(&mut w, before, batch)?;
+            self.commit(&mut w, before, batch, located)?;
         }
         pending.clear();
         Ok(())

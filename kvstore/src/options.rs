@@ -83,6 +83,11 @@ pub struct StoreOptions {
     /// the table readers, ~3.5 MB per million keys). Default 64 MiB: location records are 60
     /// bytes, so this keeps about half a million hot entries in memory.
     pub index_cache_bytes: usize,
+    /// In-memory cache of location records in front of the index (`locations.rs`), ~136 bytes
+    /// per block. Default 64 MiB (about half a million blocks). A hit answers a probe or a
+    /// block of a chunk get with one hash lookup instead of a RocksDB point lookup (memtable,
+    /// filters of every sorted run, index block, block cache, data block). 0 disables it.
+    pub location_cache_bytes: usize,
     /// Bloom filter bits per key for the index. Default 20 (≈0.03 % false positives where 10
     /// gives ≈1 %): a lookup checks the filter of every sorted run above the one holding its
     /// key, and each false positive costs an index search and a data block, which set the
@@ -115,6 +120,7 @@ impl Default for StoreOptions {
             merge: MergePolicy::default(),
             background_merge: true,
             index_cache_bytes: 64 << 20,
+            location_cache_bytes: 64 << 20,
             bloom_bits_per_key: 20.0,
             index_write_buffer_bytes: 64 << 20,
             index_statistics: false,

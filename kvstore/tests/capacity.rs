@@ -229,10 +229,12 @@ fn access_statistics_survive_a_reopen_and_evicted_ones_are_kept() {
         let store = open(dir.path(), small_options());
         put_seq(&store, &chunk(1), None);
         put_seq(&store, &chunk(2), None);
+        store.get_batch(NS, &chunk(2), 64).unwrap();
+        // Distinct read times (the clock has millisecond resolution).
+        std::thread::sleep(Duration::from_millis(5));
         for _ in 0..5 {
             store.get_batch(NS, &chunk(1), 64).unwrap();
         }
-        store.get_batch(NS, &chunk(2), 64).unwrap();
         // LRU: chunk 1 was read last, chunk 2 goes.
         let r = store
             .evict(DEFAULT_GROUP, store.group_bytes(DEFAULT_GROUP) - 1)

@@ -1,0 +1,297 @@
+//! The in-memory lookup tiers in front of the index (presence filter, location cache) and the
+//! two read paths (small runs through a buffer, large runs read into place): every answer must
+//! be the index's, through puts, deletes, merges, namespace drops, filter rebuilds, reopens and
+//! concurrent writers.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvstore::{Codec, DType, KvLayout, NamespaceId, PutItem, Store};
+
+fn put(store: &Store, ns: NamespaceId, layout: KvLayout, tokens: &[u32], doc: Option<&str>) {
+    let kv = kv_for(&layout, tokens);
+    store
+        .put_batch(
+            ns,
+            layout,
+            &[PutItem {
+                tokens,
+                kv: &kv,
+                doc,
+            }],
+        )
+        .unwrap();
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (seed.wrapping_mul(2_654_435_761) ^ i.wrapping_mul(40_503)) % 50_000)
+        .collect()
+}
+
+#[test]
+fn small_and_large_runs_read_back_exactly_with_every_lossless_codec() {
+    // 4 KiB of KV per token: a 128-token sequence is one 512 KiB run (read into place), a
+    // 16-token prefix is a 64 KiB run (read through a buffer).
+    let big = KvLayout {
+        layers: 4,
+        kv_heads: 4,
+        head_dim: 64,
+        dtype: DType::F16,
+    };
+    for (k, codec) in [
+        Codec::None,
+        Codec::Lz4,
+        Codec::Zstd,
+        Codec::Lz4Planes,
+        Codec::ZstdPlanes,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path(), small_options());
+        let ns = NamespaceId([k as u8 + 10; 16]);
+        store.register_namespace(ns, big, codec).unwrap();
+        let t = tokens(k as u32, 128);
+        put(&store, ns, big, &t, None);
+        let kv = kv_for(&big, &t);
+        for up_to in [128, 96, 16] {
+            let got = store.get_batch(ns, &t, up_to).unwrap();
+            assert_eq!(
+                got.bytes,
+                kv_for(&big, &t[..up_to]),
+                "{codec} up to {up_to}"
+            );
+        }
+        assert_eq!(store.get_batch(ns, &t, 128).unwrap().bytes, kv);
+        assert_eq!(store.probe(ns, &t).unwrap(), 128);
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_a_large_run_is_a_miss_never_data() {
+    let big = KvLayout {
+        layers: 4,
+        kv_heads: 4,
+        head_dim: 64,
+        dtype: DType::F16,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let t = tokens(7, 128);
+    {
+        let store = open(dir.path(), small_options());
+        put(&store, NS, big, &t, None);
+    }
+    // Flip one byte in the middle of the segment holding the run.
+    let seg = std::fs::read_dir(dir.path().join("segments"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap();
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&seg, &bytes).unwrap();
+    let store = open(dir.path(), small_options());
+    let e = store.get_batch(NS, &t, 128).unwrap_err();
+    assert!(e.is_miss(), "{e}");
+    assert_eq!(store.stats().corrupt, 1);
+}
+
+#[test]
+fn the_location_cache_follows_deletes_merges_and_namespace_drops() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let seqs: Vec<Vec<u32>> = (0..60).map(|i| tokens(i, 40 + i as usize)).collect();
+    for (i, t) in seqs.iter().enumerate() {
+        put(&store, NS, layout(), t, Some(&format!("doc-{}", i % 6)));
+    }
+    // Reads are served from the cache (filled by the puts).
+    for t in &seqs {
+        assert_eq!(
+            store.get_batch(NS, t, t.len()).unwrap().bytes,
+            kv_for(&layout(), t)
+        );
+    }
+    let s = store.stats().location_cache;
+    assert!(s.hits > 0 && s.entries > 0, "{s:?}");
+
+    // Deleted documents are gone for probes and gets at once.
+    for d in 0..3 {
+        store.delete_document(&format!("doc-{d}")).unwrap();
+    }
+    for (i, t) in seqs.iter().enumerate() {
+        if i % 6 < 3 {
+            assert_eq!(store.probe(NS, t).unwrap(), 0, "deleted sequence {i}");
+            assert!(store.get_batch(NS, t, t.len()).unwrap_err().is_miss());
+        }
+    }
+    // The merger moves the survivors; reads follow them to their new segment.
+    let r = store.compact_all().unwrap();
+    assert!(r.segments_removed > 0, "{r:?}");
+    for (i, t) in seqs.iter().enumerate() {
+        if i % 6 >= 3 {
+            assert_eq!(
+                store.get_batch(NS, t, t.len()).unwrap().bytes,
+                kv_for(&layout(), t)
+            );
+        }
+    }
+    // A dropped namespace leaves nothing behind; storing again works.
+    store.drop_namespace(NS).unwrap();
+    for t in &seqs {
+        assert_eq!(store.probe(NS, t).unwrap(), 0);
+    }
+    put(&store, NS, layout(), &seqs[5], None);
+    assert_eq!(store.probe(NS, &seqs[5]).unwrap(), seqs[5].len());
+    drop(store);
+
+    // After a reopen both tiers start from the index.
+    let store = open(dir.path(), small_options());
+    assert_eq!(store.stats().location_cache.entries, 0);
+    assert_eq!(store.probe(NS, &seqs[5]).unwrap(), seqs[5].len());
+    assert_eq!(store.probe(NS, &seqs[4]).unwrap(), 0);
+    assert_eq!(
+        store.get_batch(NS, &seqs[5], seqs[5].len()).unwrap().bytes,
+        kv_for(&layout(), &seqs[5])
+    );
+}
+
+#[test]
+fn the_presence_filter_grows_and_forgets_deleted_blocks_by_rebuilding() {
+    let tiny = KvLayout {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 8,
+        dtype: DType::F16,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let first = store.stats().presence;
+    // More blocks than the first filter was sized for (4,096 sequences of 32 blocks).
+    let n = (first.capacity / 32 + 1024) as u32;
+    let seq = |i: u32| tokens(i + 1_000, 512);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(64) {
+        let ts: Vec<Vec<u32>> = chunk.iter().map(|&i| seq(i)).collect();
+        let kvs: Vec<Vec<u8>> = ts.iter().map(|t| kv_for(&tiny, t)).collect();
+        let docs: Vec<String> = chunk.iter().map(|i| format!("d{}", i % 4)).collect();
+        let items: Vec<PutItem<'_>> = (0..ts.len())
+            .map(|k| PutItem {
+                tokens: &ts[k],
+                kv: &kvs[k],
+                doc: Some(&docs[k]),
+            })
+            .collect();
+        store.put_batch(NS, tiny, &items).unwrap();
+    }
+    let wait_for = |what: &str, f: &dyn Fn(&kvstore::PresenceStats) -> bool| {
+        let t = Instant::now();
+        loop {
+            let p = store.stats().presence;
+            if f(&p) {
+                return p;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "{what}: {p:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let grown = wait_for("growth rebuild", &|p| {
+        p.capacity > first.capacity && p.keys <= p.capacity
+    });
+    assert!(grown.rebuilds > first.rebuilds, "{grown:?}");
+    for i in (0..n).step_by(97) {
+        assert_eq!(store.probe(NS, &seq(i)).unwrap(), 512, "sequence {i}");
+    }
+    // Three quarters deleted: the stale bits trigger a rebuild that leaves them out.
+    for d in ["d0", "d1", "d2"] {
+        store.delete_document(d).unwrap();
+    }
+    let after = wait_for("stale rebuild", &|p| {
+        p.rebuilds > grown.rebuilds && p.stale == 0
+    });
+    assert!(after.keys < grown.keys, "{grown:?} -> {after:?}");
+    for i in (0..n).step_by(97) {
+        let want = if i % 4 < 3 { 0 } else { 512 };
+        assert_eq!(store.probe(NS, &seq(i)).unwrap(), want, "sequence {i}");
+    }
+}
+
+#[test]
+fn readers_racing_deletes_and_reputs_see_exact_bytes_or_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(open(dir.path(), small_options()));
+    let seqs: Arc<Vec<Vec<u32>>> = Arc::new((0..24).map(|i| tokens(i + 500, 70)).collect());
+    for t in seqs.iter() {
+        put(&store, NS, layout(), t, None);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..3)
+        .map(|r| {
+            let (store, seqs, stop) = (store.clone(), seqs.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = r;
+                let (mut hits, mut misses) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let t = &seqs[i % seqs.len()];
+                    match store.get_batch(NS, t, t.len()) {
+                        Ok(kv) => {
+                            assert_eq!(kv.bytes, kv_for(&layout(), t), "wrong bytes for {i}");
+                            hits += 1;
+                        }
+                        Err(e) => {
+                            assert!(e.is_miss(), "{e}");
+                            misses += 1;
+                        }
+                    }
+                    let p = store.probe(NS, t).unwrap();
+                    assert!(p == 0 || p % 16 == 0 || p == t.len(), "probe {p}");
+                    i += 7;
+                }
+                (hits, misses)
+            })
+        })
+        .collect();
+    // The writer deletes and stores again, and merges; after each of its calls returns, its
+    // own view must agree.
+    let deadline = Instant::now() + Duration::from_secs(4);
+    let mut round = 0;
+    while Instant::now() < deadline {
+        for (k, t) in seqs.iter().enumerate() {
+            if (k + round) % 3 == 0 {
+                store.delete(NS, t, 0).unwrap();
+                assert_eq!(store.probe(NS, t).unwrap(), 0);
+            } else if store.probe(NS, t).unwrap() < t.len() {
+                put(&store, NS, layout(), t, None);
+                assert_eq!(store.probe(NS, t).unwrap(), t.len());
+            }
+        }
+        if round % 4 == 3 {
+            store.compact_all().unwrap();
+        }
+        round += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut hits, mut misses) = (0, 0);
+    for r in readers {
+        let (h, m) = r.join().unwrap();
+        hits += h;
+        misses += m;
+    }
+    assert!(hits > 0 && misses > 0, "hits {hits}, misses {misses}");
+    // Final state: exactly what the writer left.
+    for (k, t) in seqs.iter().enumerate() {
+        let present = (k + round - 1) % 3 != 0;
+        assert_eq!(
+            store.probe(NS, t).unwrap() == t.len(),
+            present,
+            "sequence {k}"
+        );
+    }
+    let v = store.verify().unwrap();
+    assert!(v.failures.is_empty(), "{v:?}");
+}
