@@ -58,6 +58,8 @@ pub struct KvStoreConfig {
     pub codec: String,
     /// In-memory hot tier, MiB (0 disables).
     pub hot_tier_mib: usize,
+    /// In-memory cache of index location records, MiB (~136 bytes per block; 0 disables).
+    pub location_cache_mib: usize,
     /// Rewrite a sealed segment once this share of it is dead.
     pub merge_dead_ratio: f64,
     /// Namespace group this process's namespaces join; the quota applies per group.
@@ -106,6 +108,7 @@ impl Default for KvStoreConfig {
             sync_interval_ms: 1000,
             codec: d.default_codec.name().into(),
             hot_tier_mib: d.hot_tier_bytes >> 20,
+            location_cache_mib: d.location_cache_bytes >> 20,
             merge_dead_ratio: d.merge.dead_ratio,
             group: kvstore::DEFAULT_GROUP.into(),
             quota_mib: 0,
@@ -260,6 +263,7 @@ impl Config {
             sync,
             default_codec: codec,
             hot_tier_bytes: k.hot_tier_mib << 20,
+            location_cache_bytes: k.location_cache_mib << 20,
             merge: kvstore::MergePolicy {
                 dead_ratio: k.merge_dead_ratio,
                 ..d.merge
