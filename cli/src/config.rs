@@ -58,7 +58,7 @@ pub struct KvStoreConfig {
     pub codec: String,
     /// In-memory hot tier, MiB (0 disables).
     pub hot_tier_mib: usize,
-    /// In-memory cache of index location records, MiB (~136 bytes per block; 0 disables).
+    /// In-memory cache of index location records, MiB (91 bytes per block; 0 disables).
     pub location_cache_mib: usize,
     /// Rewrite a sealed segment once this share of it is dead.
     pub merge_dead_ratio: f64,

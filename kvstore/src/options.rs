@@ -83,10 +83,11 @@ pub struct StoreOptions {
     /// the table readers, ~3.5 MB per million keys). Default 64 MiB: location records are 60
     /// bytes, so this keeps about half a million hot entries in memory.
     pub index_cache_bytes: usize,
-    /// In-memory cache of location records in front of the index (`locations.rs`), ~136 bytes
-    /// per block. Default 64 MiB (about half a million blocks). A hit answers a probe or a
-    /// block of a chunk get with one hash lookup instead of a RocksDB point lookup (memtable,
-    /// filters of every sorted run, index block, block cache, data block). 0 disables it.
+    /// In-memory cache of location records in front of the index (`locations.rs`), 91 bytes
+    /// per block. Default 64 MiB (about 730,000 blocks), filled by reads. A hit answers a
+    /// probe or a block of a chunk get with one bucket lookup instead of a RocksDB point
+    /// lookup (memtable, filters of every sorted run, index block, block cache, data block).
+    /// 0 disables it.
     pub location_cache_bytes: usize,
     /// Bloom filter bits per key for the index. Default 20 (≈0.03 % false positives where 10
     /// gives ≈1 %): a lookup checks the filter of every sorted run above the one holding its

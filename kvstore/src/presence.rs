@@ -19,8 +19,8 @@
 //! returns), the filter is built from a full scan of the index at open, and a rebuild
 //! (`Inner::rebuild_presence`) publishes the new filter as `next` *before* it starts its scan,
 //! so a block committed during the scan lands in both. Bits of deleted blocks stay set (a
-//! Bloom filter cannot unset them); they are counted as stale, and the filter is rebuilt once
-//! too many are stale or it holds more keys than it was sized for.
+//! Bloom filter cannot unset them); they are counted as stale, and the filter is rebuilt once a
+//! quarter of its keys are stale or it holds more keys than it was sized for.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,8 +33,11 @@ use crate::locations::BlockId;
 const BITS_PER_KEY: u64 = 16;
 /// Bits set per key, all in one 512-bit line.
 const PROBES: u32 = 8;
-/// Smallest capacity, in keys (a 128 KiB filter).
-const MIN_CAPACITY: u64 = 1 << 16;
+/// Smallest capacity, in keys (a 512 KiB filter).
+const MIN_CAPACITY: u64 = 1 << 18;
+/// A filter is sized for this many times the keys it starts with, so that a growing store
+/// rebuilds it once per 4x growth (8 bytes of filter per live key at the start).
+const GROWTH: u64 = 4;
 
 /// One cache line of filter bits.
 #[repr(align(64))]
@@ -128,10 +131,10 @@ pub struct PresenceStats {
 }
 
 impl Presence {
-    /// An empty filter sized for `expected` keys (at least twice that, for growth).
+    /// An empty filter sized for `expected` keys (and growth).
     pub fn new(expected: u64) -> Self {
         Presence {
-            current: RwLock::new(Arc::new(Bloom::new(expected.saturating_mul(2)))),
+            current: RwLock::new(Arc::new(Bloom::new(expected.saturating_mul(GROWTH)))),
             next: Mutex::new(None),
             keys: AtomicU64::new(0),
             keys_at_begin: AtomicU64::new(0),
@@ -164,17 +167,18 @@ impl Presence {
     }
 
     /// Whether a rebuild would pay: more keys than the filter was sized for (its false
-    /// positive rate climbs), or a quarter of its capacity in stale keys.
+    /// positive rate climbs), or a quarter of its keys deleted (each costs an index lookup
+    /// when asked for).
     pub fn needs_rebuild(&self) -> bool {
         let capacity = self.current.read().capacity;
-        self.keys.load(Ordering::Relaxed) > capacity
-            || self.stale.load(Ordering::Relaxed) > capacity / 4
+        let keys = self.keys.load(Ordering::Relaxed);
+        keys > capacity || self.stale.load(Ordering::Relaxed).saturating_mul(4) > keys.max(1024)
     }
 
     /// Starts a rebuild for `expected` live keys: the returned filter receives every insert
     /// from now on; the caller scans the index into it, then calls [`Presence::finish`].
     pub fn begin(&self, expected: u64) -> Arc<Bloom> {
-        let next = Arc::new(Bloom::new(expected.saturating_mul(2)));
+        let next = Arc::new(Bloom::new(expected.saturating_mul(GROWTH)));
         let mut slot = self.next.lock();
         *slot = Some(next.clone());
         self.keys_at_begin
@@ -246,7 +250,7 @@ mod tests {
     #[test]
     fn false_positives_stay_rare_up_to_capacity() {
         let n = 200_000u32;
-        let p = Presence::new(n as u64 / 2); // sized at 2x: exactly n keys
+        let p = Presence::new(n as u64 / GROWTH); // exactly n keys of capacity
         for i in 0..n {
             p.insert(&id(1, i));
         }
@@ -291,7 +295,12 @@ mod tests {
         }
         assert!(p.needs_rebuild());
         let q = Presence::new(0);
-        q.removed(cap / 4 + 1);
+        for i in 0..4000 {
+            q.insert(&id(1, i));
+        }
+        q.removed(999);
+        assert!(!q.needs_rebuild());
+        q.removed(2);
         assert!(q.needs_rebuild());
     }
 }

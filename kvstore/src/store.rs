@@ -162,8 +162,8 @@ pub struct NamespaceStats {
 /// What an index batch does to one block, for the location cache and the presence filter.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Change {
-    /// Newly stored at this location.
-    Stored(Location),
+    /// Newly stored (it was absent).
+    Stored,
     /// Moved here by the merger.
     Moved(Location),
     Deleted,
@@ -1367,16 +1367,26 @@ impl Inner {
         let mut deleted = 0;
         for (id, change) in &located {
             match change {
-                Change::Stored(_) => self.presence.insert(id),
+                Change::Stored => self.presence.insert(id),
                 Change::Deleted => deleted += 1,
                 Change::Moved(_) => {}
             }
         }
         self.presence.removed(deleted);
-        self.locations.update(located.iter().map(|(id, c)| match c {
-            Change::Stored(l) | Change::Moved(l) => (*id, Some(l)),
-            Change::Deleted => (*id, None),
-        }));
+        // The location cache is filled by reads only (a bulk load would otherwise push the
+        // blocks being read out of it). A stored block was absent, so no entry can name it;
+        // moved and deleted ones may be cached.
+        let changed: Vec<_> = located
+            .iter()
+            .filter_map(|(id, c)| match c {
+                Change::Stored => None,
+                Change::Moved(l) => Some((*id, Some(l))),
+                Change::Deleted => Some((*id, None)),
+            })
+            .collect();
+        if !changed.is_empty() {
+            self.locations.update(changed);
+        }
         Ok(())
     }
 
@@ -1543,7 +1553,7 @@ impl Inner {
                         ns,
                         digest: b.digest,
                     },
-                    Change::Stored(loc),
+                    Change::Stored,
                 ));
                 meta.live_bytes += len as u64;
                 meta.live_records += 1;
