@@ -217,6 +217,11 @@ impl Workload {
     }
 }
 
+struct Figures {
+    put_blocks_per_s: f64,
+    files: u64,
+}
+
 fn count_files(dir: &Path) -> Result<u64, Error> {
     let mut n = 0;
     for e in std::fs::read_dir(dir).map_err(io(format!("listing {}", dir.display())))? {
@@ -322,8 +327,7 @@ fn probe_figures(name: &str, (stored, absent): &(Vec<f64>, Vec<f64>)) -> (f64, f
     (percentile(&all, 0.5), percentile(&all, 0.99))
 }
 
-/// Opens the store as the bench runs it.
-fn open_ours(w: &Workload, dir: &Path) -> Result<Store, Error> {
+fn bench_ours(w: &Workload, dir: &Path) -> Result<(Figures, Store), Error> {
     let opts = StoreOptions {
         block_tokens: BLOCK_TOKENS,
         sync: if w.sync {
@@ -335,21 +339,14 @@ fn open_ours(w: &Workload, dir: &Path) -> Result<Store, Error> {
         background_merge: false,
         // 256 MiB of index caches in all, as the file baseline's million inodes and dentries
         // stay in the kernel's caches: a location cache that holds every block's record
-        // (91 MB at a million blocks), and RocksDB's block cache for the rest.
+        // (~136 MB at a million blocks), and RocksDB's block cache for the rest.
         location_cache_bytes: 192 << 20,
         index_cache_bytes: 64 << 20,
         ..StoreOptions::default()
     };
-    Ok(Store::open(dir, opts)?)
-}
-
-/// One system's put of one batch (its chunks' tokens and KV); returns the time spent in the
-/// system's calls.
-type PutFn<'a> = Box<dyn FnMut(&[Vec<u32>], &[Vec<u8>]) -> Result<Duration, Error> + 'a>;
-
-fn ours_putter<'a>(w: &Workload, store: &'a Store) -> PutFn<'a> {
+    let store = Store::open(dir, opts)?;
     let l = w.layout;
-    Box::new(move |toks, kvs| {
+    let put_time = w.batches(|_, toks, kvs| {
         let items: Vec<PutItem<'_>> = toks
             .iter()
             .zip(kvs)
@@ -362,38 +359,26 @@ fn ours_putter<'a>(w: &Workload, store: &'a Store) -> PutFn<'a> {
         let t = Instant::now();
         store.put_batch(NS, l, &items)?;
         Ok(t.elapsed())
-    })
-}
-
-/// Loads every system in one pass over the workload, interleaved: each batch is put into
-/// every system before the next one is made, the order alternating from batch to batch, so
-/// that all of them write under the same conditions (on the shared VM the speed of a buffered
-/// write moves between 0.5 and 3.7 GB/s from one minute to the next, see docs/BENCHMARKS.md).
-/// Returns each system's put rate in blocks/s.
-fn load(w: &Workload, systems: &mut [PutFn<'_>]) -> Result<Vec<f64>, Error> {
-    let mut times = vec![Duration::ZERO; systems.len()];
-    let mut n = 0usize;
-    w.batches(|_, toks, kvs| {
-        let k = systems.len();
-        for i in 0..k {
-            let s = if n % 2 == 0 { i } else { k - 1 - i };
-            times[s] += systems[s](toks, kvs)?;
-        }
-        n += 1;
-        Ok(Duration::ZERO)
     })?;
     let blocks = (w.chunks * w.chunk_tokens / BLOCK_TOKENS) as f64;
-    Ok(times.iter().map(|t| blocks / t.as_secs_f64()).collect())
-}
-
-/// After the load: lets RocksDB finish compacting it (the file baseline's write-back is
-/// drained by sync(2) before its reads in the same way) and syncs the store.
-fn settle_ours(store: &Store) -> Result<(), Error> {
+    eprintln!(
+        "  ragkv: put {:.0} blocks/s ({put_time:.1?} in put_batch)",
+        blocks / put_time.as_secs_f64()
+    );
+    // Let RocksDB finish compacting the bulk load (the file baseline's write-back is drained
+    // by sync(2) before its reads in the same way).
     let settled = store.settle(Duration::from_secs(600))?;
     eprintln!("  ragkv: index settled in {settled:.1?} after the bulk load");
     eprintln!("  ragkv: {} sorted runs in the index", store.index_runs()?);
+
     store.sync()?;
-    Ok(())
+    Ok((
+        Figures {
+            put_blocks_per_s: blocks / put_time.as_secs_f64(),
+            files: count_files(dir)?,
+        },
+        store,
+    ))
 }
 
 /// ragkv's probe of one sample, checked against what was stored.
@@ -405,12 +390,12 @@ fn ours_probe(store: &Store, (t, stored): &(Vec<u32>, bool)) -> Result<(), Error
     Ok(())
 }
 
-/// The file baseline's put: one file per absent block, created and written.
-fn files_putter<'a>(w: &'a Workload, dir: &'a Path) -> PutFn<'a> {
+fn bench_files(w: &Workload, dir: &Path) -> Result<Figures, Error> {
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
     let l = w.layout;
+    let path = |name: &[u8; 16]| dir.join(hex(name));
     let mut payload = Vec::with_capacity(l.bytes_for(BLOCK_TOKENS));
-    Box::new(move |toks, kvs| {
-        let path = |name: &[u8; 16]| dir.join(hex(name));
+    let put_time = w.batches(|_, toks, kvs| {
         let t = Instant::now();
         let mut written = Vec::new();
         for (tk, kv) in toks.iter().zip(kvs) {
@@ -436,6 +421,13 @@ fn files_putter<'a>(w: &'a Workload, dir: &'a Path) -> PutFn<'a> {
                 .map_err(io("syncing directory"))?;
         }
         Ok(t.elapsed())
+    })?;
+    let blocks = (w.chunks * w.chunk_tokens / BLOCK_TOKENS) as f64;
+    write_back();
+
+    Ok(Figures {
+        put_blocks_per_s: blocks / put_time.as_secs_f64(),
+        files: count_files(dir)?,
     })
 }
 
@@ -932,37 +924,19 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
 
     let mut lines = Vec::new();
     let ours_dir = root.join("ragkv");
-    let files_dir = root.join("files");
-    // The load starts clean: nothing written before the bench is written back during it.
+    // The first load starts clean too: nothing written before the bench is written back
+    // during it.
     write_back();
-    let store = open_ours(&w, &ours_dir)?;
     let t = Instant::now();
-    let puts = if args.skip_files {
-        load(&w, &mut [ours_putter(&w, &store)])?
-    } else {
-        std::fs::create_dir_all(&files_dir)
-            .map_err(io(format!("creating {}", files_dir.display())))?;
-        load(
-            &w,
-            &mut [ours_putter(&w, &store), files_putter(&w, &files_dir)],
-        )?
-    };
-    eprintln!(
-        "  loaded in {:.0?}: ragkv put {:.0} blocks/s{}",
-        t.elapsed(),
-        puts[0],
-        puts.get(1)
-            .map(|b| format!(", file-per-block {b:.0} blocks/s"))
-            .unwrap_or_default()
-    );
-    settle_ours(&store)?;
-    write_back();
+    let (ours, store) = bench_ours(&w, &ours_dir)?;
+    eprintln!("  ragkv: done in {:.0?}", t.elapsed());
     let small_chunks: Vec<Vec<u32>> = (0..w.chunks)
         .map(|c| chunk_tokens(c, w.chunk_tokens))
         .collect();
     let small_bw = bandwidth(&store, NS, &small_chunks)?;
 
-    // Gets and probes of the store, and of the file baseline unless skipped, interleaved.
+    // Gets and probes of the store, and of the file baseline unless skipped, interleaved
+    // (the store stays open while the baseline loads).
     let sample: Vec<Vec<u32>> = w
         .sample
         .iter()
@@ -979,7 +953,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let ours_probe = |p: &(Vec<u32>, bool)| ours_probe(&store, p);
     let ours_get_rate;
     if !args.skip_files {
-        let (ours_files, base_files) = (count_files(&ours_dir)?, count_files(&files_dir)?);
+        let t = Instant::now();
+        let files_dir = root.join("files");
+        let base = bench_files(&w, &files_dir)?;
+        eprintln!("  file-per-block: loaded in {:.0?}", t.elapsed());
         let file_get = file_getter(&w, &files_dir);
         let gets = interleaved(&sample, 1, &[&ours_get, &file_get])?;
         ours_get_rate = rate(&gets[0]);
@@ -990,7 +967,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         let (base_p50, base_p99) = probe_figures("file-per-block", &split_probes(&probes, &lat[1]));
         remove(&files_dir)?;
         let b = "file-per-block";
-        lines.push(Line::higher("kvstore.put", puts[0], puts[1], "blocks/s", b).bar(3.0));
+        lines.push(
+            Line::higher(
+                "kvstore.put",
+                ours.put_blocks_per_s,
+                base.put_blocks_per_s,
+                "blocks/s",
+                b,
+            )
+            .bar(3.0),
+        );
         lines.push(
             Line::higher(
                 "kvstore.chunk_get",
@@ -1012,8 +998,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         lines.push(
             Line::lower(
                 "kvstore.files",
-                ours_files as f64,
-                base_files as f64,
+                ours.files as f64,
+                base.files as f64,
                 "files",
                 b,
             )
@@ -1042,7 +1028,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         );
         lines.push(Line::higher(
             "kvstore.put_vs_blobdb",
-            puts[0],
+            ours.put_blocks_per_s,
             bput,
             "blocks/s",
             "rocksdb-blobdb",
