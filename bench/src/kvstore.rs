@@ -339,7 +339,7 @@ fn bench_ours(w: &Workload, dir: &Path) -> Result<(Figures, Store), Error> {
         background_merge: false,
         // 256 MiB of index caches in all, as the file baseline's million inodes and dentries
         // stay in the kernel's caches: a location cache that holds every block's record
-        // (~136 MB at a million blocks), and RocksDB's block cache for the rest.
+        // (91 MB at a million blocks), and RocksDB's block cache for the rest.
         location_cache_bytes: 192 << 20,
         index_cache_bytes: 64 << 20,
         ..StoreOptions::default()
@@ -740,7 +740,7 @@ type TokensKv = (Vec<u32>, Vec<u8>);
 /// dtype the store is meant to hold), until `tokens` tokens. Returns the layout and, per
 /// chunk, its tokens and KV bytes.
 fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<TokensKv>), Error> {
-    let merr = |e: model::Error| Error::Check(format!("model: {e}"));
+    use crate::model::merr;
     let path = args
         .codec_model
         .clone()

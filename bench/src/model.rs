@@ -34,7 +34,7 @@ pub struct Args {
     pub device: String,
 }
 
-fn merr(e: model::Error) -> Error {
+pub(crate) fn merr(e: model::Error) -> Error {
     Error::Check(format!("model: {e}"))
 }
 

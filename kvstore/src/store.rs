@@ -1890,27 +1890,21 @@ impl Inner {
                 return Err(Retry::Again);
             };
 
-            if len <= SMALL_RUN_BYTES {
-                self.read_small_run(
-                    &seg,
-                    &locs[r..e],
-                    &pending[r..e],
-                    blocks,
-                    total,
-                    layout,
-                    out,
-                )?;
+            let read_run = if len <= SMALL_RUN_BYTES {
+                Self::read_small_run
             } else {
-                self.read_large_run(
-                    &seg,
-                    &locs[r..e],
-                    &pending[r..e],
-                    blocks,
-                    total,
-                    layout,
-                    out,
-                )?;
-            }
+                Self::read_large_run
+            };
+            read_run(
+                self,
+                &seg,
+                &locs[r..e],
+                &pending[r..e],
+                blocks,
+                total,
+                layout,
+                out,
+            )?;
             bump(&self.counters.bytes_read, len as u64);
             r = e;
         }
