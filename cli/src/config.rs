@@ -54,6 +54,8 @@ pub struct KvStoreConfig {
     /// `batch` (sync every put), `interval` (every `sync_interval_ms`), or `none`.
     pub sync: String,
     pub sync_interval_ms: u64,
+    /// Put batches of at least this many KiB bypass the page cache (`O_DIRECT`); 0: never.
+    pub direct_write_min_kib: usize,
     /// Default codec: none, lz4, zstd, lz4-planes, zstd-planes, int8 (lossy).
     pub codec: String,
     /// In-memory hot tier, MiB (0 disables).
@@ -106,6 +108,7 @@ impl Default for KvStoreConfig {
             segment_mib: d.segment_bytes >> 20,
             sync: "batch".into(),
             sync_interval_ms: 1000,
+            direct_write_min_kib: d.direct_write_min_bytes.map_or(0, |b| b >> 10),
             codec: d.default_codec.name().into(),
             hot_tier_mib: d.hot_tier_bytes >> 20,
             location_cache_mib: d.location_cache_bytes >> 20,
@@ -261,6 +264,8 @@ impl Config {
             block_tokens: k.block_tokens,
             segment_bytes: k.segment_mib << 20,
             sync,
+            direct_write_min_bytes: (k.direct_write_min_kib > 0)
+                .then_some(k.direct_write_min_kib << 10),
             default_codec: codec,
             hot_tier_bytes: k.hot_tier_mib << 20,
             location_cache_bytes: k.location_cache_mib << 20,

@@ -84,6 +84,8 @@ pub struct Stats {
     /// Blocks a put found already stored.
     pub blocks_deduped: u64,
     pub bytes_written: u64,
+    /// Of `bytes_written`, those written with direct I/O (`StoreOptions::direct_write_min_bytes`).
+    pub bytes_written_direct: u64,
     /// Bytes read from segment files.
     pub bytes_read: u64,
     /// Segments retired by the merger.

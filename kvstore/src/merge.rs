@@ -97,6 +97,9 @@ impl Inner {
                     let before = w.clone();
                     w.metas.get_mut(&id).expect("active meta").sealed = true;
                     w.active = None;
+                    if let Some(seg) = self.segments.read().get(&id) {
+                        seg.close_direct();
+                    }
                     self.commit(&mut w, before, WriteBatch::default(), Vec::new())?;
                 }
             }
@@ -141,6 +144,14 @@ impl Inner {
                 seg.read_at(pos, &mut buf)?;
                 let mut c = 0usize;
                 while c < buf.len() {
+                    // Padding after a direct-I/O batch runs to the next boundary.
+                    if let Some(next) = record::padding_end(&buf[c..], pos + c as u64) {
+                        c = (next - pos) as usize;
+                        continue;
+                    }
+                    if buf.len() - c < 4 && pos + (buf.len() as u64) < meta.len {
+                        break; // too few bytes here to tell padding from a record
+                    }
                     let header = match record::decode_header(&buf[c..]) {
                         Ok((h, _)) => h,
                         Err(_)

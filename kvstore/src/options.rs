@@ -68,6 +68,16 @@ pub struct StoreOptions {
     pub segment_bytes: u64,
     /// Durability; default [`SyncPolicy::EveryBatch`].
     pub sync: SyncPolicy,
+    /// Put batches of at least this many record bytes are written with direct I/O
+    /// (`O_DIRECT`), bypassing the page cache. Default 64 KiB. The page-cache copy is most of
+    /// a buffered put's cost (docs/BENCHMARKS.md, kvstore), and a bulk load through the page
+    /// cache fills memory with dirty pages that throttle every writer and push hot data out.
+    /// Costs: a batch starts and ends on a 4 KiB boundary of the segment (up to 4 KiB of
+    /// zero padding per batch, not counted as live or dead), and freshly written KV is not in
+    /// the page cache, so its first read comes from the device. Smaller batches (and merges)
+    /// go through the page cache. `None`: every write does. Where the file system refuses
+    /// direct I/O the store falls back to the page cache, with one warning.
+    pub direct_write_min_bytes: Option<usize>,
     /// Codec for namespaces registered without one. Default [`Codec::None`]: KV in f16/bf16
     /// compresses poorly (≈10-20 % with byte planes) and decoding costs read bandwidth.
     pub default_codec: Codec,
@@ -115,6 +125,7 @@ impl Default for StoreOptions {
             block_tokens: 64,
             segment_bytes: 256 << 20,
             sync: SyncPolicy::EveryBatch,
+            direct_write_min_bytes: Some(64 << 10),
             default_codec: Codec::None,
             zstd_level: 1,
             hot_tier_bytes: 256 << 20,

@@ -35,6 +35,15 @@
 //! and a reader verifies that the record it was pointed at is the one it asked for (key, digest,
 //! both checksums) before it decodes anything. The blocks of one `put_batch` call are written
 //! back to back, so a sequence of blocks is one contiguous byte range.
+//!
+//! Padding: a batch written with direct I/O (bypassing the page cache, see
+//! `StoreOptions::direct_write_min_bytes`) starts and ends on an [`ALIGN`]-byte boundary of the
+//! file, so zero bytes may sit between the end of one record and the next boundary (written
+//! zeros, or a hole). Records never start with zero (the magic), so a walker that finds a zero
+//! magic at an unaligned offset skips to the next boundary; a zero magic at an aligned offset
+//! is damage. Segments of format version 1 written before padding existed hold none; a walker
+//! that predates it stops at the first padding and leaves the segment unmerged (its records
+//! still read).
 
 use schema::{Codec, KvLayout, TokenDigest};
 
@@ -48,6 +57,20 @@ pub(crate) const RECORD_HEADER_LEN: usize = 48;
 pub(crate) const RECORD_TRAILER_LEN: usize = 4;
 /// Upper bound on one record's payload, to reject absurd lengths from a corrupt header.
 pub(crate) const MAX_PAYLOAD: usize = 1 << 30;
+/// Alignment of direct-I/O batches in the file and in memory: 4096 satisfies the logical block
+/// size of every common device and file system (512 or 4096).
+pub(crate) const ALIGN: usize = 4096;
+
+/// `n` rounded up to a multiple of [`ALIGN`].
+pub(crate) fn align_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+/// Whether the bytes at file offset `offset` (`b` starting there, at least 4 of them) are
+/// padding: a zero magic at an unaligned offset. Returns where the next record may start.
+pub(crate) fn padding_end(b: &[u8], offset: u64) -> Option<u64> {
+    (b.len() >= 4 && b[..4] == [0u8; 4] && offset % ALIGN as u64 != 0).then(|| align_up(offset))
+}
 
 pub(crate) fn encode_segment_header(id: u64, created_ms: u64) -> [u8; SEGMENT_HEADER_LEN] {
     let mut h = [0u8; SEGMENT_HEADER_LEN];
@@ -106,6 +129,18 @@ pub(crate) fn append_record(
     payload: &[u8],
 ) -> u32 {
     debug_assert_eq!(payload.len(), header.payload_len);
+    append_record_with(out, key, header, |out| out.extend_from_slice(payload))
+}
+
+/// Appends one record to `out` whose payload `fill` appends in place (exactly
+/// `header.payload_len` bytes), saving the copy through an intermediate buffer; returns the
+/// CRC32C of the payload.
+pub(crate) fn append_record_with(
+    out: &mut Vec<u8>,
+    key: &[u8],
+    header: &RecordHeader,
+    fill: impl FnOnce(&mut Vec<u8>),
+) -> u32 {
     debug_assert_eq!(key.len(), header.key_len);
     let start = out.len();
     out.extend_from_slice(RECORD_MAGIC);
@@ -114,14 +149,20 @@ pub(crate) fn append_record(
     out.extend_from_slice(&(key.len() as u16).to_le_bytes());
     out.extend_from_slice(&header.tokens.to_le_bytes());
     out.extend_from_slice(&(header.raw_len as u32).to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(header.payload_len as u32).to_le_bytes());
     out.extend_from_slice(&header.layout.encode());
     out.extend_from_slice(&header.digest.0);
     let hcrc = crc32c::crc32c_append(crc32c::crc32c(&out[start..start + 44]), key);
     out.extend_from_slice(&hcrc.to_le_bytes());
     out.extend_from_slice(key);
-    out.extend_from_slice(payload);
-    let pcrc = crc32c::crc32c(payload);
+    let p0 = out.len();
+    fill(out);
+    assert_eq!(
+        out.len() - p0,
+        header.payload_len,
+        "record payload length differs from its header"
+    );
+    let pcrc = crc32c::crc32c(&out[p0..]);
     out.extend_from_slice(&pcrc.to_le_bytes());
     pcrc
 }
@@ -272,6 +313,26 @@ mod tests {
             let _ = decode_record(&bytes);
             let _ = decode_segment_header(&bytes);
         }
+    }
+
+    #[test]
+    fn padding_is_recognised_only_between_boundaries() {
+        assert_eq!(align_up(0), 0);
+        assert_eq!(align_up(1), ALIGN as u64);
+        assert_eq!(align_up(ALIGN as u64), ALIGN as u64);
+        let zeros = [0u8; 8];
+        assert_eq!(padding_end(&zeros, 100), Some(ALIGN as u64));
+        assert_eq!(
+            padding_end(&zeros, 3 * ALIGN as u64 + 1),
+            Some(4 * ALIGN as u64)
+        );
+        // A zero magic on a boundary is damage, not padding.
+        assert_eq!(padding_end(&zeros, 2 * ALIGN as u64), None);
+        // A record is never padding, and fewer than 4 bytes cannot tell.
+        let mut rec = Vec::new();
+        append_record(&mut rec, &[1; 4], &header(4, 8, 0), &[7; 8]);
+        assert_eq!(padding_end(&rec, 100), None);
+        assert_eq!(padding_end(&zeros[..3], 100), None);
     }
 
     #[test]

@@ -20,20 +20,26 @@
 //! The committed length is written in the same index batch as the locations of the records it
 //! covers. On open, anything in the file past it was never committed and is cut off.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use parking_lot::Mutex;
+
 use crate::error::{Error, Result};
-use crate::record::SEGMENT_HEADER_LEN;
+use crate::record::{ALIGN, SEGMENT_HEADER_LEN};
 
 /// An open segment file.
 #[derive(Debug)]
 pub(crate) struct Segment {
     pub id: u64,
     pub path: PathBuf,
+    /// Reads, buffered appends, syncs.
     pub file: File,
+    /// A second descriptor opened with `O_DIRECT` for large appends, opened on the first one
+    /// and closed when the segment is sealed; `Err` holds why the file system refused it.
+    direct: Mutex<Option<std::result::Result<File, String>>>,
     obsolete: AtomicBool,
 }
 
@@ -43,8 +49,59 @@ impl Segment {
             id,
             path,
             file,
+            direct: Mutex::new(None),
             obsolete: AtomicBool::new(false),
         }
+    }
+
+    /// Writes `buf` at `offset` bypassing the page cache (`O_DIRECT`): no copy into the page
+    /// cache, and no dirty pages left for write-back to throttle later writers. `buf` must
+    /// start on an [`ALIGN`]-byte boundary in memory, and its length and `offset` must be
+    /// multiples of [`ALIGN`]. The data then sits in the device (or its volatile cache): the
+    /// caller syncs as its policy says, as after a buffered write.
+    ///
+    /// [`Direct::Unavailable`] says why the file system refused `O_DIRECT` or the alignment
+    /// (`EINVAL`); nothing was written and the caller writes through the page cache instead.
+    /// Other failures (no space, I/O errors) are errors.
+    pub fn write_direct_at(&self, buf: &[u8], offset: u64) -> Result<Direct> {
+        assert!(
+            buf.as_ptr() as usize % ALIGN == 0
+                && buf.len() % ALIGN == 0
+                && offset % ALIGN as u64 == 0,
+            "unaligned direct write"
+        );
+        let mut direct = self.direct.lock();
+        let opened = direct.get_or_insert_with(|| {
+            OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&self.path)
+                .map_err(|e| format!("opening {} with O_DIRECT: {e}", self.path.display()))
+        });
+        let file = match opened {
+            Ok(f) => f,
+            Err(why) => return Ok(Direct::Unavailable(why.clone())),
+        };
+        match file.write_all_at(buf, offset) {
+            Ok(()) => Ok(Direct::Written),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Direct::Unavailable(format!(
+                "direct write to {}: {e}",
+                self.path.display()
+            ))),
+            Err(e) => Err(Error::Io(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "direct write of {} bytes to {} at {offset}: {e}",
+                    buf.len(),
+                    self.path.display()
+                ),
+            ))),
+        }
+    }
+
+    /// Closes the direct-I/O descriptor (the segment is sealed: no more appends).
+    pub fn close_direct(&self) {
+        self.direct.lock().take();
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`.
@@ -143,6 +200,14 @@ impl Drop for Segment {
             }
         }
     }
+}
+
+/// Outcome of [`Segment::write_direct_at`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Direct {
+    Written,
+    /// Direct I/O is not available here, with the reason.
+    Unavailable(String),
 }
 
 /// File name of segment `id`.

@@ -30,6 +30,17 @@
 //! carries its block changes ([`Located`]) to both in-memory tiers, and the read that follows
 //! a location still verifies the record it finds (key, digest, checksums).
 //!
+//! # Writes
+//! A put encodes the records of its absent blocks outside the writer lock, straight into one
+//! batch buffer (for the uncompressed codec: one copy from the caller's KV, CRC32C on the way),
+//! then, under the lock, appends the batch to the active segment and commits one index batch
+//! (two-phase: payload first, synced by policy). Batches of at least
+//! `StoreOptions::direct_write_min_bytes` are written with `O_DIRECT` from a 4 KiB-aligned
+//! buffer, zero-padded to the next 4 KiB boundary (`record.rs`, padding): on the VMs we measure
+//! on, the copy into the page cache was most of a buffered put (docs/BENCHMARKS.md, kvstore),
+//! and a bulk load through the page cache leaves gigabytes dirty that throttle every writer.
+//! Merges and small batches go through the page cache.
+//!
 //! # Blocking
 //! Every method blocks on disk I/O (RocksDB and `pread`/`pwrite`) and must be called from a
 //! blocking context (a dedicated thread or `spawn_blocking`), never from an async worker.
@@ -41,7 +52,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -57,9 +68,9 @@ use crate::locations::{BlockId, LocationCache};
 use crate::options::{StoreOptions, SyncPolicy};
 use crate::presence::Presence;
 use crate::record::{
-    self, RecordHeader, RECORD_HEADER_LEN, RECORD_TRAILER_LEN, SEGMENT_HEADER_LEN,
+    self, RecordHeader, ALIGN, RECORD_HEADER_LEN, RECORD_TRAILER_LEN, SEGMENT_HEADER_LEN,
 };
-use crate::segment::{self, Segment, SegmentMeta};
+use crate::segment::{self, Direct, Segment, SegmentMeta};
 
 pub(crate) const CF_KV: &str = "kv";
 pub(crate) const CF_DOCS: &str = "docs";
@@ -211,6 +222,7 @@ pub(crate) struct Counters {
     pub blocks_written: AtomicU64,
     pub blocks_deduped: AtomicU64,
     pub bytes_written: AtomicU64,
+    pub bytes_written_direct: AtomicU64,
     pub bytes_read: AtomicU64,
     pub merges: AtomicU64,
     pub bytes_merged: AtomicU64,
@@ -244,6 +256,9 @@ pub(crate) struct Inner {
     pub db_opts: Option<rocksdb::Options>,
     /// Read options of probe lookups, made once (the default per call allocates a pair).
     pub probe_read: rocksdb::ReadOptions,
+    /// Set when the file system refused direct I/O: every append then goes through the page
+    /// cache (warned once).
+    pub direct_unavailable: AtomicBool,
     _lock: File,
 }
 
@@ -302,13 +317,78 @@ fn scatter(out: &mut [u8], total: usize, raw: &[u8], start: usize, n: usize, lay
 
 /// The inverse of [`scatter`]: the layer-major bytes of tokens `start..start + n`.
 fn gather(kv: &[u8], total: usize, start: usize, n: usize, layout: &KvLayout) -> Vec<u8> {
+    let mut out = Vec::with_capacity(layout.bytes_for(n));
+    gather_into(&mut out, kv, total, start, n, layout);
+    out
+}
+
+/// [`gather`], appending to `out`.
+fn gather_into(
+    out: &mut Vec<u8>,
+    kv: &[u8],
+    total: usize,
+    start: usize,
+    n: usize,
+    layout: &KvLayout,
+) {
     let tb = layout.plane_token_bytes();
-    let mut out = Vec::with_capacity(layout.planes() * n * tb);
     for p in 0..layout.planes() {
         let src = (p * total + start) * tb;
         out.extend_from_slice(&kv[src..src + n * tb]);
     }
-    out
+}
+
+/// The records of one put batch, encoded in place and laid out for a direct write: they start
+/// on an [`ALIGN`] boundary in memory.
+struct BatchBuf {
+    v: Vec<u8>,
+    /// Where the records start in `v`.
+    start: usize,
+}
+
+impl BatchBuf {
+    /// An empty buffer with room for `bytes` of records and their padding.
+    fn with_capacity(bytes: usize) -> Self {
+        let mut v: Vec<u8> = Vec::with_capacity(bytes + 2 * ALIGN);
+        let start = v.as_ptr().align_offset(ALIGN);
+        v.resize(start, 0);
+        BatchBuf { v, start }
+    }
+
+    /// The vector records are appended to (offsets relative to [`BatchBuf::len`]).
+    fn vec(&mut self) -> &mut Vec<u8> {
+        &mut self.v
+    }
+
+    /// Bytes of records.
+    fn len(&self) -> usize {
+        self.v.len() - self.start
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn records(&self) -> &[u8] {
+        &self.v[self.start..]
+    }
+
+    /// Appends zeros up to a multiple of [`ALIGN`] and returns the whole buffer, which starts
+    /// on an [`ALIGN`] boundary in memory (the records are copied once if growth moved them
+    /// off it). The last use of the buffer: its length now counts the padding.
+    fn pad(&mut self) -> &[u8] {
+        let len = self.len();
+        let padded = record::align_up(len as u64) as usize;
+        let aligned = (self.v.as_ptr() as usize + self.start) % ALIGN == 0;
+        if !aligned || self.v.capacity() < self.start + padded {
+            let mut fresh = BatchBuf::with_capacity(padded);
+            fresh.v.extend_from_slice(self.records());
+            *self = fresh;
+        }
+        // Within capacity: no reallocation, so the start stays aligned.
+        self.v.resize(self.start + padded, 0);
+        &self.v[self.start..]
+    }
 }
 
 /// Takes an exclusive `flock` on `path`, writing our pid into it.
@@ -423,6 +503,7 @@ impl Store {
             access: crate::capacity::AccessLog::default(),
             adaptive: crate::adaptive::Controller::default(),
             db_opts: (opts.index_statistics || opts.adaptive.is_some()).then_some(db_opts),
+            direct_unavailable: AtomicBool::new(false),
             probe_read: rocksdb::ReadOptions::default(),
             poisoned: Mutex::new(None),
             shutdown: (Mutex::new(false), Condvar::new()),
@@ -1270,6 +1351,9 @@ impl Inner {
                 .get_mut(&id)
                 .expect("active segment has meta")
                 .sealed = true;
+            if let Some(seg) = self.segments.read().get(&id) {
+                seg.close_direct();
+            }
         }
         let id = w.next_id;
         w.next_id += 1;
@@ -1294,10 +1378,9 @@ impl Inner {
         Ok(sealed)
     }
 
-    /// Appends `bytes` to the active segment (rolling first if needed); returns
-    /// `(segment, offset)`. The caller commits an index batch through [`Inner::commit`].
-    pub(crate) fn append(&self, w: &mut Writer, bytes: &[u8]) -> Result<(u64, u64)> {
-        self.ensure_room(w, bytes.len())?;
+    /// The active segment, rolled first if `len` more bytes do not fit.
+    fn active_segment(&self, w: &mut Writer, len: usize) -> Result<(u64, Arc<Segment>)> {
+        self.ensure_room(w, len)?;
         let id = w.active.expect("ensure_room sets an active segment");
         let seg = self
             .segments
@@ -1305,17 +1388,54 @@ impl Inner {
             .get(&id)
             .cloned()
             .expect("active segment is open");
-        let meta = w.metas.get_mut(&id).expect("active segment has meta");
-        let offset = meta.len;
-        seg.file
-            .write_all_at(bytes, offset)
-            .map_err(|e| io_err(&seg.path, "appending to", e))?;
+        Ok((id, seg))
+    }
+
+    /// Syncs what was just appended to `seg`, as the sync policy says.
+    fn sync_appended(&self, seg: &Segment) -> Result<()> {
         if self.opts.sync == SyncPolicy::EveryBatch {
             seg.file
                 .sync_data()
                 .map_err(|e| io_err(&seg.path, "syncing", e))?;
         }
+        Ok(())
+    }
+
+    /// Appends `bytes` to the active segment (rolling first if needed); returns
+    /// `(segment, offset)`. The caller commits an index batch through [`Inner::commit`].
+    pub(crate) fn append(&self, w: &mut Writer, bytes: &[u8]) -> Result<(u64, u64)> {
+        let (id, seg) = self.active_segment(w, bytes.len())?;
+        let meta = w.metas.get_mut(&id).expect("active segment has meta");
+        let offset = meta.len;
+        seg.file
+            .write_all_at(bytes, offset)
+            .map_err(|e| io_err(&seg.path, "appending to", e))?;
+        self.sync_appended(&seg)?;
         meta.len += bytes.len() as u64;
+        Ok((id, offset))
+    }
+
+    /// Appends a batch with direct I/O: `padded` (records then zeros, see
+    /// [`BatchBuf::pad`]) goes at the first [`ALIGN`] boundary at or after the active
+    /// segment's end; the gap before it stays a hole. Returns `(segment, offset)` like
+    /// [`Inner::append`], to which it falls back, with the first `len` bytes, where direct I/O
+    /// is unavailable.
+    fn append_direct(&self, w: &mut Writer, padded: &[u8], len: usize) -> Result<(u64, u64)> {
+        if self.direct_unavailable.load(Ordering::Relaxed) {
+            return self.append(w, &padded[..len]);
+        }
+        let (id, seg) = self.active_segment(w, padded.len() + ALIGN)?;
+        let meta = w.metas.get_mut(&id).expect("active segment has meta");
+        let offset = record::align_up(meta.len);
+        if let Direct::Unavailable(why) = seg.write_direct_at(padded, offset)? {
+            if !self.direct_unavailable.swap(true, Ordering::Relaxed) {
+                tracing::warn!(%why, "direct I/O unavailable; writing through the page cache");
+            }
+            return self.append(w, &padded[..len]);
+        }
+        self.sync_appended(&seg)?;
+        meta.len = offset + padded.len() as u64;
+        bump(&self.counters.bytes_written_direct, len as u64);
         Ok((id, offset))
     }
 
@@ -1458,34 +1578,50 @@ impl Inner {
             }
         }
         let present = self.exists_many(ns, candidates.iter().map(|&(i, j)| &plans[i][j]))?;
-        let mut encoded: Vec<(usize, usize, Vec<u8>, u32)> = Vec::new(); // item, block, record, crc
-        for (&(i, j), present) in candidates.iter().zip(present) {
-            if present {
-                continue;
-            }
+        let absent: Vec<(usize, usize)> = candidates
+            .iter()
+            .zip(present)
+            .filter(|(_, present)| !present)
+            .map(|(c, _)| *c)
+            .collect();
+        // Exact for the uncompressed codec; a compressing one rarely outgrows it.
+        let estimate = absent
+            .iter()
+            .map(|&(i, j)| {
+                let b = &plans[i][j];
+                RECORD_HEADER_LEN + b.key.len() + layout.bytes_for(b.tokens()) + RECORD_TRAILER_LEN
+            })
+            .sum();
+        let mut out = BatchBuf::with_capacity(estimate);
+        let mut encoded: Vec<(usize, usize, usize, usize, u32)> = Vec::new(); // item, block, offset, len, crc
+        for (i, j) in absent {
             let b = &plans[i][j];
-            let raw = gather(
-                items[i].kv,
-                items[i].tokens.len(),
-                b.start,
-                b.tokens(),
-                &layout,
-            );
-            let payload =
-                codec::encode(info.codec, &layout, b.tokens(), &raw, self.opts.zstd_level)
-                    .map_err(|why| Error::Invalid { what: "codec", why })?;
-            let header = RecordHeader {
+            let total = items[i].tokens.len();
+            let raw_len = layout.bytes_for(b.tokens());
+            let mut header = RecordHeader {
                 codec: info.codec,
                 key_len: b.key.len(),
                 tokens: b.tokens() as u32,
-                raw_len: raw.len(),
-                payload_len: payload.len(),
+                raw_len,
+                payload_len: raw_len,
                 layout,
                 digest: b.digest,
             };
-            let mut rec = Vec::with_capacity(header.record_len());
-            let crc = record::append_record(&mut rec, &b.key, &header, &payload);
-            encoded.push((i, j, rec, crc));
+            let at = out.len();
+            let crc = if info.codec == Codec::None {
+                // Gathered straight into the batch: one copy from the caller's KV.
+                record::append_record_with(out.vec(), &b.key, &header, |o| {
+                    gather_into(o, items[i].kv, total, b.start, b.tokens(), &layout)
+                })
+            } else {
+                let raw = gather(items[i].kv, total, b.start, b.tokens(), &layout);
+                let payload =
+                    codec::encode(info.codec, &layout, b.tokens(), &raw, self.opts.zstd_level)
+                        .map_err(|why| Error::Invalid { what: "codec", why })?;
+                header.payload_len = payload.len();
+                record::append_record(out.vec(), &b.key, &header, &payload)
+            };
+            encoded.push((i, j, at, out.len() - at, crc));
         }
 
         let mut w = self.writer.lock();
@@ -1504,7 +1640,7 @@ impl Inner {
         }
         // Quota: make room (or refuse) before anything is appended. The bound counts every
         // encoded record, even one another writer stores meanwhile.
-        let incoming: u64 = encoded.iter().map(|(_, _, rec, _)| rec.len() as u64).sum();
+        let incoming = out.len() as u64;
         {
             let protect: Vec<&[u8]> = plans.iter().flatten().map(|b| b.key.as_slice()).collect();
             if let Err(e) = self.make_room(&mut w, &ns, incoming, &protect) {
@@ -1515,27 +1651,36 @@ impl Inner {
             }
         }
         let before = w.clone();
-        // Another writer may have stored some of them meanwhile.
+        // Another writer may have stored some of them meanwhile (rare: then the batch is
+        // rebuilt without them).
         let still = self.exists_many(ns, encoded.iter().map(|(i, j, ..)| &plans[*i][*j]))?;
-        let mut buf = Vec::new();
-        let mut placed = Vec::new(); // (item, block, offset in buf, len, crc)
-        for ((i, j, rec, crc), present) in encoded.iter().zip(still) {
-            if !present {
-                placed.push((*i, *j, buf.len(), rec.len(), *crc));
-                buf.extend_from_slice(rec);
+        if still.iter().any(|p| *p) {
+            let mut kept = BatchBuf::with_capacity(out.len());
+            let mut kept_enc = Vec::new();
+            for (&(i, j, at, len, crc), present) in encoded.iter().zip(&still) {
+                if !present {
+                    kept_enc.push((i, j, kept.len(), len, crc));
+                    kept.vec().extend_from_slice(&out.records()[at..at + len]);
+                }
             }
+            out = kept;
+            encoded = kept_enc;
         }
         let report = PutReport {
-            blocks_written: placed.len(),
-            blocks_present: candidates.len() - placed.len(),
-            bytes_written: buf.len() as u64,
+            blocks_written: encoded.len(),
+            blocks_present: candidates.len() - encoded.len(),
+            bytes_written: out.len() as u64,
         };
         let mut batch = WriteBatch::default();
         let mut located = Located::new();
-        if !buf.is_empty() {
-            let (seg, base) = self.append(&mut w, &buf)?;
+        if !out.is_empty() {
+            let len = out.len();
+            let (seg, base) = match self.opts.direct_write_min_bytes {
+                Some(min) if len >= min => self.append_direct(&mut w, out.pad(), len)?,
+                _ => self.append(&mut w, out.records())?,
+            };
             let meta = w.metas.get_mut(&seg).expect("segment meta");
-            for &(i, j, off, len, crc) in &placed {
+            for &(i, j, off, len, crc) in &encoded {
                 let b = &plans[i][j];
                 let loc = Location {
                     segment: seg,
@@ -1558,7 +1703,7 @@ impl Inner {
                 meta.live_bytes += len as u64;
                 meta.live_records += 1;
             }
-            *w.ns_bytes.entry(ns).or_insert(0) += buf.len() as u64;
+            *w.ns_bytes.entry(ns).or_insert(0) += len as u64;
         }
         // Document bookkeeping: one reference per (document, sequence).
         let mut refs: HashMap<Vec<u8>, u32> = HashMap::new();
@@ -2505,6 +2650,7 @@ impl Inner {
             blocks_written: get(&c.blocks_written),
             blocks_deduped: get(&c.blocks_deduped),
             bytes_written: get(&c.bytes_written),
+            bytes_written_direct: get(&c.bytes_written_direct),
             bytes_read: get(&c.bytes_read),
             merges: get(&c.merges),
             bytes_merged: get(&c.bytes_merged),
@@ -2530,4 +2676,31 @@ impl Inner {
 pub(crate) enum Retry {
     Again,
     Fail(Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_buffers_stay_aligned_and_zero_padded() {
+        for (estimate, fill) in [(0, 1), (100, 100), (5000, 4096), (10, 20_000), (8192, 9000)] {
+            let mut b = BatchBuf::with_capacity(estimate);
+            // Grows past the estimate when `fill` exceeds it; `pad` realigns then.
+            b.vec().extend((0..fill).map(|i| (i % 251) as u8 + 1));
+            assert_eq!(b.len(), fill);
+            let p = b.pad();
+            assert_eq!(
+                p.as_ptr() as usize % ALIGN,
+                0,
+                "estimate {estimate}, fill {fill}"
+            );
+            assert_eq!(p.len(), record::align_up(fill as u64) as usize);
+            assert!(p[..fill]
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i % 251) as u8 + 1));
+            assert!(p[fill..].iter().all(|&x| x == 0));
+        }
+    }
 }

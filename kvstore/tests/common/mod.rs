@@ -15,11 +15,14 @@ pub fn layout() -> KvLayout {
     }
 }
 
-/// Small blocks and segments, so that tests roll segments and merge often.
+/// Small blocks and segments, so that tests roll segments and merge often. Batches of 8 KiB
+/// and more (sequences over ~60 tokens) are written with direct I/O, smaller ones through the
+/// page cache, so segments mix both and hold padding.
 pub fn small_options() -> StoreOptions {
     StoreOptions {
         block_tokens: 16,
         segment_bytes: 256 << 10,
+        direct_write_min_bytes: Some(8 << 10),
         sync: SyncPolicy::Never,
         background_merge: false,
         hot_tier_bytes: 0,
