@@ -95,11 +95,8 @@ impl Inner {
             if let Some(id) = w.active {
                 if w.metas[&id].dead_bytes > 0 {
                     let before = w.clone();
-                    w.metas.get_mut(&id).expect("active meta").sealed = true;
+                    self.seal(&mut w, id);
                     w.active = None;
-                    if let Some(seg) = self.segments.read().get(&id) {
-                        seg.close_direct();
-                    }
                     self.commit(&mut w, before, WriteBatch::default(), Vec::new())?;
                 }
             }
@@ -148,9 +145,6 @@ impl Inner {
                     if let Some(next) = record::padding_end(&buf[c..], pos + c as u64) {
                         c = (next - pos) as usize;
                         continue;
-                    }
-                    if buf.len() - c < 4 && pos + (buf.len() as u64) < meta.len {
-                        break; // too few bytes here to tell padding from a record
                     }
                     let header = match record::decode_header(&buf[c..]) {
                         Ok((h, _)) => h,

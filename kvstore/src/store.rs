@@ -1336,6 +1336,18 @@ impl Inner {
 
     // ---------------------------------------------------------------- writes
 
+    /// Marks segment `id` sealed (no more appends; committed with the caller's next batch)
+    /// and closes its direct-I/O descriptor.
+    pub(crate) fn seal(&self, w: &mut Writer, id: u64) {
+        w.metas
+            .get_mut(&id)
+            .expect("sealed segment has meta")
+            .sealed = true;
+        if let Some(seg) = self.segments.read().get(&id) {
+            seg.close_direct();
+        }
+    }
+
     /// Makes sure the active segment can take `len` more bytes, rolling to a new one if not.
     /// Returns the id of a segment sealed by the roll.
     fn ensure_room(&self, w: &mut Writer, len: usize) -> Result<Option<u64>> {
@@ -1347,13 +1359,7 @@ impl Inner {
         }
         let sealed = w.active;
         if let Some(id) = sealed {
-            w.metas
-                .get_mut(&id)
-                .expect("active segment has meta")
-                .sealed = true;
-            if let Some(seg) = self.segments.read().get(&id) {
-                seg.close_direct();
-            }
+            self.seal(w, id);
         }
         let id = w.next_id;
         w.next_id += 1;
