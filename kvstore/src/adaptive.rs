@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::store::{Inner, CF_KV};
 
 /// Options of the controller ([`crate::StoreOptions::adaptive`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -137,7 +136,7 @@ pub(crate) struct Mix {
 }
 
 impl Mix {
-    fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.puts + self.reads + self.empty
     }
 }
@@ -197,7 +196,7 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct Controller {
     state: Mutex<State>,
-    pub transitions: AtomicU64,
+    transitions: AtomicU64,
 }
 
 impl Default for Controller {
@@ -218,54 +217,26 @@ impl Controller {
     pub(crate) fn current(&self) -> Tuning {
         self.state.lock().current
     }
-}
 
-/// RocksDB options that set `t` (stall triggers scale with the run trigger so a larger `K`
-/// never stalls writes earlier than the defaults would).
-pub(crate) fn rocksdb_options(t: Tuning, write_buffer_bytes: u64) -> Vec<(&'static str, String)> {
-    let k = t.l0_trigger as u64;
-    vec![
-        (
-            "max_bytes_for_level_multiplier",
-            format!("{}", t.size_ratio),
-        ),
-        ("level0_file_num_compaction_trigger", k.to_string()),
-        (
-            "level0_slowdown_writes_trigger",
-            (20.max(3 * k)).to_string(),
-        ),
-        ("level0_stop_writes_trigger", (36.max(4 * k)).to_string()),
-        (
-            "max_bytes_for_level_base",
-            (k * write_buffer_bytes).to_string(),
-        ),
-    ]
-}
-
-impl Inner {
-    /// Applies `t` to the `kv` family.
-    pub(crate) fn apply_tuning(&self, t: Tuning) -> Result<()> {
-        let opts = rocksdb_options(t, self.opts.index_write_buffer_bytes as u64);
-        let pairs: Vec<(&str, &str)> = opts.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        self.db
-            .set_options_cf(self.cf(CF_KV), &pairs)
-            .map_err(Error::index("set options"))
+    /// Tunings applied since open.
+    pub(crate) fn transitions(&self) -> u64 {
+        self.transitions.load(Ordering::Relaxed)
     }
+}
 
-    /// One evaluation; see the module documentation.
-    pub(crate) fn adapt_tick(&self) -> Result<()> {
-        let Some(o) = &self.opts.adaptive else {
-            return Ok(());
-        };
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+impl Controller {
+    /// One evaluation (see the module documentation): `totals` are the store's operation
+    /// counters now; `shape` gives the index's sizes, asked for only when the window holds
+    /// enough operations; `apply` sets a new tuning on the index.
+    pub(crate) fn tick(
+        &self,
+        o: &AdaptiveOptions,
+        totals: Mix,
+        shape: impl FnOnce() -> Result<Shape>,
+        apply: impl FnOnce(Tuning) -> Result<()>,
+    ) -> Result<()> {
         let now = Instant::now();
-        let totals = Mix {
-            puts: get(&c.blocks_written),
-            reads: get(&c.hits),
-            empty: get(&c.empty_probes) + get(&c.misses),
-        };
-        let mut s = self.adaptive.state.lock();
+        let mut s = self.state.lock();
         s.samples.push_back((now, totals));
         // Keep one sample at least `window` old as the baseline.
         while s
@@ -285,21 +256,7 @@ impl Inner {
             s.pending = None;
             return Ok(());
         }
-        let prop = |p: &str| -> Result<f64> {
-            Ok(self
-                .db
-                .property_int_value_cf(self.cf(CF_KV), p)
-                .map_err(Error::index("property"))?
-                .unwrap_or(0) as f64)
-        };
-        let keys = prop("rocksdb.estimate-num-keys")?.max(1.0);
-        let data =
-            prop("rocksdb.estimate-live-data-size")? + prop("rocksdb.cur-size-all-mem-tables")?;
-        let shape = Shape {
-            data_bytes: data.max(1.0),
-            entry_bytes: (data / keys).clamp(32.0, 4096.0),
-            write_buffer_bytes: self.opts.index_write_buffer_bytes as f64,
-        };
+        let shape = shape()?;
         let (cand, cand_cost) = best(o, &mix, &shape);
         let cur_cost = cost(o, &mix, &shape, s.current);
         if cand == s.current || cand_cost > cur_cost * (1.0 - o.hysteresis) {
@@ -314,11 +271,11 @@ impl Inner {
             s.pending = Some((cand, streak));
             return Ok(());
         }
-        self.apply_tuning(cand)?;
+        apply(cand)?;
         let from = s.current;
         s.current = cand;
         s.pending = None;
-        self.adaptive.transitions.fetch_add(1, Ordering::Relaxed);
+        self.transitions.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             ?from,
             to = ?cand,
@@ -376,6 +333,54 @@ mod tests {
     }
 
     #[test]
+    fn a_better_tuning_is_applied_only_after_confirmation() {
+        let o = AdaptiveOptions {
+            min_ops: 10,
+            confirm: 2,
+            hysteresis: 0.0,
+            ..AdaptiveOptions::default()
+        };
+        let c = Controller::default();
+        let applied = std::cell::RefCell::new(Vec::new());
+        let tick = |puts| {
+            let totals = Mix {
+                puts,
+                ..Mix::default()
+            };
+            c.tick(
+                &o,
+                totals,
+                || Ok(shape()),
+                |t| {
+                    applied.borrow_mut().push(t);
+                    Ok(())
+                },
+            )
+        };
+        // Too few operations: nothing evaluated.
+        tick(5).unwrap();
+        assert!(applied.borrow().is_empty());
+        // A write-heavy window: the first win is pending, the second applies it.
+        tick(10_000).unwrap();
+        assert!(applied.borrow().is_empty());
+        tick(20_000).unwrap();
+        let want = best(
+            &o,
+            &Mix {
+                puts: 1,
+                ..Mix::default()
+            },
+            &shape(),
+        )
+        .0;
+        assert_eq!(*applied.borrow(), vec![want]);
+        assert_eq!((c.current(), c.transitions()), (want, 1));
+        // The applied tuning is now current: no further transition for the same mix.
+        tick(30_000).unwrap();
+        assert_eq!(applied.borrow().len(), 1);
+    }
+
+    #[test]
     fn cost_grows_with_levels_for_puts() {
         let o = AdaptiveOptions::default();
         let puts = Mix {
@@ -388,20 +393,5 @@ mod tests {
         };
         let t = Tuning::DEFAULT;
         assert!(cost(&o, &puts, &small, t) < cost(&o, &puts, &shape(), t));
-    }
-
-    #[test]
-    fn stall_triggers_never_drop_below_the_defaults() {
-        let opts = rocksdb_options(
-            Tuning {
-                size_ratio: 4,
-                l0_trigger: 16,
-            },
-            1 << 20,
-        );
-        let get = |k: &str| opts.iter().find(|(n, _)| *n == k).unwrap().1.clone();
-        assert_eq!(get("level0_slowdown_writes_trigger"), "48");
-        assert_eq!(get("level0_stop_writes_trigger"), "64");
-        assert_eq!(get("max_bytes_for_level_base"), (16u64 << 20).to_string());
     }
 }

@@ -38,12 +38,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
-use rocksdb::WriteBatch;
 use schema::NamespaceId;
 
 use crate::error::{Error, Result};
 use crate::key;
-use crate::store::{Inner, Writer, CF_ACCESS};
 
 /// Which sequences go first when a group must shrink.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -396,189 +394,53 @@ pub struct EvictReport {
     pub bytes: u64,
 }
 
-impl Inner {
-    /// Record bytes held by the namespaces of `group`.
-    pub(crate) fn group_bytes(&self, w: &Writer, group: &str) -> u64 {
-        let meta = self.ns_meta.read();
-        w.ns_bytes
-            .iter()
-            .filter(|(ns, _)| meta.get(ns).is_some_and(|m| m.group == group))
-            .map(|(_, b)| *b)
-            .sum()
-    }
-
-    pub(crate) fn group_of(&self, ns: &NamespaceId) -> String {
-        self.ns_meta
-            .read()
-            .get(ns)
-            .map_or_else(|| self.opts.namespace_group.clone(), |m| m.group.clone())
-    }
-
-    /// Makes room for `incoming` record bytes in the group of `ns` before a write, per the
-    /// capacity options; `protect` are block keys of the write (never evicted by it). Called
-    /// with the writer lock held; commits its own index batch.
-    pub(crate) fn make_room(
+impl Access {
+    /// The resident sequences of the namespaces `in_group` accepts, in eviction order (first
+    /// to go first); with `sweep_only`, only those the policy's sweep rejects.
+    pub(crate) fn eviction_order(
         &self,
-        w: &mut Writer,
-        ns: &NamespaceId,
-        incoming: u64,
-        protect: &[&[u8]],
-    ) -> Result<()> {
-        let cap = &self.opts.capacity;
-        let Some(quota) = cap.quota_bytes else {
-            return Ok(());
-        };
-        if incoming == 0 {
-            return Ok(());
-        }
-        let group = self.group_of(ns);
-        let used = self.group_bytes(w, &group);
-        let high = (quota as f64 * cap.high_water) as u64;
-        if cap.on_full == OnFull::Evict && used + incoming > high {
-            let low = (quota as f64 * cap.low_water) as u64;
-            let target = low.saturating_sub(incoming);
-            let r = self.evict_locked(w, &group, target, protect, false)?;
-            if r.sequences > 0 {
-                tracing::debug!(group, ?r, "evicted at the high-water mark");
-            }
-        }
-        let used = self.group_bytes(w, &group);
-        if used + incoming > quota {
-            return Err(Error::QuotaExceeded {
-                group,
-                used,
-                quota,
-                needed: incoming,
-            });
-        }
-        Ok(())
-    }
-
-    /// Evicts resident sequences of `group` in policy order until it holds at most `target`
-    /// bytes (or, with `sweep_only`, every sequence the policy's sweep rejects). Commits.
-    pub(crate) fn evict_locked(
-        &self,
-        w: &mut Writer,
-        group: &str,
-        target: u64,
-        protect: &[&[u8]],
+        policy: &EvictionPolicy,
+        in_group: impl Fn(&NamespaceId) -> bool,
         sweep_only: bool,
-    ) -> Result<EvictReport> {
-        let now = crate::store::now_ms();
-        let policy = self.opts.capacity.policy;
-        let nss: Vec<NamespaceId> = self
-            .ns_meta
-            .read()
-            .iter()
-            .filter(|(_, m)| m.group == group)
-            .map(|(ns, _)| *ns)
-            .collect();
-        let mut access = self.access.lock();
-        let mut cands: Vec<(f64, Vec<u8>)> = access
+        now: u64,
+    ) -> Vec<Vec<u8>> {
+        let mut cands: Vec<(f64, &Vec<u8>)> = self
             .seqs
             .iter()
             .filter(|(k, s)| {
                 s.resident
-                    && key::namespace_of(k).is_some_and(|ns| nss.contains(&ns))
-                    && (!sweep_only || sweep_out(&policy, s, now))
+                    && key::namespace_of(k).is_some_and(|ns| in_group(&ns))
+                    && (!sweep_only || sweep_out(policy, s, now))
             })
-            .map(|(k, s)| (order(&policy, s, now), k.clone()))
+            .map(|(k, s)| (order(policy, s, now), k))
             .collect();
         cands.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let before = w.clone();
-        let mut batch = WriteBatch::default();
-        let mut report = EvictReport::default();
-        let mut done = crate::store::Deleted::default();
-        let mut del = crate::DeleteReport::default();
-        for (_, seq) in cands {
-            if !sweep_only && self.group_bytes(w, group) <= target {
-                break;
-            }
-            // Suffixes first: a sequence that a longer resident one extends waits for it.
-            if protect.iter().any(|p| p.starts_with(&seq)) || access.needed(&seq, &seq) {
-                continue;
-            }
-            // The shallowest ancestor that nothing else needs; everything below it goes.
-            let depth = key::depth_of(&seq);
-            let mut cut = None;
-            for d in (0..=depth).rev() {
-                let anc = &seq[..key::NS_LEN + key::BLOCK_HASH_LEN * (d + 1)];
-                if access.needed(anc, &seq) || protect.iter().any(|p| p.starts_with(anc)) {
-                    break;
-                }
-                cut = Some(anc.to_vec());
-            }
-            if let Some(anc) = cut {
-                self.delete_range(w, &mut batch, &anc, &mut done, &mut del)?;
-            }
-            if let Some(s) = access.seqs.get_mut(&seq) {
-                s.resident = false;
-            }
-            access.dirty.insert(seq.clone());
-            batch.put_cf(self.cf(CF_ACCESS), &seq, encode_access(&access.seqs[&seq]));
-            report.sequences += 1;
-        }
-        drop(access);
-        report.blocks = del.blocks;
-        report.bytes = del.bytes;
-        if report.sequences > 0 {
-            self.commit(w, before, batch, done.located)?;
-            crate::store::bump(&self.counters.evicted_sequences, report.sequences as u64);
-            crate::store::bump(&self.counters.evicted_bytes, report.bytes);
-        }
-        Ok(report)
+        cands.into_iter().map(|(_, k)| k.clone()).collect()
     }
 
-    /// Persists dirty access statistics in one batch.
-    pub(crate) fn flush_access(&self) -> Result<()> {
-        let batch = {
-            let mut a = self.access.lock();
-            if a.dirty.is_empty() {
-                return Ok(());
-            }
-            let mut batch = WriteBatch::default();
-            for k in std::mem::take(&mut a.dirty) {
-                if let Some(s) = a.seqs.get(&k) {
-                    batch.put_cf(self.cf(CF_ACCESS), &k, encode_access(s));
-                }
-            }
-            batch
-        };
-        // Statistics need no sync of their own: the next synced write or flush carries them.
-        let mut opts = rocksdb::WriteOptions::default();
-        opts.set_sync(false);
-        self.db
-            .write_opt(batch, &opts)
-            .map_err(Error::index("flush access statistics"))
+    /// What evicting sequence `seq` deletes: everything under its shallowest ancestor that no
+    /// other resident sequence and no block of the write in progress (`protect`) runs
+    /// through. `None` while it must wait: a longer resident sequence extends it (suffixes go
+    /// first), or the write uses it.
+    pub(crate) fn eviction_cut(&self, seq: &[u8], protect: &[&[u8]]) -> Option<Vec<u8>> {
+        if protect.iter().any(|p| p.starts_with(seq)) || self.needed(seq, seq) {
+            return None;
+        }
+        key::unneeded_ancestor(seq, |anc| {
+            Ok::<bool, std::convert::Infallible>(
+                self.needed(anc, seq) || protect.iter().any(|p| p.starts_with(anc)),
+            )
+        })
+        .unwrap_or_else(|never| match never {})
     }
 
-    /// The periodic capacity work: persist statistics; run the TTL / cost sweep.
-    pub(crate) fn capacity_tick(&self) -> Result<()> {
-        self.flush_access()?;
-        let policy = self.opts.capacity.policy;
-        if matches!(policy, EvictionPolicy::Lru | EvictionPolicy::Lfu) {
-            return Ok(());
-        }
-        let groups: BTreeSet<String> = self
-            .ns_meta
-            .read()
-            .values()
-            .map(|m| m.group.clone())
-            .collect();
-        for g in groups {
-            let mut w = self.writer.lock();
-            self.check_poisoned()?;
-            let r = self.evict_locked(&mut w, &g, 0, &[], true)?;
-            if r.sequences > 0 {
-                tracing::info!(
-                    group = g,
-                    policy = policy.name(),
-                    ?r,
-                    "sweep evicted sequences"
-                );
-            }
-        }
-        Ok(())
+    /// Marks `seq` evicted (its statistics stay, not resident) and returns its record.
+    pub(crate) fn evicted(&mut self, seq: &[u8]) -> Option<[u8; ACCESS_LEN]> {
+        let s = self.seqs.get_mut(seq)?;
+        s.resident = false;
+        let rec = encode_access(s);
+        self.dirty.insert(seq.to_vec());
+        Some(rec)
     }
 }
 
@@ -684,6 +546,61 @@ mod tests {
         assert!(!sweep_out(&cost, &big, 1000));
         assert!(sweep_out(&cost, &big, 2 * 86_400_000));
         assert!(m.net_per_s(&stat(1000, 0), 86_400_000) > 0.0);
+    }
+
+    /// Sequence keys as `key.rs` builds them: namespace, then one 8-byte hash per block.
+    fn seq(ns: u8, blocks: &[u8]) -> Vec<u8> {
+        let mut k = vec![ns; key::NS_LEN];
+        for b in blocks {
+            k.extend_from_slice(&[*b; key::BLOCK_HASH_LEN]);
+        }
+        k
+    }
+
+    #[test]
+    fn eviction_takes_suffixes_first_and_spares_the_write() {
+        let mut a = Access::default();
+        let (parent, child, other) = (seq(1, &[1]), seq(1, &[1, 2]), seq(1, &[3]));
+        for k in [&parent, &child, &other] {
+            a.stored(k, 128, 1000, 0);
+        }
+        // The child extends the parent: the parent waits; the child goes alone.
+        assert_eq!(a.eviction_cut(&parent, &[]), None);
+        assert_eq!(a.eviction_cut(&child, &[]), Some(seq(1, &[1, 2])));
+        // Once the child is evicted, the parent goes, down to its first block.
+        assert!(a.evicted(&child).is_some());
+        assert!(!a.seqs[&child].resident && a.dirty.contains(&child));
+        assert_eq!(a.eviction_cut(&parent, &[]), Some(parent.clone()));
+        // A block the write in progress uses is never cut.
+        assert_eq!(a.eviction_cut(&other, &[&other]), None);
+        let longer = seq(1, &[3, 4]);
+        assert_eq!(a.eviction_cut(&other, &[&longer]), None);
+    }
+
+    #[test]
+    fn eviction_order_follows_the_policy_within_the_group() {
+        let mut a = Access::default();
+        let (old, new, foreign) = (seq(1, &[1]), seq(1, &[2]), seq(2, &[3]));
+        a.stored(&old, 128, 1000, 10);
+        a.stored(&new, 128, 1000, 20);
+        a.stored(&foreign, 128, 1000, 0);
+        let in_group = |ns: &NamespaceId| ns.0 == [1; 16];
+        let lru = EvictionPolicy::Lru;
+        assert_eq!(
+            a.eviction_order(&lru, in_group, false, 30),
+            vec![old.clone(), new.clone()]
+        );
+        // LRU has no sweep; TTL sweeps only what outlived it.
+        assert!(a.eviction_order(&lru, in_group, true, 30).is_empty());
+        let ttl = EvictionPolicy::Ttl {
+            ttl: Duration::from_millis(15),
+        };
+        assert_eq!(
+            a.eviction_order(&ttl, in_group, true, 30),
+            vec![old.clone()]
+        );
+        a.evicted(&old);
+        assert_eq!(a.eviction_order(&lru, in_group, false, 30), vec![new]);
     }
 
     #[test]

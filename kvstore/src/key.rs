@@ -102,6 +102,24 @@ pub(crate) fn depth_of(key: &[u8]) -> usize {
     (key.len() - NS_LEN) / BLOCK_HASH_LEN - 1
 }
 
+/// The shallowest ancestor of sequence key `seq` (`seq` included) such that `needed` holds for
+/// none of the blocks from it down to `seq`: deleting everything under it drops `seq` and
+/// every block above it that nothing else needs. `None` when `seq`'s own block is needed.
+pub(crate) fn unneeded_ancestor<E>(
+    seq: &[u8],
+    mut needed: impl FnMut(&[u8]) -> Result<bool, E>,
+) -> Result<Option<Vec<u8>>, E> {
+    let mut cut = None;
+    for d in (0..=depth_of(seq)).rev() {
+        let anc = &seq[..NS_LEN + BLOCK_HASH_LEN * (d + 1)];
+        if needed(anc)? {
+            break;
+        }
+        cut = Some(anc.to_vec());
+    }
+    Ok(cut)
+}
+
 /// The smallest key greater than every key that starts with `prefix` (exclusive range end),
 /// or `None` when no such key exists (all bytes are 0xff).
 #[cfg(test)]
@@ -122,6 +140,22 @@ mod tests {
     use proptest::prelude::*;
 
     const NS: NamespaceId = NamespaceId([7u8; 16]);
+
+    #[test]
+    fn unneeded_ancestor_stops_below_the_first_needed_block() {
+        let toks: Vec<u32> = (0..12).collect();
+        let b = blocks(&NS, &toks, 4);
+        let seq = &b[2].key;
+        let never = |_: &[u8]| Ok::<bool, ()>(false);
+        assert_eq!(unneeded_ancestor(seq, never), Ok(Some(b[0].key.clone())));
+        let first_needed = |k: &[u8]| Ok::<bool, ()>(k == b[0].key.as_slice());
+        assert_eq!(
+            unneeded_ancestor(seq, first_needed),
+            Ok(Some(b[1].key.clone()))
+        );
+        let own_needed = |k: &[u8]| Ok::<bool, ()>(k == seq.as_slice());
+        assert_eq!(unneeded_ancestor(seq, own_needed), Ok(None));
+    }
 
     #[test]
     fn block_keys_extend_each_other() {

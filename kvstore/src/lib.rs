@@ -2,8 +2,10 @@
 //!
 //! Key-value separation in the manner of WiscKey: a RocksDB index maps block keys to small
 //! location records, and the KV tensors themselves live in append-only segment files (the
-//! tensor log). See `store.rs` for the index layout, `record.rs` for the on-disk record format,
-//! `key.rs` for the prefix-preserving key encoding and `merge.rs` for space reclamation.
+//! tensor log). See `store/mod.rs` for the data paths (one file each), `index.rs` for the
+//! index's families and records, `record.rs` for the on-disk record format, `key.rs` for the
+//! prefix-preserving key encoding, and `capacity.rs`, `merge.rs` and `adaptive.rs` for the
+//! policies of eviction, space reclamation and index tuning.
 //!
 //! ```no_run
 //! use kvstore::{PutItem, Store, StoreOptions};
@@ -26,6 +28,7 @@ mod capacity;
 mod codec;
 mod error;
 mod hot;
+mod index;
 mod key;
 mod locations;
 mod merge;
@@ -38,13 +41,13 @@ mod store;
 pub use adaptive::{AdaptiveOptions, Tuning};
 pub use capacity::{AccessInfo, CapacityOptions, CostModel, EvictReport, EvictionPolicy, OnFull};
 pub use error::{Error, Result};
+pub use index::{IndexIo, DEFAULT_GROUP};
 pub use merge::MergeReport;
 pub use options::{MergePolicy, StoreOptions, SyncPolicy};
 pub use presence::PresenceStats;
 pub use schema::{Codec, DType, KvLayout, NamespaceId};
 pub use store::{
-    DeleteReport, IndexIo, KvData, NamespaceStats, PutItem, PutReport, SeqState, Store,
-    VerifyReport, DEFAULT_GROUP,
+    DeleteReport, KvData, NamespaceStats, PutItem, PutReport, SeqState, Store, VerifyReport,
 };
 
 /// Space accounting of one segment file.
