@@ -6,6 +6,7 @@
 
 mod check;
 pub mod chunk;
+mod config;
 mod error;
 pub mod pipeline;
 pub mod progress;
@@ -15,10 +16,9 @@ pub mod source;
 
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
+pub use config::{IngestConfig, Materialize, RunOptions};
 pub use error::{Error, Result};
-pub use pipeline::{
-    kv_doc, kv_key, split_kv_doc, Engine, IngestConfig, Materialize, RunOptions, CHUNK_TEMPLATE,
-};
+pub use pipeline::{kv_doc, kv_key, split_kv_doc, Engine, CHUNK_TEMPLATE};
 pub use progress::{Counters, Progress, ProgressMode};
 pub use remat::{GcReport, Planned, Reason, RematOptions, RematReport, Scope};
 pub use report::{Failure, Report, StageTimes};

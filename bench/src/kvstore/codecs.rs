@@ -1,0 +1,162 @@
+//! The codec report: stored size and warm get bandwidth of each codec on real model KV (or a
+//! synthetic stand-in).
+
+use super::bandwidth::{scratch_store, SMOLLM2_F16};
+use super::*;
+
+/// Synthetic KV shaped like SmolLM2-135M's (30 layers, 3 KV heads, head dim 64) in f16: Gaussian
+/// values with a per-channel scale (keys have a few large channels, as real keys do). Used by
+/// `--codec-kv synthetic`; the default report uses a real model's KV ([`model_kv`]).
+pub(super) fn synthetic_kv(tokens: usize) -> (KvLayout, Vec<u8>) {
+    let l = SMOLLM2_F16;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+    let per_plane = l.plane_token_bytes() / 2;
+    let scales: Vec<f32> = (0..l.planes() * per_plane)
+        .map(|_| {
+            if rng.gen_bool(0.05) {
+                8.0
+            } else {
+                rng.gen_range(0.3..1.5)
+            }
+        })
+        .collect();
+    let mut out = Vec::with_capacity(l.bytes_for(tokens));
+    for p in 0..l.planes() {
+        for _ in 0..tokens {
+            for c in 0..per_plane {
+                // Box-Muller.
+                let (u1, u2): (f32, f32) = (rng.gen_range(1e-7..1.0), rng.gen());
+                let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                out.extend_from_slice(
+                    &half::f16::from_f32(z * scales[p * per_plane + c]).to_le_bytes(),
+                );
+            }
+        }
+    }
+    (l, out)
+}
+
+/// A token sequence and its KV bytes.
+pub(super) type TokensKv = (Vec<u32>, Vec<u8>);
+
+/// KV of a real model: SmolLM2-135M (or `--codec-model`) prefilled over the dataset's
+/// documents in chunks of [`CODEC_CHUNK_TOKENS`], each from position 0, exported in f16 (the
+/// dtype the store is meant to hold), until `tokens` tokens. Returns the layout and, per
+/// chunk, its tokens and KV bytes.
+pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<TokensKv>), Error> {
+    use crate::model::merr;
+    let path = args
+        .codec_model
+        .clone()
+        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let source = model::ModelSource::from_path(&path).map_err(merr)?;
+    let m = model::Model::load(&source, &model::LoadOptions::default()).map_err(merr)?;
+    let layout = KvLayout {
+        dtype: DType::F16,
+        ..m.kv_layout().map_err(merr)?
+    };
+    let dir = crate::dataset::resolve(args.dataset.as_deref())?;
+    let mut chunks = Vec::new();
+    let mut total = 0;
+    'docs: for doc in crate::dataset::documents(&dir, usize::MAX)? {
+        let ids = m.tokenizer().encode(&doc.text).map_err(merr)?;
+        for c in ids.chunks(CODEC_CHUNK_TOKENS) {
+            let n = c.len().min(tokens - total);
+            let (kv, _) = m.prefill(&c[..n], 0).map_err(merr)?;
+            let bytes = kv.to_bytes(model::DType::F16).map_err(merr)?;
+            chunks.push((c[..n].to_vec(), bytes));
+            total += n;
+            if total == tokens {
+                break 'docs;
+            }
+        }
+    }
+    eprintln!(
+        "  codecs: {total} tokens of {} KV in {} chunks",
+        path.display(),
+        chunks.len()
+    );
+    Ok((layout, chunks))
+}
+
+/// Stored size and warm get bandwidth of each codec, through the store's public API.
+pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
+    let tokens = args.codec_tokens;
+    let (l, items, base) = match args.codec_kv.as_str() {
+        "real" => {
+            let (l, items) = model_kv(args, tokens)?;
+            (l, items, "codec none (real model f16 KV of dataset text)")
+        }
+        "synthetic" => {
+            let (l, kv) = synthetic_kv(tokens);
+            let toks: Vec<u32> = (0..tokens as u32).collect();
+            (
+                l,
+                vec![(toks, kv)],
+                "codec none (synthetic gaussian f16 KV)",
+            )
+        }
+        other => {
+            return Err(Error::Invalid {
+                what: "--codec-kv",
+                why: format!("{other:?} is neither `real` nor `synthetic`"),
+            })
+        }
+    };
+    let raw: usize = items.iter().map(|(_, kv)| kv.len()).sum();
+    let puts: Vec<PutItem<'_>> = items
+        .iter()
+        .map(|(t, kv)| PutItem {
+            tokens: t,
+            kv,
+            doc: None,
+        })
+        .collect();
+    let mut figures = Vec::new();
+    for codec in schema::Codec::ALL {
+        let dir = root.join(format!("codec-{codec}"));
+        let store = scratch_store(&dir)?;
+        store.register_namespace(NS, l, codec)?;
+        store.put_batch(NS, l, &puts)?;
+        let stored = store.stats().live_bytes as f64;
+        let get_all = || -> Result<(), Error> {
+            for (t, kv) in &items {
+                let got = store.get_batch(NS, t, t.len())?;
+                if got.bytes.len() != kv.len() {
+                    return Err(Error::Check(format!("{codec}: short read")));
+                }
+                std::hint::black_box(got);
+            }
+            Ok(())
+        };
+        get_all()?; // warm
+        let t = Instant::now();
+        let reps = 5;
+        for _ in 0..reps {
+            get_all()?;
+        }
+        let gbps = (raw * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        drop(store);
+        remove(&dir)?;
+        figures.push((codec, raw as f64 / stored, gbps));
+    }
+    let (_, none_ratio, none_gbps) = figures[0];
+    let mut lines = Vec::new();
+    for (codec, ratio, gbps) in &figures[1..] {
+        lines.push(Line::higher(
+            &format!("kvstore.codec_ratio.{codec}"),
+            *ratio,
+            none_ratio,
+            "x smaller than raw",
+            base,
+        ));
+        lines.push(Line::higher(
+            &format!("kvstore.codec_get.{codec}"),
+            *gbps,
+            none_gbps,
+            "GB/s",
+            base,
+        ));
+    }
+    Ok(lines)
+}
