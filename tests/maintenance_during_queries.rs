@@ -11,21 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ingested_example, ragkv, start_server};
-
-fn json_out(cmd: &mut Command) -> serde_json::Value {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{:?}: {}",
-        cmd,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(&text)
-        .or_else(|_| serde_json::from_str(text.lines().last().unwrap_or_default()))
-        .unwrap_or_else(|e| panic!("{e}: {text}"))
-}
+use common::{ingested_example, json_out, ragkv, start_server};
 
 #[test]
 fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
