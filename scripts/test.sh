@@ -21,7 +21,9 @@ cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
 # The remote vector-index suite needs a Qdrant server; it is skipped (reported as ignored, with
 # the reason) unless QDRANT_URL names one.
 if [ -n "${QDRANT_URL:-}" ]; then
-  cargo test --locked -p ragkv-retrieval --test remote -- --ignored 2>&1 | tee -a "$log" || status=$?
+  # `--workspace`, not `-p`: a one-package build resolves features differently and would
+  # compile RocksDB's C++ again.
+  cargo test --workspace --locked --test remote -- --ignored 2>&1 | tee -a "$log" || status=$?
 fi
 # One closing line with the totals over every test binary (cargo prints one line per binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i) ~ /^passed/) p += $(i-1); if ($(i) ~ /^failed/) f += $(i-1); if ($(i) ~ /^ignored/) g += $(i-1) } }
