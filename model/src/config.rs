@@ -11,13 +11,31 @@ pub enum Arch {
     Llama,
     /// Qwen2 / Qwen2.5: attention biases on q, k, v.
     Qwen2,
+    /// Qwen3: RMSNorm over each query and key head before RoPE, no attention biases.
+    Qwen3,
+    /// Mistral: Llama's layer, with an optional sliding attention window.
+    Mistral,
 }
 
 impl Arch {
+    /// The HF `model_type` (and GGUF `general.architecture`, except Mistral, which GGUF
+    /// files describe as `llama`).
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Mistral => "mistral",
+        }
+    }
+
+    /// The HF `architectures` entry.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Mistral => "MistralForCausalLM",
         }
     }
 }
@@ -60,6 +78,11 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
     pub tie_embeddings: bool,
     pub attn_bias: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// A query attends to the `w` most recent positions only, itself included (Mistral
+    /// v0.1's 4096); `None`: the whole context.
+    pub sliding_window: Option<usize>,
     pub max_positions: usize,
 }
 
@@ -79,19 +102,28 @@ impl ModelConfig {
         if self.layers == 0 || self.hidden == 0 || self.vocab_size == 0 {
             return bad("empty model".into());
         }
+        if self.sliding_window == Some(0) {
+            return bad("sliding window of 0 positions".into());
+        }
         Ok(())
     }
 
-    /// A description of the position scheme, part of the KV namespace fingerprint.
+    /// A description of the position scheme (RoPE variant, scaling, attention window), part of
+    /// the KV namespace fingerprint. Models without a window keep the description they had
+    /// before windows existed.
     pub fn positions_fingerprint(&self) -> String {
-        format!(
+        let mut s = format!(
             "rope theta={} style={:?} scaling={:?} factors={:?} head_dim={}",
             self.rope_theta,
             self.rope_style,
             self.rope_scaling,
             self.rope_freq_factors,
             self.head_dim
-        )
+        );
+        if let Some(w) = self.sliding_window {
+            s.push_str(&format!(" window={w}"));
+        }
+        s
     }
 }
 
@@ -121,11 +153,17 @@ pub(crate) struct HfConfig {
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2/Qwen3 ship a `sliding_window` they do not use unless this is set.
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct HfRopeScaling {
-    #[serde(default)]
+    /// `type` in older configs.
+    #[serde(default, alias = "type")]
     pub rope_type: Option<String>,
     #[serde(default)]
     pub factor: Option<f64>,
@@ -151,14 +189,26 @@ impl HfConfig {
     pub fn resolve(self) -> Result<ModelConfig> {
         let arch = match self.model_type.as_deref() {
             Some("qwen2") => Arch::Qwen2,
-            Some("llama") | Some("mistral") | None => Arch::Llama,
+            Some("qwen3") => Arch::Qwen3,
+            Some("mistral") => Arch::Mistral,
+            Some("llama") | None => Arch::Llama,
             Some(other) => {
                 return Err(Error::Unsupported {
-                    what: format!("model_type {other:?} (supported: llama, qwen2)"),
+                    what: format!("model_type {other:?} (supported: llama, mistral, qwen2, qwen3)"),
                 })
             }
         };
+        let sliding_window = match arch {
+            Arch::Mistral => self.sliding_window,
+            Arch::Qwen2 | Arch::Qwen3 if self.use_sliding_window == Some(true) => {
+                return Err(Error::Unsupported {
+                    what: format!("{} with use_sliding_window", arch.name()),
+                })
+            }
+            _ => None,
+        };
         let rope_scaling = match &self.rope_scaling {
+            Some(s) if matches!(s.rope_type.as_deref(), Some("default") | None) => None,
             Some(s) if s.rope_type.as_deref() == Some("llama3") => Some(RopeScaling {
                 factor: s.factor.unwrap_or(8.0),
                 low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
@@ -192,6 +242,8 @@ impl HfConfig {
             rope_style: RopeStyle::Half,
             tie_embeddings: self.tie_word_embeddings,
             attn_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            qk_norm: arch == Arch::Qwen3,
+            sliding_window,
             max_positions: self.max_position_embeddings,
         };
         cfg.validate()?;

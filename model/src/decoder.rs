@@ -1,4 +1,6 @@
-//! The transformer: one implementation for the Llama and Qwen2 families.
+//! The transformer: one implementation for the Llama (Llama 2/3.x, SmolLM2), Mistral, Qwen2
+//! and Qwen3 families; their differences are flags in [`ModelConfig`] (attention biases,
+//! per-head q/k norms, RoPE layout and scaling, sliding window).
 //!
 //! Weights are immutable; per-sequence state lives in a [`KvCache`] the caller owns, so one
 //! model serves many sequences and a cache can be filled from stored KV.
@@ -19,6 +21,9 @@ struct Layer {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Per-head RMSNorm weights of queries and keys (Qwen3).
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
     ffn_norm: Tensor,
     gate: Linear,
     up: Linear,
@@ -63,6 +68,21 @@ fn linear(w: &Weights, name: &str, bias: bool, shape: (usize, usize)) -> Result<
     Ok(Linear::new(weight, b))
 }
 
+/// A per-head norm's weight: required (of `dim` values) when `wanted`, absent otherwise.
+fn norm(w: &Weights, name: &str, wanted: bool, dim: usize) -> Result<Option<Tensor>> {
+    if !wanted {
+        return Ok(None);
+    }
+    let t = w.get(name)?.clone();
+    if t.dims() != [dim] {
+        return Err(Error::Weight {
+            name: name.into(),
+            why: format!("shape {:?}, expected [{dim}]", t.dims()),
+        });
+    }
+    Ok(Some(t))
+}
+
 impl Decoder {
     pub(crate) fn new(
         cfg: ModelConfig,
@@ -96,6 +116,8 @@ impl Decoder {
                     (kv * hd, h),
                 )?,
                 o: linear(w, &format!("{p}.self_attn.o_proj"), false, (h, q_out))?,
+                q_norm: norm(w, &format!("{p}.self_attn.q_norm.weight"), cfg.qk_norm, hd)?,
+                k_norm: norm(w, &format!("{p}.self_attn.k_norm.weight"), cfg.qk_norm, hd)?,
                 ffn_norm: w
                     .get(&format!("{p}.post_attention_layernorm.weight"))?
                     .clone(),
@@ -179,7 +201,8 @@ impl Decoder {
             .index_select(&ids, 0)
             .and_then(|t| t.unsqueeze(0))
             .ctx("embed")?;
-        let mask = if s > 1 {
+        let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
+        let mask = if s > 1 || windowed {
             Some(self.mask(s, past + s)?)
         } else {
             None
@@ -206,23 +229,36 @@ impl Decoder {
         }
     }
 
-    /// Causal mask `(s, t)`: query `i` (at cache index `t - s + i`) sees keys `0..=t - s + i`.
-    fn mask(&self, s: usize, t: usize) -> Result<Tensor> {
-        let past = t - s;
-        let m: Vec<f32> = (0..s)
-            .flat_map(|i| {
-                (0..t).map(move |j| {
-                    if j <= past + i {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
+    /// Whether the query at cache index `q` sees the key at `k`: causal, and within the
+    /// sliding window if the model has one (HF's rule: `q - k < window`).
+    fn visible(&self, q: usize, k: usize) -> bool {
+        k <= q && self.cfg.sliding_window.is_none_or(|w| q - k < w)
+    }
+
+    /// Additive mask `(queries.len(), t)` for queries at the given cache indices over keys
+    /// `0..t`.
+    fn mask_at(&self, queries: impl Iterator<Item = usize>, t: usize) -> Result<Tensor> {
+        let mut m = Vec::new();
+        let mut s = 0;
+        for q in queries {
+            s += 1;
+            m.extend((0..t).map(|k| {
+                if self.visible(q, k) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+        }
         Tensor::from_vec(m, (s, t), &self.device)
             .and_then(|m| m.to_dtype(self.dtype))
             .ctx("mask")
+    }
+
+    /// Causal mask `(s, t)`: query `i` (at cache index `t - s + i`) sees keys `0..=t - s + i`
+    /// (within the sliding window).
+    fn mask(&self, s: usize, t: usize) -> Result<Tensor> {
+        self.mask_at((t - s)..t, t)
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -251,14 +287,18 @@ impl Decoder {
             .q
             .forward(h)
             .and_then(|t| t.reshape((b, s, nh, hd)))
-            .and_then(|t| t.transpose(1, 2))
             .ctx("q")?;
         let k = layer
             .k
             .forward(h)
             .and_then(|t| t.reshape((b, s, nkv, hd)))
-            .and_then(|t| t.transpose(1, 2))
             .ctx("k")?;
+        let (q, k) = match (&layer.q_norm, &layer.k_norm) {
+            (Some(qn), Some(kn)) => (self.rms(&q, qn)?, self.rms(&k, kn)?),
+            _ => (q, k),
+        };
+        let q = q.transpose(1, 2).ctx("q")?;
+        let k = k.transpose(1, 2).ctx("k")?;
         let v = layer
             .v
             .forward(h)
@@ -438,13 +478,8 @@ impl Decoder {
         }
         let replaced = Tensor::from_vec(replaced, (1, 1, n, 1), &self.device).ctx("row mask")?;
         // Query j (at position p_j) sees keys 0..=p_j.
-        let mask: Vec<f32> = positions
-            .iter()
-            .flat_map(|&p| (0..n).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (r, n), &self.device)
-            .and_then(|t| t.to_dtype(self.dtype))
-            .ctx("mask")?;
+        let mask = self.mask_at(positions.iter().copied(), n)?;
+        debug_assert_eq!(mask.dims(), [r, n]);
         let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
             let rows = rows.contiguous().ctx("rows")?;
             let scattered = base

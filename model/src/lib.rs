@@ -21,6 +21,7 @@ mod error;
 mod generate;
 mod kv;
 mod rope;
+pub mod synthetic;
 mod template;
 mod tokenizer;
 mod weights;
@@ -34,7 +35,7 @@ pub use decoder::{Decoder, Logits};
 pub use error::{Error, Result};
 pub use generate::{generate, FinishReason, GenerateParams, Generation, Sampler};
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
-pub use template::{chatml, Message};
+pub use template::{chatml, Message, Piece, RagPrompt};
 pub use tokenizer::{TokenStream, Tokenizer};
 pub use weights::ModelSource;
 
@@ -127,6 +128,8 @@ pub struct Model {
     tokenizer: Tokenizer,
     weights: weights::Weights,
     weights_hash: String,
+    /// The file or directory name, for messages.
+    name: String,
 }
 
 impl Model {
@@ -144,6 +147,7 @@ impl Model {
             }
         };
         let weights_hash = weights::content_hash(source)?;
+        let name = source.name();
         let decoder = Decoder::new(cfg, &weights, opts.dtype, &opts.device)?;
         tracing::info!(arch = decoder.config().arch.name(), layers = decoder.config().layers, elapsed = ?t.elapsed(), "model loaded");
         Ok(Model {
@@ -151,7 +155,13 @@ impl Model {
             tokenizer,
             weights,
             weights_hash,
+            name,
         })
+    }
+
+    /// The model's file or directory name.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -231,17 +241,43 @@ impl Model {
         self.decoder.new_cache(capacity)
     }
 
-    /// Tokenizes a chat through the model's template (ChatML if it has none).
-    pub fn chat_tokens(&self, messages: &[Message]) -> Result<Vec<u32>> {
+    /// The spellings of the BOS and first EOS tokens, as templates see them.
+    fn bos_eos(&self) -> (String, String) {
         let t = &self.tokenizer;
         let name = |id: Option<u32>| id.and_then(|i| t.id_to_token(i)).unwrap_or_default();
-        let text = template::render(
-            t.chat_template.as_deref(),
+        (name(t.bos), name(t.eos.first().copied()))
+    }
+
+    /// Tokenizes a chat through the model's template (ChatML if it has none). Message
+    /// contents are plain text: only the template's markup produces control tokens.
+    pub fn chat_tokens(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let (bos, eos) = self.bos_eos();
+        let pieces = template::chat_pieces(
+            self.tokenizer.chat_template.as_deref(),
             messages,
-            &name(t.bos),
-            &name(t.eos.first().copied()),
-        )?;
-        let mut ids = t.encode(&text)?;
+            &bos,
+            &eos,
+        );
+        self.prompt_tokens(&pieces)
+    }
+
+    /// Where the model's chat template puts a RAG prompt's system prompt, context and
+    /// question; an error naming the model if it cannot be split around the context.
+    pub fn rag_prompt(&self) -> Result<RagPrompt> {
+        let (bos, eos) = self.bos_eos();
+        RagPrompt::new(
+            self.tokenizer.chat_template.as_deref(),
+            &bos,
+            &eos,
+            &self.name,
+        )
+    }
+
+    /// Tokenizes the start of a prompt (markup and outside text), with the BOS token the
+    /// model expects in front if the markup did not spell it.
+    pub fn prompt_tokens(&self, pieces: &[Piece]) -> Result<Vec<u32>> {
+        let t = &self.tokenizer;
+        let mut ids = t.encode_pieces(pieces)?;
         if t.add_bos {
             if let Some(bos) = t.bos {
                 if ids.first() != Some(&bos) {
@@ -286,7 +322,7 @@ impl Model {
             .ctx("writing safetensors")?;
         let config = serde_json::json!({
             "model_type": c.arch.name(),
-            "architectures": [if c.arch == Arch::Qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+            "architectures": [c.arch.hf_class()],
             "vocab_size": c.vocab_size,
             "hidden_size": c.hidden,
             "intermediate_size": c.intermediate,
@@ -299,6 +335,14 @@ impl Model {
             "tie_word_embeddings": c.tie_embeddings,
             "max_position_embeddings": c.max_positions,
             "attention_bias": c.attn_bias,
+            "sliding_window": c.sliding_window,
+            "rope_scaling": c.rope_scaling.map(|r| serde_json::json!({
+                "rope_type": "llama3",
+                "factor": r.factor,
+                "low_freq_factor": r.low_freq_factor,
+                "high_freq_factor": r.high_freq_factor,
+                "original_max_position_embeddings": r.original_max_position_embeddings,
+            })),
             "bos_token_id": self.tokenizer.bos,
             "eos_token_id": self.tokenizer.eos.first(),
         });

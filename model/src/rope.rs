@@ -137,6 +137,8 @@ mod tests {
             rope_style: RopeStyle::Half,
             tie_embeddings: true,
             attn_bias: false,
+            qk_norm: false,
+            sliding_window: None,
             max_positions: 8192,
         }
     }

@@ -1,5 +1,11 @@
 //! Tokenizers: from `tokenizer.json`, or built from GGUF metadata (vocabulary, merges,
 //! pre-tokenizer kind, special tokens), plus incremental detokenization for streaming.
+//!
+//! Text from outside is always plain text: [`Tokenizer::encode`] never turns a special
+//! token's spelling (`<|im_start|>`) into its control id. Only a chat template's own markup
+//! does, through [`Tokenizer::encode_pieces`]. A prompt tokenized in pieces gets the same ids
+//! as the whole string tokenized with special tokens recognized, as long as its text holds no
+//! special-token spelling: special tokens cut the text the same way in both.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,6 +20,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{Error, Result};
+use crate::template::Piece;
 use crate::weights::GgufMeta;
 
 /// GPT-2's pre-tokenizer pattern.
@@ -24,10 +31,19 @@ const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]
 /// Llama 3's pattern (llama.cpp `LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
 const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mixed into [`Tokenizer::hash`]: how outside text is tokenized (special tokens as plain
+/// text since this version), which changes chunk tokens and so the KV namespace.
+const ENCODING: &[u8] = b"ragkv encoding 2: outside text never spells special tokens";
+
 /// A tokenizer with the special tokens generation needs.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
+    /// Recognizes special tokens (template markup).
     inner: tokenizers::Tokenizer,
+    /// The same, with special tokens treated as plain text (outside text).
+    plain: tokenizers::Tokenizer,
+    /// Special tokens by spelling, longest first (leftmost-longest matching in markup).
+    specials: Vec<(String, u32)>,
     /// Prepended to prompts when the model expects it.
     pub bos: Option<u32>,
     /// Generation stops at any of these.
@@ -44,10 +60,93 @@ fn tk_err(e: impl std::fmt::Display) -> Error {
 }
 
 impl Tokenizer {
-    /// Encodes `text`; special-token markup in the text (`<|im_start|>`) is recognized.
+    fn new(inner: tokenizers::Tokenizer, hash: blake3::Hasher) -> Tokenizer {
+        let mut hash = hash;
+        hash.update(ENCODING);
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let mut specials: Vec<(String, u32)> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        Tokenizer {
+            inner,
+            plain,
+            specials,
+            bos: None,
+            eos: Vec::new(),
+            add_bos: false,
+            chat_template: None,
+            hash: hash.finalize().to_hex().to_string(),
+        }
+    }
+
+    /// Encodes text from outside (a document, a question, a message): special-token
+    /// spellings in it stay plain text and never become control tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(tk_err)?;
+        let enc = self.plain.encode(text, false).map_err(tk_err)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes trusted markup (a chat template's rendering): special-token spellings become
+    /// control tokens.
+    pub fn encode_markup(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_pieces(&[Piece::Markup(text.into())])
+    }
+
+    /// Encodes a prompt made of template markup and outside text: only special-token
+    /// spellings inside [`Piece::Markup`] become control tokens. Text between control tokens
+    /// is encoded as one string, across piece boundaries, so the ids equal those of the whole
+    /// prompt tokenized with special tokens recognized whenever the outside text spells none.
+    pub fn encode_pieces(&self, pieces: &[Piece]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut run = String::new();
+        let flush = |run: &mut String, ids: &mut Vec<u32>| -> Result<()> {
+            if !run.is_empty() {
+                ids.extend(self.encode(run)?);
+                run.clear();
+            }
+            Ok(())
+        };
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => run.push_str(t),
+                Piece::Markup(m) => {
+                    let mut rest = m.as_str();
+                    while let Some((at, text, id)) = self.next_special(rest) {
+                        run.push_str(&rest[..at]);
+                        flush(&mut run, &mut ids)?;
+                        ids.push(id);
+                        rest = &rest[at + text.len()..];
+                    }
+                    run.push_str(rest);
+                }
+            }
+        }
+        flush(&mut run, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// The leftmost special token in `s` (the longest at that place): offset, spelling, id.
+    fn next_special<'s>(&'s self, s: &str) -> Option<(usize, &'s str, u32)> {
+        let mut best: Option<(usize, &str, u32)> = None;
+        for (text, id) in &self.specials {
+            if let Some(at) = s.find(text.as_str()) {
+                // Longest first: an equal offset keeps the longer one found before.
+                if best.is_none_or(|(b, _, _)| at < b) {
+                    best = Some((at, text, *id));
+                }
+            }
+        }
+        best
+    }
+
+    /// Whether `id` is a special (control) token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.specials.iter().any(|(_, i)| *i == id)
     }
 
     /// Decodes ids, keeping special tokens out of the text.
@@ -78,14 +177,9 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
             why: format!("{}: {e}", path.display()),
         })?;
-        let mut tok = Tokenizer {
-            inner,
-            bos: None,
-            eos: Vec::new(),
-            add_bos: false,
-            chat_template: None,
-            hash: blake3::hash(&bytes).to_hex().to_string(),
-        };
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&bytes);
+        let mut tok = Tokenizer::new(inner, hasher);
         let cfg_path = dir.join("tokenizer_config.json");
         if cfg_path.exists() {
             let cfg: serde_json::Value = serde_json::from_slice(&fs_err::read(&cfg_path)?)
@@ -113,8 +207,39 @@ impl Tokenizer {
                 .and_then(|v| v.as_str())
                 .map(String::from);
         }
+        for name in ["generation_config.json", "config.json"] {
+            tok.add_stops_from_config(&dir.join(name))?;
+        }
         tok.add_default_stops();
         Ok(tok)
+    }
+
+    /// `eos_token_id` (one id or a list) of an HF `config.json` / `generation_config.json`.
+    fn add_stops_from_config(&mut self, path: &Path) -> Result<()> {
+        if !path.exists() {
+            return Ok(());
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&fs_err::read(path)?).map_err(|e| Error::Tokenizer {
+                why: format!("{}: {e}", path.display()),
+            })?;
+        let ids: Vec<u32> = match v.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().into_iter().map(|x| x as u32).collect()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
+            _ => Vec::new(),
+        };
+        for id in ids {
+            if !self.eos.contains(&id) {
+                self.eos.push(id);
+            }
+        }
+        Ok(())
     }
 
     /// The tokenizer of a model, without loading its weights (GGUF: metadata only).
@@ -246,24 +371,35 @@ impl Tokenizer {
         inner.add_special_tokens(specials).map_err(tk_err)?;
 
         let id = |k: &str| meta.usize(k).ok().map(|x| x as u32);
-        let add_bos = matches!(
+        let mut tok = Tokenizer::new(inner, hasher);
+        tok.bos = id("tokenizer.ggml.bos_token_id");
+        tok.eos = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
+            if !tok.eos.contains(&eot) {
+                tok.eos.push(eot);
+            }
+        }
+        tok.add_bos = matches!(
             meta.get("tokenizer.ggml.add_bos_token"),
             Some(Value::Bool(true))
         );
-        let mut tok = Tokenizer {
-            inner,
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
-            add_bos,
-            chat_template: meta.str("tokenizer.chat_template").ok().map(String::from),
-            hash: hasher.finalize().to_hex().to_string(),
-        };
+        tok.chat_template = meta.str("tokenizer.chat_template").ok().map(String::from);
         tok.add_default_stops();
         Ok(tok)
     }
 
-    /// Chat models end turns with these even when the metadata names another EOS.
+    /// Chat models end turns with these even when the metadata names another EOS; and the
+    /// chat template's own end of turn (the first special token after an assistant's answer).
     fn add_default_stops(&mut self) {
+        let name = |id: Option<u32>| id.and_then(|i| self.id_to_token(i)).unwrap_or_default();
+        let (bos, eos) = (name(self.bos), name(self.eos.first().copied()));
+        if let Some(end) = crate::template::turn_end(self.chat_template.as_deref(), &bos, &eos) {
+            if let Some((at, _, id)) = self.next_special(&end) {
+                if end[..at].trim().is_empty() && !self.eos.contains(&id) {
+                    self.eos.push(id);
+                }
+            }
+        }
         for t in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"] {
             if let Some(id) = self.inner.token_to_id(t) {
                 if !self.eos.contains(&id) {

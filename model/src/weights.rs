@@ -25,6 +25,16 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
+    /// The file or directory name (for messages).
+    pub fn name(&self) -> String {
+        let p = match self {
+            ModelSource::Gguf(p) | ModelSource::HfDir(p) => p,
+        };
+        p.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| p.display().to_string())
+    }
+
     /// A `.gguf` path or a directory.
     pub fn from_path(path: impl AsRef<Path>) -> Result<ModelSource> {
         let path = path.as_ref();
@@ -173,12 +183,15 @@ pub(crate) fn load_gguf(
     })?;
     let meta = GgufMeta(&content.metadata);
     let arch_name = meta.str("general.architecture")?.to_string();
+    // llama.cpp's converter writes Mistral (v0.1-v0.3, Nemo) as `llama`; the sliding window
+    // of v0.1 is not in its metadata (llama.cpp attends to the whole context).
     let arch = match arch_name.as_str() {
         "llama" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
+        "qwen3" => Arch::Qwen3,
         other => {
             return Err(Error::Unsupported {
-                what: format!("GGUF architecture {other:?} (supported: llama, qwen2)"),
+                what: format!("GGUF architecture {other:?} (supported: llama, qwen2, qwen3)"),
             })
         }
     };
@@ -195,7 +208,8 @@ pub(crate) fn load_gguf(
         heads,
         kv_heads: meta.usize(&k("attention.head_count_kv")).unwrap_or(heads),
         head_dim: meta
-            .usize(&k("rope.dimension_count"))
+            .usize(&k("attention.key_length"))
+            .or_else(|_| meta.usize(&k("rope.dimension_count")))
             .unwrap_or(hidden / heads),
         rms_eps: meta.f64(&k("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.f64(&k("rope.freq_base")).unwrap_or(10_000.0),
@@ -208,6 +222,10 @@ pub(crate) fn load_gguf(
         },
         tie_embeddings: !content.tensor_infos.contains_key("output.weight"),
         attn_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        qk_norm: content
+            .tensor_infos
+            .contains_key("blk.0.attn_q_norm.weight"),
+        sliding_window: None,
         max_positions: meta.usize(&k("context_length")).unwrap_or(4096),
     };
     let mut cfg = cfg;
@@ -272,6 +290,8 @@ fn hf_name(gguf: &str) -> Option<String> {
         "attn_k.bias" => "self_attn.k_proj.bias",
         "attn_v.bias" => "self_attn.v_proj.bias",
         "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",

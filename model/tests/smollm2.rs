@@ -325,7 +325,7 @@ fn blend_recomputes_toward_full_prefill() {
     let m = smollm();
     let t = m.tokenizer();
     let prefix = t
-        .encode("<|im_start|>system\nBe brief.<|im_end|>\n")
+        .encode_markup("<|im_start|>system\nBe brief.<|im_end|>\n")
         .unwrap();
     let a = t.encode(CHUNK).unwrap();
     let b = t

@@ -158,10 +158,12 @@ struct Writeback {
     bytes: Vec<u8>,
 }
 
-/// The system prompt's KV, computed once.
+/// The system prompt's KV, computed once, and where the model's chat template puts the
+/// question.
 struct Prefix {
     tokens: Vec<u32>,
     kv: Kv,
+    prompt: model::RagPrompt,
 }
 
 /// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
@@ -183,35 +185,23 @@ impl std::fmt::Debug for Rag {
     }
 }
 
-/// ChatML markup around the context (SmolLM2 and Qwen2.5 both use ChatML).
-fn prefix_text(system: &str) -> String {
-    format!("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nContext:\n")
-}
-
-fn suffix_text(question: &str) -> String {
-    format!("\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
-}
-
 impl Rag {
     /// Starts the loader, model and write-back threads.
     pub fn start(engine: Arc<Engine>, config: ServeConfig) -> Result<Arc<Rag>, String> {
         config.validate()?;
-        let tok = engine.model.tokenizer();
-        if tok.token_to_id("<|im_start|>").is_none() {
-            return Err(
-                "the model's tokenizer has no <|im_start|> token: the server assembles \
-                        prompts with ChatML markup (SmolLM2, Qwen2.5)"
-                    .into(),
-            );
-        }
-        let tokens = tok
-            .encode(&prefix_text(&config.system_prompt))
+        // The prompt follows the model's own chat template (ChatML without one); the system
+        // prompt is configuration, the question outside text: neither can spell control
+        // tokens.
+        let prompt = engine.model.rag_prompt().map_err(|e| e.to_string())?;
+        let tokens = engine
+            .model
+            .prompt_tokens(&prompt.prefix(&config.system_prompt))
             .map_err(|e| e.to_string())?;
         let (kv, _) = engine
             .model
             .prefill(&tokens, 0)
             .map_err(|e| e.to_string())?;
-        let prefix = Arc::new(Prefix { tokens, kv });
+        let prefix = Arc::new(Prefix { tokens, kv, prompt });
         let metrics = Arc::new(Metrics::default());
         let (load_tx, load_rx) = bounded::<LoadJob>(config.max_inflight);
         // One loaded query waits while another computes: the loader runs one ahead.
@@ -532,7 +522,7 @@ fn answer(
     m.kv_misses.fetch_add(misses as u64, Ordering::Relaxed);
     let mut question = model
         .tokenizer()
-        .encode(&suffix_text(&query.question))
+        .encode_pieces(&prefix.prompt.question(&query.question))
         .map_err(s)?;
     let prompt_tokens = context.len() + question.len();
     let (all, recomputed) = if full {

@@ -37,7 +37,7 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     let m = common::model();
     let t = m.tokenizer();
     let prefix = t
-        .encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
+        .encode_markup("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
         .unwrap();
     let a = t
         .encode("The access code for the Orion vault is 4817.\n")

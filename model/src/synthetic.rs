@@ -1,0 +1,507 @@
+//! Tiny models with random weights, written by the code that uses them: one GGUF file and one
+//! HF directory (`config.json`, `model.safetensors`, tokenizer files) from the same weights.
+//!
+//! They let tests check each architecture against a reference implementation, and the
+//! server's prompt handling against each family's chat template, without downloading a
+//! model. The vocabulary is byte-level BPE: the 256 byte symbols, a few merges, then the
+//! family's special tokens.
+//!
+//! | family  | GGUF `general.architecture` | RoPE in GGUF       | extra                          |
+//! |---------|-----------------------------|--------------------|--------------------------------|
+//! | Llama   | `llama`                     | q/k rows permuted  | Llama 3: `rope_freqs.weight`   |
+//! | Mistral | `llama`                     | q/k rows permuted  | HF: `sliding_window`           |
+//! | Qwen2   | `qwen2`                     | half split         | q/k/v biases                   |
+//! | Qwen3   | `qwen3`                     | half split         | per-head q/k norms             |
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+
+use crate::config::Arch;
+use crate::error::{Ctx, Error, Result};
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct SyntheticSpec {
+    pub arch: Arch,
+    /// Llama 3 RoPE scaling (HF `rope_scaling`, GGUF `rope_freqs.weight`); Llama only.
+    pub llama3_scaling: bool,
+    /// Mistral's attention window (HF only: GGUF files do not carry it).
+    pub sliding_window: Option<usize>,
+    /// The chat template; `None`: the family's usual one.
+    pub chat_template: Option<String>,
+    /// Weights such that every step's most likely token is the end of turn: the answer ends
+    /// at once, whatever the prompt (for tests of stop handling).
+    pub ends_turn_at_once: bool,
+    /// More control tokens (e.g. a custom template's end of turn).
+    pub extra_specials: Vec<String>,
+    pub seed: u64,
+}
+
+impl SyntheticSpec {
+    pub fn new(arch: Arch) -> SyntheticSpec {
+        SyntheticSpec {
+            arch,
+            llama3_scaling: false,
+            sliding_window: None,
+            chat_template: None,
+            ends_turn_at_once: false,
+            extra_specials: Vec::new(),
+            seed: 7,
+        }
+    }
+}
+
+/// Where it was written.
+#[derive(Debug, Clone)]
+pub struct Synthetic {
+    pub gguf: PathBuf,
+    pub hf_dir: PathBuf,
+}
+
+/// The family's special tokens (the first is BOS, the second EOS, the third ends a turn),
+/// its GGUF pre-tokenizer name and its chat template.
+fn family(arch: Arch) -> (&'static [&'static str], &'static str, &'static str) {
+    match arch {
+        Arch::Llama => (
+            &[
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|eot_id|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+            ],
+            "llama-bpe",
+            LLAMA3_TEMPLATE,
+        ),
+        Arch::Mistral => (
+            &["<s>", "</s>", "</s>", "[INST]", "[/INST]"],
+            "gpt2",
+            MISTRAL_TEMPLATE,
+        ),
+        Arch::Qwen2 | Arch::Qwen3 => (
+            &[
+                "<|endoftext|>",
+                "<|endoftext|>",
+                "<|im_end|>",
+                "<|im_start|>",
+            ],
+            "qwen2",
+            CHATML_TEMPLATE,
+        ),
+    }
+}
+
+/// Llama 3.1's template, shortened (no tools): BOS, header ids, `<|eot_id|>`.
+const LLAMA3_TEMPLATE: &str = "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
+/// Mistral Instruct v0.3's template, shortened: the system prompt goes into the last user turn.
+const MISTRAL_TEMPLATE: &str = "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}{%- endif %}{%- endfor %}";
+/// ChatML, as Qwen2.5 and Qwen3 write it (without tools or thinking).
+const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// GPT-2's byte-to-symbol table: the symbol each byte value gets in a byte-level vocabulary.
+fn byte_symbols() -> Vec<char> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut n = 0;
+    (0u32..256)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).expect("latin-1")
+            } else {
+                n += 1;
+                char::from_u32(255 + n).expect("shifted")
+            }
+        })
+        .collect()
+}
+
+const HIDDEN_HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const LAYERS: usize = 2;
+const INTERMEDIATE: usize = 96;
+const MAX_POSITIONS: usize = 512;
+const RMS_EPS: f64 = 1e-5;
+
+/// Writes the model into `dir` (`model.gguf` and `hf/`).
+pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
+    let arch = spec.arch;
+    let (specials, pre, default_template) = family(arch);
+    let template = spec
+        .chat_template
+        .clone()
+        .unwrap_or_else(|| default_template.to_string());
+    // Qwen3's head dim is not hidden / heads; the others' is.
+    let head_dim = 16;
+    let hidden = if arch == Arch::Qwen3 {
+        48
+    } else {
+        HIDDEN_HEADS * head_dim
+    };
+    let theta: f64 = match arch {
+        Arch::Llama => 500_000.0,
+        Arch::Qwen2 | Arch::Qwen3 => 1_000_000.0,
+        Arch::Mistral => 10_000.0,
+    };
+
+    // Vocabulary: bytes, merges, specials.
+    let symbols = byte_symbols();
+    let mut tokens: Vec<String> = symbols.iter().map(|c| c.to_string()).collect();
+    let space = symbols[b' ' as usize];
+    let merges: Vec<String> = vec![
+        format!("{space} t"),
+        "h e".into(),
+        format!("{space}t he"),
+        "i n".into(),
+    ];
+    for m in &merges {
+        tokens.push(m.replace(' ', ""));
+    }
+    let first_special = tokens.len();
+    let mut types = vec![1i32; tokens.len()];
+    let mut seen = std::collections::HashSet::new();
+    let mut special_id = HashMap::new();
+    for s in specials
+        .iter()
+        .copied()
+        .chain(spec.extra_specials.iter().map(String::as_str))
+    {
+        if seen.insert(s) {
+            special_id.insert(s, tokens.len() as u32);
+            tokens.push(s.to_string());
+            types.push(3);
+        }
+    }
+    let vocab = tokens.len();
+    let (bos, eos, eot) = (
+        special_id[specials[0]],
+        special_id[specials[1]],
+        special_id[specials[2]],
+    );
+    debug_assert!(first_special <= bos as usize);
+
+    // Weights, HF names and layout.
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(spec.seed);
+    let mut rand_t = |shape: &[usize], scale: f32, base: f32| -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| base + scale * (rng.gen::<f32>() * 2.0 - 1.0))
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).ctx("random tensor")
+    };
+    let q_out = HIDDEN_HEADS * head_dim;
+    let kv_out = KV_HEADS * head_dim;
+    // Llama 3.2 ties the output head to the embedding; a model that must end its turn at
+    // once needs the two apart.
+    let tied = arch == Arch::Llama && !spec.ends_turn_at_once;
+    let mut hf: Vec<(String, Tensor)> = Vec::new();
+    hf.push((
+        "model.embed_tokens.weight".into(),
+        rand_t(&[vocab, hidden], 0.5, 0.0)?,
+    ));
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        hf.push((
+            format!("{p}.input_layernorm.weight"),
+            rand_t(&[hidden], 0.1, 1.0)?,
+        ));
+        hf.push((
+            format!("{p}.self_attn.q_proj.weight"),
+            rand_t(&[q_out, hidden], 0.3, 0.0)?,
+        ));
+        hf.push((
+            format!("{p}.self_attn.k_proj.weight"),
+            rand_t(&[kv_out, hidden], 0.3, 0.0)?,
+        ));
+        hf.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            rand_t(&[kv_out, hidden], 0.3, 0.0)?,
+        ));
+        if arch == Arch::Qwen2 {
+            for (name, n) in [("q", q_out), ("k", kv_out), ("v", kv_out)] {
+                hf.push((
+                    format!("{p}.self_attn.{name}_proj.bias"),
+                    rand_t(&[n], 0.1, 0.0)?,
+                ));
+            }
+        }
+        if arch == Arch::Qwen3 {
+            hf.push((
+                format!("{p}.self_attn.q_norm.weight"),
+                rand_t(&[head_dim], 0.2, 1.0)?,
+            ));
+            hf.push((
+                format!("{p}.self_attn.k_norm.weight"),
+                rand_t(&[head_dim], 0.2, 1.0)?,
+            ));
+        }
+        hf.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            rand_t(&[hidden, q_out], 0.2, 0.0)?,
+        ));
+        hf.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            rand_t(&[hidden], 0.1, 1.0)?,
+        ));
+        hf.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            rand_t(&[INTERMEDIATE, hidden], 0.2, 0.0)?,
+        ));
+        hf.push((
+            format!("{p}.mlp.up_proj.weight"),
+            rand_t(&[INTERMEDIATE, hidden], 0.2, 0.0)?,
+        ));
+        hf.push((
+            format!("{p}.mlp.down_proj.weight"),
+            rand_t(&[hidden, INTERMEDIATE], 0.2, 0.0)?,
+        ));
+    }
+    hf.push(("model.norm.weight".into(), rand_t(&[hidden], 0.1, 1.0)?));
+    if !tied {
+        hf.push(("lm_head.weight".into(), rand_t(&[vocab, hidden], 0.3, 0.0)?));
+    }
+    if spec.ends_turn_at_once {
+        ends_turn(&mut hf, eot as usize)?;
+    }
+
+    fs_err::create_dir_all(dir)?;
+    let hf_dir = dir.join("hf");
+    fs_err::create_dir_all(&hf_dir)?;
+    let map: HashMap<String, Tensor> = hf.iter().cloned().collect();
+    candle_core::safetensors::save(&map, hf_dir.join("model.safetensors"))
+        .ctx("writing safetensors")?;
+
+    // GGUF: llama.cpp's names; Llama-family q/k rows permuted as its converter does.
+    let gguf_arch = match arch {
+        Arch::Llama | Arch::Mistral => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+    };
+    let permuted = gguf_arch == "llama";
+    let mut qt: Vec<(String, QTensor)> = Vec::new();
+    for (name, t) in &hf {
+        let gname = gguf_name(name).ok_or_else(|| Error::Weight {
+            name: name.clone(),
+            why: "no GGUF name".into(),
+        })?;
+        let t = match (permuted, name.as_str()) {
+            (true, n) if n.ends_with("q_proj.weight") => permute(t, HIDDEN_HEADS)?,
+            (true, n) if n.ends_with("k_proj.weight") => permute(t, KV_HEADS)?,
+            _ => t.clone(),
+        };
+        qt.push((
+            gname,
+            QTensor::quantize(&t, GgmlDType::F32).ctx("gguf tensor")?,
+        ));
+    }
+    let scaling = (arch == Arch::Llama && spec.llama3_scaling).then_some(LLAMA3_SCALING);
+    if let Some(s) = scaling {
+        let factors: Vec<f32> = llama3_freq_factors(head_dim, theta, s);
+        let t = Tensor::from_vec(factors, head_dim / 2, &Device::Cpu).ctx("rope_freqs")?;
+        qt.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&t, GgmlDType::F32).ctx("rope_freqs")?,
+        ));
+    }
+    let k = |s: &str| format!("{gguf_arch}.{s}");
+    let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+    let mut meta: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String(gguf_arch.into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic {}", arch.name())),
+        ),
+        (k("context_length"), Value::U32(MAX_POSITIONS as u32)),
+        (k("embedding_length"), Value::U32(hidden as u32)),
+        (k("block_count"), Value::U32(LAYERS as u32)),
+        (k("feed_forward_length"), Value::U32(INTERMEDIATE as u32)),
+        (k("attention.head_count"), Value::U32(HIDDEN_HEADS as u32)),
+        (k("attention.head_count_kv"), Value::U32(KV_HEADS as u32)),
+        (k("attention.key_length"), Value::U32(head_dim as u32)),
+        (k("attention.value_length"), Value::U32(head_dim as u32)),
+        (k("rope.dimension_count"), Value::U32(head_dim as u32)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(RMS_EPS as f32),
+        ),
+        (k("rope.freq_base"), Value::F32(theta as f32)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".into(), strings(&tokens)),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
+        ("tokenizer.ggml.merges".into(), strings(&merges)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
+        (
+            "tokenizer.ggml.add_bos_token".into(),
+            Value::Bool(arch == Arch::Llama || arch == Arch::Mistral),
+        ),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(template.clone()),
+        ),
+    ];
+    meta.sort_by(|a, b| a.0.cmp(&b.0));
+    let gguf = dir.join("model.gguf");
+    let mut f = std::io::BufWriter::new(fs_err::File::create(&gguf)?);
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let qt_refs: Vec<(&str, &QTensor)> = qt.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &qt_refs).ctx("writing gguf")?;
+    std::io::Write::flush(&mut f)?;
+    drop(f);
+
+    // HF side: config, tokenizer (the one the GGUF describes), tokenizer config.
+    let tok = crate::Tokenizer::load(&crate::ModelSource::Gguf(gguf.clone()))?;
+    tok.inner()
+        .save(hf_dir.join("tokenizer.json"), false)
+        .map_err(|e| Error::Tokenizer { why: e.to_string() })?;
+    let config = serde_json::json!({
+        "model_type": arch.name(),
+        "architectures": [arch.hf_class()],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HIDDEN_HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": theta,
+        "rope_scaling": scaling.map(|s| serde_json::json!({
+            "rope_type": "llama3",
+            "factor": s.0,
+            "low_freq_factor": s.1,
+            "high_freq_factor": s.2,
+            "original_max_position_embeddings": s.3,
+        })),
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": tied,
+        "attention_bias": arch == Arch::Qwen2,
+        "sliding_window": if arch == Arch::Mistral { spec.sliding_window } else { Some(MAX_POSITIONS) },
+        "use_sliding_window": false,
+        "max_window_layers": LAYERS,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    });
+    let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).expect("json");
+    fs_err::write(hf_dir.join("config.json"), json(&config))?;
+    let tcfg = serde_json::json!({
+        "bos_token": specials[0],
+        "eos_token": specials[1],
+        "add_bos_token": arch == Arch::Llama || arch == Arch::Mistral,
+        "chat_template": template,
+    });
+    fs_err::write(hf_dir.join("tokenizer_config.json"), json(&tcfg))?;
+    Ok(Synthetic { gguf, hf_dir })
+}
+
+/// (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), with a
+/// small original context so that the tiny head dim has frequencies in all three bands.
+const LLAMA3_SCALING: (f64, f64, f64, usize) = (8.0, 1.0, 4.0, 64);
+
+/// llama.cpp's `rope_freqs` for Llama 3 scaling: the divisor of each frequency.
+fn llama3_freq_factors(head_dim: usize, theta: f64, s: (f64, f64, f64, usize)) -> Vec<f32> {
+    let (factor, low, high, old) = s;
+    let old = old as f64;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor as f32
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+/// llama.cpp's converter's `permute`: rows `(head, 2, pair)` to `(head, pair, 2)`.
+fn permute(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, inp) = w.dims2().ctx("permute")?;
+    w.reshape((heads, 2, out / heads / 2, inp))
+        .and_then(|t| t.transpose(1, 2))
+        .and_then(|t| t.contiguous())
+        .and_then(|t| t.reshape((out, inp)))
+        .ctx("permute")
+}
+
+fn gguf_name(hf: &str) -> Option<String> {
+    let simple = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(s) = simple {
+        return Some(s.into());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let g = match tail {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
+}
+
+/// Makes `eot` the most likely next token everywhere: the residual stream's dimension 0 is 1
+/// for every token (embedding column 0) and no layer writes it (row 0 of every output and
+/// down projection is zero); the final norm keeps only that dimension, and only `eot`'s row of
+/// the output head reads it.
+fn ends_turn(hf: &mut [(String, Tensor)], eot: usize) -> Result<()> {
+    let set = |t: &Tensor, f: &dyn Fn(&mut [f32], usize)| -> Result<Tensor> {
+        let dims = t.dims().to_vec();
+        let cols = *dims.last().unwrap_or(&1);
+        let mut v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).ctx("weights")?;
+        f(&mut v, cols);
+        Tensor::from_vec(v, dims, &Device::Cpu).ctx("weights")
+    };
+    for (name, t) in hf.iter_mut() {
+        let n = name.as_str();
+        *t = if n == "model.embed_tokens.weight" {
+            set(t, &|v, cols| v.chunks_mut(cols).for_each(|r| r[0] = 1.0))?
+        } else if n.ends_with("o_proj.weight") || n.ends_with("down_proj.weight") {
+            set(t, &|v, cols| v[..cols].iter_mut().for_each(|x| *x = 0.0))?
+        } else if n == "model.norm.weight" {
+            set(t, &|v, _| {
+                v.iter_mut().for_each(|x| *x = 0.0);
+                v[0] = 1.0;
+            })?
+        } else if n == "lm_head.weight" {
+            set(t, &|v, cols| {
+                for (row, r) in v.chunks_mut(cols).enumerate() {
+                    r[0] = if row == eot { 1.0 } else { 0.0 };
+                }
+            })?
+        } else {
+            t.clone()
+        };
+    }
+    Ok(())
+}
