@@ -25,7 +25,10 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// GGUF file or HF directory. Empty: SmolLM2-135M-Instruct in the model cache.
+    /// GGUF file, HF directory, or a Hugging Face reference `hf:ORG/REPO` (an HF directory)
+    /// or `hf:ORG/REPO:FILE.gguf`, fetched into the model cache on first use (`HF_ENDPOINT`
+    /// for a mirror, `HF_TOKEN` for gated models). Empty: SmolLM2-135M-Instruct in the model
+    /// cache.
     pub path: PathBuf,
     /// Dtype stored chunk KV is kept in: f16 (default, half the bytes), bf16 or f32.
     pub kv_dtype: String,
@@ -164,6 +167,11 @@ impl Config {
         self.store_options()?;
         self.kv_dtype()?;
         self.device_spec()?;
+        let path = self.model_path();
+        let path = path.to_string_lossy();
+        if model::hub::is_reference(&path) {
+            path.parse::<model::hub::HubRef>().context("model.path")?;
+        }
         self.embedder.validate()?;
         self.index.validate()?;
         self.ingest.validate()?;
@@ -186,7 +194,7 @@ impl Config {
         self.model.device.parse().context("model.device")
     }
 
-    /// The model file or directory.
+    /// The model file, directory or `hf:` reference.
     pub fn model_path(&self) -> PathBuf {
         if self.model.path.as_os_str().is_empty() {
             model::models_dir().join(model::SMOLLM2_FILE)

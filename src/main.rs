@@ -619,12 +619,18 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
     let index = retrieval::VectorIndex::open(&config.vectors_dir(), embedder.dim(), &config.index)
         .context("opening the vector index")?;
     let path = config.model_path();
-    let source = model::ModelSource::from_path(&path).with_context(|| {
-        format!(
-            "model {} (run scripts/setup.sh to fetch it)",
-            path.display()
-        )
-    })?;
+    let spec = path.to_string_lossy();
+    let source = if model::hub::is_reference(&spec) {
+        // Fetching is blocking network I/O; this runs before any async work starts.
+        model::ModelSource::resolve(&spec)?
+    } else {
+        model::ModelSource::from_path(&path).with_context(|| {
+            format!(
+                "model {} (run scripts/setup.sh to fetch it)",
+                path.display()
+            )
+        })?
+    };
     let opts = model::LoadOptions {
         device: config.device_spec()?.open().context("model.device")?,
         ..model::LoadOptions::default()

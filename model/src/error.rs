@@ -31,6 +31,9 @@ pub enum Error {
     /// The tokenizer could not be built or failed.
     #[error("tokenizer: {why}")]
     Tokenizer { why: String },
+    /// A Hugging Face reference (`hf:ORG/REPO[:FILE]`) could not be resolved.
+    #[error("model {reference}: {why}")]
+    Hub { reference: String, why: String },
     /// The chat template could not be rendered.
     #[error("chat template: {why}")]
     Template { why: String },

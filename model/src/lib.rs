@@ -19,6 +19,7 @@ mod config;
 mod decoder;
 mod error;
 mod generate;
+pub mod hub;
 mod kv;
 mod rope;
 pub mod synthetic;

@@ -25,6 +25,16 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
+    /// A configured model: a hub reference (`hf:ORG/REPO[:FILE]`, fetched into the model
+    /// cache, see [`crate::hub`]) or a path ([`ModelSource::from_path`]).
+    pub fn resolve(spec: &str) -> Result<ModelSource> {
+        if crate::hub::is_reference(spec) {
+            crate::hub::resolve(&spec.parse()?, &crate::hub::HubOptions::default())
+        } else {
+            ModelSource::from_path(spec)
+        }
+    }
+
     /// The file or directory name (for messages).
     pub fn name(&self) -> String {
         let p = match self {
