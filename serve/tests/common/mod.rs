@@ -20,6 +20,16 @@ pub fn open_engine(
     config: ingest::IngestConfig,
     kv_dtype: model::DType,
 ) -> ingest::Engine {
+    open_engine_with(dir, config, kv_dtype, model())
+}
+
+/// [`open_engine`] with another model.
+pub fn open_engine_with(
+    dir: &Path,
+    config: ingest::IngestConfig,
+    kv_dtype: model::DType,
+    llm: model::Model,
+) -> ingest::Engine {
     let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
     let index = retrieval::VectorIndex::open(
@@ -32,7 +42,7 @@ pub fn open_engine(
         std::sync::Arc::new(store),
         std::sync::Arc::new(index),
         std::sync::Arc::new(embedder),
-        std::sync::Arc::new(model()),
+        std::sync::Arc::new(llm),
         config,
         kv_dtype,
     )
