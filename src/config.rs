@@ -21,6 +21,9 @@ pub struct Config {
     pub serve: serve::ServeConfig,
 }
 
+/// What `ragkv config` prints in place of a secret.
+pub const REDACTED: &str = "<redacted>";
+
 /// `[model]`: the LLM whose KV is materialized.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -177,6 +180,18 @@ impl Config {
         self.ingest.validate()?;
         self.serve.validate().map_err(anyhow::Error::msg)?;
         Ok(())
+    }
+
+    /// The configuration with its secrets (`serve.admin_token`, `index.api_key`) replaced by
+    /// a marker, for printing: `ragkv config` output ends up in logs and bug reports.
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        for secret in [&mut c.serve.admin_token, &mut c.index.api_key] {
+            if !secret.is_empty() {
+                *secret = REDACTED.into();
+            }
+        }
+        c
     }
 
     /// `model.kv_dtype` as a candle dtype.

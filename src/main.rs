@@ -160,7 +160,7 @@ fn run(cli: Cli) -> Result<()> {
     config.validate()?;
     match cli.command {
         Command::Config => {
-            print!("{}", toml::to_string_pretty(&config)?);
+            print!("{}", toml::to_string_pretty(&config.redacted())?);
         }
         Command::Stats => {
             let store = open_store(&config)?;

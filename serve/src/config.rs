@@ -40,6 +40,10 @@ pub struct ServeConfig {
     /// Built-in schedule of `gc` (namespaces past their grace, orphaned KV, dead segment
     /// bytes); empty: none.
     pub gc_cron: String,
+    /// Host names the server answers to besides loopback names and the bound address (for a
+    /// server reached through a name, e.g. behind a proxy); every other `Host` or `Origin`
+    /// is refused with 403 (see `guard.rs`).
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for ServeConfig {
@@ -62,6 +66,7 @@ impl Default for ServeConfig {
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
             gc_cron: String::new(),
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -96,6 +101,14 @@ impl ServeConfig {
                 "serve.recompute_share: {} is outside (0, 1]",
                 self.recompute_share
             ));
+        }
+        for h in &self.allowed_hosts {
+            let h = h.trim();
+            if h.is_empty() || (h.contains([':', '/', '@', ' ']) && !h.starts_with('[')) {
+                return Err(format!(
+                    "serve.allowed_hosts: {h:?} is not a host name (no scheme, port or path)"
+                ));
+            }
         }
         self.schedules()?;
         Ok(())

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::assembly::Assembly;
+use crate::guard::HostRule;
 use crate::rag::{Event, Final, KvMode, Query, Rag};
 
 /// Shared state of the routes.
@@ -38,9 +39,14 @@ impl AppState {
     }
 }
 
-/// The router: every route of the API (see the crate docs).
+/// The router: every route of the API (see the crate docs), behind the `Host`/`Origin`
+/// rules of [`crate::guard`].
 pub fn app(state: AppState) -> Router {
     let limit = state.rag.config.max_body_bytes;
+    let rule = Arc::new(HostRule::new(
+        &state.rag.config.bind,
+        &state.rag.config.allowed_hosts,
+    ));
     Router::new()
         .route("/v1/query", post(query))
         .route("/v1/chat/completions", post(chat))
@@ -55,7 +61,42 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let rule = rule.clone();
+            same_site(rule, req, next)
+        }))
         .with_state(state)
+}
+
+/// Refuses requests from other sites (foreign `Host`, `Origin` or `Sec-Fetch-Site`) before
+/// they reach a route.
+async fn same_site(
+    rule: Arc<HostRule>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let h = req.headers();
+    let text = |name: header::HeaderName| -> Result<Option<&str>, ()> {
+        match h.get(name) {
+            None => Ok(None),
+            Some(v) => v.to_str().map(Some).map_err(|_| ()),
+        }
+    };
+    let verdict = match (
+        text(header::HOST),
+        text(header::ORIGIN),
+        text(header::HeaderName::from_static("sec-fetch-site")),
+    ) {
+        (Ok(host), Ok(origin), Ok(site)) => rule.refuse(host, origin, site),
+        _ => Some("Host, Origin or Sec-Fetch-Site is not visible ASCII".into()),
+    };
+    match verdict {
+        Some(why) => {
+            tracing::warn!(%why, "request refused");
+            ApiError::new(StatusCode::FORBIDDEN, why).into_response()
+        }
+        None => next.run(req).await,
+    }
 }
 
 /// An error response: `{"error": {"message", "type"}}`.
@@ -87,6 +128,7 @@ impl IntoResponse for ApiError {
         let kind = match self.status.as_u16() {
             400 | 413 | 422 => "invalid_request_error",
             401 => "authentication_error",
+            403 => "permission_error",
             404 => "not_found_error",
             429 => "rate_limit_error",
             _ => "server_error",

@@ -11,11 +11,15 @@
 //! | `POST /v1/admin/gc` | drop namespaces past their grace, orphaned KV, dead segment bytes (admin; 409 while another job runs) |
 //! | `GET /v1/stats`, `GET /metrics`, `GET /healthz` | counters (JSON), Prometheus, liveness |
 //!
+//! Every route answers only requests whose `Host` and `Origin` name this server ([`guard`]):
+//! a web page cannot drive it, by cross-site requests or by DNS rebinding.
+//!
 //! The request path and its threads are described in [`rag`].
 
 pub mod assembly;
 pub mod client;
 pub mod config;
+pub mod guard;
 pub mod http;
 pub mod maintenance;
 pub mod metrics;

@@ -192,6 +192,52 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         stats["queries"]["admitted"].as_u64().unwrap() >= 4,
         "{stats}"
     );
+
+    // A web page cannot drive the server: foreign Host (DNS rebinding), foreign Origin or a
+    // cross-site fetch are refused before any route runs, with a JSON 403.
+    for (name, value) in [
+        ("host", "attacker.example:8080"),
+        ("origin", "https://attacker.example"),
+        ("sec-fetch-site", "cross-site"),
+    ] {
+        for (method, uri) in [
+            ("POST", "/v1/admin/gc"),
+            ("GET", "/v1/stats"),
+            ("POST", "/v1/query"),
+        ] {
+            let req = Request::builder()
+                .method(method)
+                .uri(uri)
+                .header(name, value)
+                .body(Body::empty())
+                .unwrap();
+            let resp = app.clone().oneshot(req).await.unwrap();
+            let status = resp.status();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            let j: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(status, StatusCode::FORBIDDEN, "{name}: {value} {uri}: {j}");
+            assert_eq!(j["error"]["type"], "permission_error", "{j}");
+        }
+    }
+    let (_, after, _) = call(&app, "GET", "/v1/stats", None, None).await;
+    assert_eq!(
+        after["queries"]["admitted"], stats["queries"]["admitted"],
+        "a refused query was admitted"
+    );
+    // The server's own names pass.
+    for host in ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"] {
+        let req = Request::builder()
+            .uri("/healthz")
+            .header("host", host)
+            .header("origin", format!("http://{host}"))
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(
+            app.clone().oneshot(req).await.unwrap().status(),
+            StatusCode::OK,
+            "{host}"
+        );
+    }
     drop(app);
     tokio::task::spawn_blocking(move || f.close())
         .await
