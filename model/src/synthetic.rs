@@ -159,7 +159,6 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     for m in &merges {
         tokens.push(m.replace(' ', ""));
     }
-    let first_special = tokens.len();
     let mut types = vec![1i32; tokens.len()];
     let mut seen = std::collections::HashSet::new();
     let mut special_id = HashMap::new();
@@ -180,7 +179,6 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         special_id[specials[1]],
         special_id[specials[2]],
     );
-    debug_assert!(first_special <= bos as usize);
 
     // Weights, HF names and layout.
     let mut rng = rand::rngs::SmallRng::seed_from_u64(spec.seed);
@@ -282,7 +280,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     let permuted = gguf_arch == "llama";
     let mut qt: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in &hf {
-        let gname = gguf_name(name).ok_or_else(|| Error::Weight {
+        let gname = crate::weights::gguf_name(name).ok_or_else(|| Error::Weight {
             name: name.clone(),
             why: "no GGUF name".into(),
         })?;
@@ -436,38 +434,6 @@ fn permute(w: &Tensor, heads: usize) -> Result<Tensor> {
         .and_then(|t| t.contiguous())
         .and_then(|t| t.reshape((out, inp)))
         .ctx("permute")
-}
-
-fn gguf_name(hf: &str) -> Option<String> {
-    let simple = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(s) = simple {
-        return Some(s.into());
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let g = match tail {
-        "input_layernorm.weight" => "attn_norm.weight",
-        "self_attn.q_proj.weight" => "attn_q.weight",
-        "self_attn.k_proj.weight" => "attn_k.weight",
-        "self_attn.v_proj.weight" => "attn_v.weight",
-        "self_attn.q_proj.bias" => "attn_q.bias",
-        "self_attn.k_proj.bias" => "attn_k.bias",
-        "self_attn.v_proj.bias" => "attn_v.bias",
-        "self_attn.q_norm.weight" => "attn_q_norm.weight",
-        "self_attn.k_norm.weight" => "attn_k_norm.weight",
-        "self_attn.o_proj.weight" => "attn_output.weight",
-        "post_attention_layernorm.weight" => "ffn_norm.weight",
-        "mlp.gate_proj.weight" => "ffn_gate.weight",
-        "mlp.up_proj.weight" => "ffn_up.weight",
-        "mlp.down_proj.weight" => "ffn_down.weight",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{g}"))
 }
 
 /// Makes `eot` the most likely next token everywhere: the residual stream's dimension 0 is 1

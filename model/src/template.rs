@@ -287,21 +287,6 @@ impl RagPrompt {
             std::iter::once(question.to_string()),
         )
     }
-
-    /// Identifies the cut points (for the fingerprint of what a prompt's prefix holds).
-    pub fn id(&self) -> String {
-        let h = blake3::hash(
-            format!(
-                "{}\u{0}{}\u{0}{}\u{0}{}",
-                self.before_system,
-                self.system_to_context,
-                self.context_to_question,
-                self.after_question
-            )
-            .as_bytes(),
-        );
-        h.to_hex()[..16].to_string()
-    }
 }
 
 #[cfg(test)]

@@ -277,38 +277,62 @@ pub(crate) fn load_gguf(
     Ok((cfg, Weights { tensors }, content.metadata))
 }
 
+/// GGUF (llama.cpp) tensor names and their HF names: whole names, then per-layer suffixes
+/// (`blk.N.` / `model.layers.N.`).
+const GLOBAL_NAMES: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+/// Maps a name through the tables, `from` side to the other (`gguf_side`: from GGUF to HF).
+fn map_name(name: &str, gguf_side: bool) -> Option<String> {
+    let pick = |&(g, h): &(&'static str, &'static str)| if gguf_side { (g, h) } else { (h, g) };
+    if let Some((_, to)) = GLOBAL_NAMES
+        .iter()
+        .map(pick)
+        .find(|(from, _)| *from == name)
+    {
+        return Some(to.into());
+    }
+    let (prefix, other) = if gguf_side {
+        ("blk.", "model.layers.")
+    } else {
+        ("model.layers.", "blk.")
+    };
+    let (layer, tail) = name.strip_prefix(prefix)?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, to) = LAYER_NAMES
+        .iter()
+        .map(pick)
+        .find(|(from, _)| *from == tail)?;
+    Some(format!("{other}{layer}.{to}"))
+}
+
 /// Maps a GGUF tensor name to its HF name.
 fn hf_name(gguf: &str) -> Option<String> {
-    let simple = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(s) = simple {
-        return Some(s.into());
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let hf = match tail {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_q_norm.weight" => "self_attn.q_norm.weight",
-        "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}"))
+    map_name(gguf, true)
+}
+
+/// Maps an HF tensor name to its GGUF name.
+pub(crate) fn gguf_name(hf: &str) -> Option<String> {
+    map_name(hf, false)
 }
 
 /// Reads an HF directory's config and safetensors weights.
@@ -365,4 +389,36 @@ pub(crate) fn content_hash(source: &ModelSource) -> Result<String> {
         h.update_reader(&mut file)?;
     }
     Ok(h.finalize().to_hex().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_names_map_both_ways() {
+        for (g, h) in [
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            (
+                "blk.3.attn_q_norm.weight",
+                "model.layers.3.self_attn.q_norm.weight",
+            ),
+            (
+                "blk.12.ffn_down.weight",
+                "model.layers.12.mlp.down_proj.weight",
+            ),
+        ] {
+            assert_eq!(hf_name(g).as_deref(), Some(h));
+            assert_eq!(gguf_name(h).as_deref(), Some(g));
+        }
+        for unknown in [
+            "rope_freqs.weight",
+            "blk.x.attn_q.weight",
+            "blk.0.nope",
+            "model.layers.0",
+        ] {
+            assert_eq!(hf_name(unknown), None, "{unknown}");
+            assert_eq!(gguf_name(unknown), None, "{unknown}");
+        }
+    }
 }
