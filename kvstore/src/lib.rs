@@ -48,6 +48,7 @@ pub use presence::PresenceStats;
 pub use schema::{Codec, DType, KvLayout, NamespaceId};
 pub use store::{
     DeleteReport, KvData, NamespaceStats, PutItem, PutReport, SeqState, Store, VerifyReport,
+    UNREFERENCED_DIR,
 };
 
 /// Space accounting of one segment file.

@@ -195,6 +195,15 @@ fn documents_share_blocks_and_delete_only_what_no_one_else_uses() {
     }
     assert_eq!(store.document_sequences("A").unwrap(), vec![(NS, 72)]);
     assert_eq!(store.documents().unwrap(), vec!["A", "B", "C"]);
+    for (t, d) in [(&b, "A@1"), (&b, "A@22"), (&b, "AB@2")] {
+        put_seq(&store, t, Some(d));
+    }
+    assert_eq!(store.documents_with_prefix("A@", 3).unwrap(), vec!["A@1"]);
+    assert_eq!(store.documents_with_prefix("A@", 4).unwrap(), vec!["A@22"]);
+    assert!(store.documents_with_prefix("B@", 3).unwrap().is_empty());
+    for d in ["A@1", "A@22", "AB@2"] {
+        store.delete_document(d).unwrap();
+    }
     // A and C attach the same sequence: deleting A keeps it.
     let r = store.delete_document("A").unwrap();
     assert_eq!((r.sequences, r.blocks), (1, 0));
@@ -287,4 +296,56 @@ fn hot_tier_serves_repeated_reads_with_the_same_bytes() {
     // Deleting drops the blocks from the hot tier too.
     store.delete_document("d").unwrap();
     assert!(store.get_batch(NS, &t, t.len()).unwrap_err().is_miss());
+}
+
+#[test]
+fn unknown_segment_files_newer_than_the_index_are_moved_aside_not_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let seg_dir = dir.path().join("segments");
+    let ids = |d: &std::path::Path| -> Vec<u64> {
+        let mut v: Vec<u64> = std::fs::read_dir(d)
+            .unwrap()
+            .filter_map(|e| {
+                let n = e.unwrap().file_name().into_string().unwrap();
+                u64::from_str_radix(n.strip_suffix(".tlog")?, 16).ok()
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    {
+        let store = open(dir.path(), small_options());
+        for i in 0..3 {
+            put_seq(&store, &sequence(i), None);
+        }
+        store.sync().unwrap();
+    }
+    let known = ids(&seg_dir);
+    let newest = *known.last().unwrap();
+    let src = seg_dir.join(format!("{newest:016x}.tlog"));
+    // As if restored with an index from before these segments were written.
+    let newer = seg_dir.join(format!("{:016x}.tlog", newest + 7));
+    std::fs::copy(&src, &newer).unwrap();
+    // As if the merger had retired it just before the process ended (an id the index skipped).
+    let retired = seg_dir.join(format!("{:016x}.tlog", newest - 1));
+    let had_retired_slot = !known.contains(&(newest - 1)) && newest > 0;
+    if had_retired_slot {
+        std::fs::copy(&src, &retired).unwrap();
+    }
+    let store = open(dir.path(), small_options());
+    assert!(!newer.exists());
+    let aside = seg_dir
+        .join(kvstore::UNREFERENCED_DIR)
+        .join(newer.file_name().unwrap());
+    assert!(aside.exists(), "newer segment must be kept aside");
+    if had_retired_slot {
+        assert!(!retired.exists(), "a retired segment is removed");
+    }
+    for i in 0..3 {
+        assert_eq!(store.probe(NS, &sequence(i)).unwrap(), sequence(i).len());
+    }
+    // Reopening again leaves the set-aside file alone.
+    drop(store);
+    drop(open(dir.path(), small_options()));
+    assert!(aside.exists());
 }

@@ -210,6 +210,27 @@ impl Inner {
         Ok(out)
     }
 
+    /// See `Store::documents_with_prefix`.
+    pub(super) fn documents_with_prefix(&self, prefix: &str, len: usize) -> Result<Vec<String>> {
+        let Ok(n) = u16::try_from(len) else {
+            return Ok(Vec::new());
+        };
+        let mut start = n.to_be_bytes().to_vec();
+        start.extend_from_slice(prefix.as_bytes());
+        let mut out: Vec<String> = Vec::new();
+        self.index
+            .scan_prefix(Family::Docs, &start, "docs prefix scan", |k, _| {
+                if let Some((id, _)) = index::split_doc_key(k) {
+                    let id = String::from_utf8_lossy(id).into_owned();
+                    if out.last() != Some(&id) {
+                        out.push(id);
+                    }
+                }
+                Ok(())
+            })?;
+        Ok(out)
+    }
+
     /// See `Store::document_sequences`.
     pub(super) fn document_sequences(&self, doc: &str) -> Result<Vec<(NamespaceId, usize)>> {
         let prefix = index::doc_prefix(doc);

@@ -33,6 +33,7 @@ mod log;
 mod merger;
 mod namespaces;
 mod open;
+pub use open::UNREFERENCED_DIR;
 mod planes;
 mod read;
 mod reports;
@@ -256,6 +257,14 @@ impl Store {
     /// Every document id with at least one attached sequence, sorted.
     pub fn documents(&self) -> Result<Vec<String>> {
         self.inner.documents()
+    }
+
+    /// The document ids of exactly `len` bytes that start with `prefix` and have at least one
+    /// attached sequence, sorted: one seek and a scan of just those (ids are keyed by length,
+    /// then bytes), so a caller whose ids have a fixed-length part finds a family of ids
+    /// without listing every document.
+    pub fn documents_with_prefix(&self, prefix: &str, len: usize) -> Result<Vec<String>> {
+        self.inner.documents_with_prefix(prefix, len)
     }
 
     /// Sequences attached to `doc`: `(namespace, token count)` for each.

@@ -26,6 +26,9 @@ use crate::presence::Presence;
 use crate::record::{self, SEGMENT_HEADER_LEN};
 use crate::segment::{self, Segment, SegmentMeta};
 
+/// Where segment files newer than the index are moved at open (inside the segments directory).
+pub const UNREFERENCED_DIR: &str = "unreferenced";
+
 /// Takes an exclusive `flock` on `path`, writing our pid into it.
 fn lock_dir(path: &Path) -> Result<File> {
     let mut f = OpenOptions::new()
@@ -136,12 +139,29 @@ impl Inner {
             files.insert(id, entry.path());
         }
 
-        // Files the index does not know: a segment created by a batch that never committed, or
-        // one the merger retired before the process ended.
+        // Files the index does not know. Below the index's newest segment: one the merger
+        // retired before the process ended: removed. Above it: one created by a batch or a
+        // merge that never committed, or data newer than this index (an older index restored
+        // from a backup): moved aside into `unreferenced/`, never deleted.
+        let known_max = metas.keys().next_back().copied().unwrap_or(0);
         for (id, path) in &files {
-            if !metas.contains_key(id) {
-                tracing::info!(segment = id, "removing uncommitted or retired segment file");
+            if metas.contains_key(id) {
+                continue;
+            }
+            if *id < known_max {
+                tracing::info!(segment = id, "removing retired segment file");
                 fs_err::remove_file(path)?;
+            } else {
+                let aside_dir = self.seg_dir.join(UNREFERENCED_DIR);
+                fs_err::create_dir_all(&aside_dir)?;
+                let aside = aside_dir.join(path.file_name().unwrap_or_default());
+                tracing::warn!(
+                    segment = id,
+                    "segment file newer than the index; moving it aside to {} (delete it once \
+                     sure it holds nothing wanted)",
+                    aside.display()
+                );
+                fs_err::rename(path, &aside)?;
             }
         }
 

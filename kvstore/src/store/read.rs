@@ -229,11 +229,10 @@ impl Inner {
         for (&i, loc) in pending.iter().zip(cached) {
             let b = &blocks[i];
             let loc = loc.expect("every location found above");
-            let fixed = RECORD_HEADER_LEN + b.key.len() + RECORD_TRAILER_LEN;
             if loc.digest != b.digest
                 || loc.tokens as usize != b.tokens()
                 || loc.layout != *layout
-                || (loc.length as usize) < fixed
+                || !entry_in_bounds(&loc, b.key.len())
             {
                 return Err(Retry::Fail(Error::Corrupt {
                     segment: loc.segment,
@@ -563,6 +562,13 @@ impl Inner {
 
     fn verify_one(&self, k: &[u8], v: &[u8]) -> Result<()> {
         let loc = Location::decode(v).map_err(Error::schema("location"))?;
+        if !entry_in_bounds(&loc, k.len()) {
+            return Err(Error::Corrupt {
+                segment: loc.segment,
+                offset: loc.offset,
+                what: format!("index entry length {} is out of bounds", loc.length),
+            });
+        }
         let seg = self
             .segments
             .read()
@@ -601,4 +607,47 @@ impl Inner {
 enum Retry {
     Again,
     Fail(Error),
+}
+
+/// Whether an index entry's record length is possible for its key, token count and layout
+/// (at least the fixed parts, at most the raw payload plus any codec's worst-case growth) and
+/// its end fits in a file offset: a damaged entry must not size a read or an allocation.
+fn entry_in_bounds(loc: &Location, key_len: usize) -> bool {
+    let fixed = RECORD_HEADER_LEN + key_len + RECORD_TRAILER_LEN;
+    let raw = loc.layout.bytes_for(loc.tokens as usize);
+    let max = fixed + raw + raw / 8 + 4096;
+    let len = loc.length as usize;
+    (fixed..=max).contains(&len) && loc.offset.checked_add(loc.length as u64).is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schema::{Codec, DType, KvLayout, TokenDigest};
+
+    #[test]
+    fn index_entry_lengths_are_bounded_by_layout_and_offset() {
+        let layout = KvLayout {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            dtype: DType::F16,
+        };
+        let loc = |length: u32, offset: u64| Location {
+            segment: 1,
+            offset,
+            length,
+            codec: Codec::None,
+            layout,
+            tokens: 16,
+            digest: TokenDigest::of(&[1, 2, 3]),
+            payload_crc: 0,
+        };
+        let fixed = (RECORD_HEADER_LEN + 24 + RECORD_TRAILER_LEN) as u32;
+        let raw = layout.bytes_for(16) as u32;
+        assert!(entry_in_bounds(&loc(fixed + raw, 64), 24));
+        assert!(!entry_in_bounds(&loc(fixed - 1, 64), 24));
+        assert!(!entry_in_bounds(&loc(u32::MAX, 64), 24));
+        assert!(!entry_in_bounds(&loc(fixed + raw, u64::MAX - 10), 24));
+    }
 }
