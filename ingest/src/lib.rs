@@ -6,6 +6,7 @@
 
 mod check;
 pub mod chunk;
+mod claims;
 mod config;
 mod error;
 pub mod pipeline;

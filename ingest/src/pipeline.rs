@@ -25,6 +25,15 @@
 //! reconciliation detaches KV documents that no point references. So no point ever lacks its
 //! KV (eager), no point is duplicated (ids derive from document and ordinal), and nothing is
 //! orphaned once a run completes.
+//!
+//! # Concurrent writers
+//! Ingest runs, deletes, reconciliation and rematerialization may run at once (the server
+//! does). Each holds a document's claim while it reads and writes that document's state
+//! (see [`crate::claims`]), so operations on one document are ordered and a version being
+//! written is never detached as an orphan. The reconciliation at the end of a run looks only
+//! at the documents the run touched (a seek per document in the KV store and the index), so
+//! an ingest costs what its documents cost, not what the corpus does; `gc` and `--prune`
+//! reconcile everything.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -39,11 +48,12 @@ use retrieval::{ChunkPayload, ChunkPoint, Embedder, SearchFilter, VectorIndex};
 use uuid::Uuid;
 
 use crate::chunk::{chunk_text, Chunk};
+use crate::claims::{Claim, Claims};
 use crate::config::{IngestConfig, Materialize, RunOptions};
 use crate::error::{Error, Result};
 use crate::progress::Counters;
 use crate::report::{secs, Failure, Report, StageTimes};
-use crate::source::{self, Doc, Item, ReadLimits, Source};
+use crate::source::{self, Doc, Item, ReadLimits, Source, CONTENT_HASH_LEN};
 
 /// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
@@ -62,6 +72,11 @@ pub struct Engine {
     /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
     preamble: Vec<u32>,
     kv_dtype: model::DType,
+    claims: Claims,
+    /// Milliseconds each document's commit waits after its KV is stored and before its points
+    /// are upserted: widens that window for tests of concurrent writers; 0 in production.
+    #[doc(hidden)]
+    pub commit_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -124,6 +139,8 @@ impl Engine {
             layout,
             preamble,
             kv_dtype,
+            claims: Claims::default(),
+            commit_delay_ms: Default::default(),
         })
     }
 
@@ -144,6 +161,11 @@ impl Engine {
         Ok(t)
     }
 
+    /// The most tokens a stored chunk has: the preamble's and `chunk_tokens`.
+    pub fn max_chunk_tokens(&self) -> usize {
+        self.preamble.len() + self.config.chunker().chunk_tokens
+    }
+
     /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
     pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
         let (kv, _) = self.model.prefill(tokens, 0)?;
@@ -151,18 +173,25 @@ impl Engine {
     }
 
     /// Removes a document: its points, then its KV (every version). Returns whether it existed.
+    /// Ordered with any ingest of the same document (see [`crate::claims`]).
     pub fn delete_document(&self, doc: &str) -> Result<bool> {
+        let _claim = self.claims.claim(doc);
         let points = self.index.count(&SearchFilter::document(doc))?;
         self.index.delete_document(doc)?;
         self.index.flush()?;
-        let mut kv_docs = 0;
-        for d in self.store.documents()? {
-            if split_kv_doc(&d).is_some_and(|(id, _)| id == doc) {
-                self.store.delete_document(&d)?;
-                kv_docs += 1;
-            }
+        let versions = self.kv_versions(doc)?;
+        for d in &versions {
+            self.store.delete_document(d)?;
         }
-        Ok(points > 0 || kv_docs > 0)
+        Ok(points > 0 || !versions.is_empty())
+    }
+
+    /// The KV documents (`doc@hash`) of every stored version of `doc`.
+    fn kv_versions(&self, doc: &str) -> Result<Vec<String>> {
+        let prefix = kv_doc(doc, "");
+        Ok(self
+            .store
+            .documents_with_prefix(&prefix, prefix.len() + CONTENT_HASH_LEN)?)
     }
 
     /// Runs the pipeline over `sources`.
@@ -181,9 +210,9 @@ impl Engine {
         };
         let depth = self.config.queue_depth;
         let (read_tx, read_rx) = bounded::<Doc>(depth);
-        let (plan_tx, plan_rx) = bounded::<Planned>(depth);
-        let (embed_tx, embed_rx) = bounded::<Embedded>(depth);
-        let (write_tx, write_rx) = bounded::<ToWriter>(depth * 4);
+        let (plan_tx, plan_rx) = bounded::<Planned<'_>>(depth);
+        let (embed_tx, embed_rx) = bounded::<Embedded<'_>>(depth);
+        let (write_tx, write_rx) = bounded::<ToWriter<'_>>(depth * 4);
         let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
         let mut times = StageTimes::default();
         std::thread::scope(|s| -> Result<()> {
@@ -225,8 +254,19 @@ impl Engine {
         Ok(report)
     }
 
-    /// Prune (when asked), build the HNSW index, and detach KV no point references.
+    /// Prune (when asked), build the HNSW index, and detach KV no point references: of the
+    /// documents this run read (every document with `prune`).
     fn finish(&self, opts: &RunOptions, seen: &HashSet<String>, report: &mut Report) -> Result<()> {
+        if !opts.prune {
+            let mut candidates = Vec::new();
+            for d in seen {
+                candidates.extend(self.kv_versions(d)?);
+            }
+            report.orphans_removed += self.detach_unreferenced(candidates)?;
+            self.index.optimize()?;
+            self.index.flush()?;
+            return Ok(());
+        }
         let mut versions = self.indexed_versions()?;
         // A source that could not be listed would look like a source whose documents all
         // vanished: never prune then.
@@ -234,19 +274,20 @@ impl Engine {
             .failures
             .iter()
             .any(|f| f.reason.starts_with("cannot list") || f.reason.starts_with("cannot open"));
-        if opts.prune && unlisted {
+        if unlisted {
             report.failures.push(Failure {
                 origin: "--prune".into(),
                 reason: "skipped: a source could not be read completely".into(),
             });
             report.docs_failed += 1;
-        } else if opts.prune {
+        } else {
             let gone: Vec<String> = versions
                 .keys()
                 .filter(|d| !seen.contains(*d))
                 .cloned()
                 .collect();
             for d in gone {
+                let _claim = self.claims.claim(&d);
                 self.index.delete_document(&d)?;
                 versions.remove(&d);
                 report.docs_deleted += 1;
@@ -268,23 +309,50 @@ impl Engine {
         Ok(versions)
     }
 
-    /// Detaches the KV documents (`doc@hash`) of versions not in `versions`; returns how many.
-    /// KV documents of another form were not written by ingest and are left alone.
+    /// Detaches the KV documents (`doc@hash`) of versions not in `versions` (a snapshot of
+    /// the index); returns how many. Each is checked again under its document's claim, so a
+    /// version written after the snapshot survives. KV documents of another form were not
+    /// written by ingest and are left alone.
     pub(crate) fn detach_orphans(
         &self,
         versions: &HashMap<String, HashSet<String>>,
     ) -> Result<usize> {
+        let candidates = self.store.documents()?.into_iter().filter(|d| {
+            split_kv_doc(d)
+                .is_some_and(|(id, h)| !versions.get(id).is_some_and(|hs| hs.contains(h)))
+        });
+        self.detach_unreferenced(candidates.collect())
+    }
+
+    /// Detaches each of `kv_docs` whose version no point carries, deciding under the
+    /// document's claim; returns how many.
+    fn detach_unreferenced(&self, kv_docs: Vec<String>) -> Result<usize> {
         let mut n = 0;
-        for d in self.store.documents()? {
+        for d in kv_docs {
             let Some((id, h)) = split_kv_doc(&d) else {
                 continue;
             };
-            if !versions.get(id).is_some_and(|hs| hs.contains(h)) {
+            let _claim = self.claims.claim(id);
+            if !self.indexes_version(id, h)? {
                 self.store.delete_document(&d)?;
                 n += 1;
             }
         }
         Ok(n)
+    }
+
+    /// Whether some point of `doc` carries version `hash`.
+    pub(crate) fn indexes_version(&self, doc: &str, hash: &str) -> Result<bool> {
+        Ok(self
+            .index
+            .document(doc)?
+            .iter()
+            .any(|(_, p)| p.doc_hash == hash))
+    }
+
+    /// Holds `doc`'s write claim until the returned value is dropped.
+    pub(crate) fn claim(&self, doc: &str) -> Claim<'_> {
+        self.claims.claim(doc)
     }
 
     fn read_stage(
@@ -333,11 +401,11 @@ impl Engine {
         secs(busy)
     }
 
-    fn plan_stage(
-        &self,
+    fn plan_stage<'a>(
+        &'a self,
         opts: &RunOptions,
         rx: Receiver<Doc>,
-        tx: Sender<Planned>,
+        tx: Sender<Planned<'a>>,
         shared: &Shared<'_>,
     ) -> f64 {
         let chunker = self.config.chunker();
@@ -345,6 +413,8 @@ impl Engine {
         for doc in rx {
             let t = Instant::now();
             let hash = doc.content_hash();
+            // Held until the document is committed (or abandoned) downstream.
+            let claim = self.claims.claim(&doc.id);
             let old = match self.index.document(&doc.id) {
                 Ok(o) => o,
                 Err(e) => {
@@ -378,6 +448,7 @@ impl Engine {
             busy += t.elapsed();
             if tx
                 .send(Planned {
+                    _claim: claim,
                     doc,
                     hash,
                     old,
@@ -423,7 +494,12 @@ impl Engine {
         }
     }
 
-    fn embed_stage(&self, rx: Receiver<Planned>, tx: Sender<Embedded>, shared: &Shared<'_>) -> f64 {
+    fn embed_stage<'a>(
+        &'a self,
+        rx: Receiver<Planned<'a>>,
+        tx: Sender<Embedded<'a>>,
+        shared: &Shared<'_>,
+    ) -> f64 {
         let mut busy = Duration::ZERO;
         for planned in rx {
             let t = Instant::now();
@@ -443,11 +519,11 @@ impl Engine {
         secs(busy)
     }
 
-    fn prefill_stage(
-        &self,
+    fn prefill_stage<'a>(
+        &'a self,
         opts: &RunOptions,
-        rx: Receiver<Embedded>,
-        tx: Sender<ToWriter>,
+        rx: Receiver<Embedded<'a>>,
+        tx: Sender<ToWriter<'a>>,
         shared: &Shared<'_>,
     ) -> f64 {
         let mut busy = Duration::ZERO;
@@ -500,7 +576,7 @@ impl Engine {
     fn write_stage(
         &self,
         opts: &RunOptions,
-        rx: Receiver<ToWriter>,
+        rx: Receiver<ToWriter<'_>>,
         shared: &Shared<'_>,
     ) -> (f64, f64) {
         let mut kv_time = Duration::ZERO;
@@ -558,9 +634,10 @@ impl Engine {
     }
 
     /// Steps 2 and 3 of the commit order (the KV is stored already).
-    fn commit_doc(&self, opts: &RunOptions, e: Embedded, shared: &Shared<'_>) -> Result<()> {
+    fn commit_doc(&self, opts: &RunOptions, e: Embedded<'_>, shared: &Shared<'_>) -> Result<()> {
         let Embedded { planned, vectors } = e;
         let Planned {
+            _claim,
             doc,
             hash,
             old,
@@ -568,6 +645,10 @@ impl Engine {
         } = planned;
         let n = chunks.len() as u32;
         let eager = opts.materialize == Materialize::Eager;
+        let delay = self.commit_delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay));
+        }
         let points: Vec<ChunkPoint> = chunks
             .iter()
             .zip(vectors)
@@ -625,19 +706,21 @@ impl Engine {
     }
 }
 
-struct Planned {
+struct Planned<'a> {
+    /// The document's write claim, released when the plan is committed or dropped.
+    _claim: Claim<'a>,
     doc: Doc,
     hash: String,
     old: Vec<(Uuid, ChunkPayload)>,
     chunks: Vec<Chunk>,
 }
 
-struct Embedded {
-    planned: Planned,
+struct Embedded<'a> {
+    planned: Planned<'a>,
     vectors: Vec<Vec<f32>>,
 }
 
-enum ToWriter {
+enum ToWriter<'a> {
     /// One chunk's KV (`None`: already stored, attach only).
     Kv {
         kv_doc: String,
@@ -645,7 +728,7 @@ enum ToWriter {
         bytes: Option<Vec<u8>>,
     },
     /// All of a document's KV was sent: commit its vectors.
-    Doc(Embedded),
+    Doc(Embedded<'a>),
     /// The document's prefill failed; its KV so far stays unreferenced until reconciliation.
     Abandon,
 }

@@ -128,6 +128,38 @@ struct Candidate {
 }
 
 impl Engine {
+    /// Stores one chunk's KV, computed while answering a query, for version `hash` of `doc`,
+    /// unless that version is no longer indexed (deleted or replaced since it was retrieved:
+    /// attaching would leave an orphan). `replace`: the stored copy failed verification, so it
+    /// is deleted first and written again. Decided under the document's claim. Returns whether
+    /// it was stored.
+    pub fn write_back(
+        &self,
+        doc: &str,
+        hash: &str,
+        tokens: &[u32],
+        bytes: &[u8],
+        replace: bool,
+    ) -> Result<bool> {
+        let _claim = self.claim(doc);
+        if !self.indexes_version(doc, hash)? {
+            return Ok(false);
+        }
+        if replace {
+            self.store.delete(self.namespace(), tokens, 0)?;
+        }
+        self.store.put_batch(
+            self.namespace(),
+            self.layout(),
+            &[PutItem {
+                tokens,
+                kv: bytes,
+                doc: Some(&kv_doc(doc, hash)),
+            }],
+        )?;
+        Ok(true)
+    }
+
     /// Finds chunks whose KV is missing, corrupt or stale and prefills them again; see the
     /// module documentation. `counters` drive a progress display (chunks and tokens).
     pub fn rematerialize(&self, opts: &RematOptions, counters: &Counters) -> Result<RematReport> {
@@ -254,6 +286,14 @@ impl Engine {
             Ordering::Relaxed,
         );
         for c in &cands {
+            // The version may have been replaced or deleted since the scan: attaching KV to
+            // it now would leave an orphan. Decided under the document's claim.
+            let _claim = self.claim(&c.doc_id);
+            let hash = crate::split_kv_doc(&c.kv_doc).map_or("", |(_, h)| h);
+            if !self.indexes_version(&c.doc_id, hash)? {
+                counters.chunks_done.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let stored = matches!(
                 self.store.inspect(ns, &c.tokens, &mut buf)?,
                 SeqState::Present

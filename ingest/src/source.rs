@@ -64,9 +64,12 @@ impl Doc {
                 .to_string()
                 .as_bytes(),
         );
-        h.finalize().to_hex()[..32].to_string()
+        h.finalize().to_hex()[..CONTENT_HASH_LEN].to_string()
     }
 }
+
+/// Length of [`Doc::content_hash`] in hex digits.
+pub const CONTENT_HASH_LEN: usize = 32;
 
 /// One thing a source yields.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,7 +113,9 @@ pub fn read(source: &Source, limits: ReadLimits, f: &mut dyn FnMut(Item) -> bool
                     .map(|c| c.as_os_str().to_string_lossy())
                     .collect::<Vec<_>>()
                     .join("/");
-                if !f(read_file(&path, id, limits)) {
+                // Listed as a regular file; opened without following a link, so a file
+                // swapped for a symlink since the listing is refused, not read.
+                if !f(read_file(&path, id, limits, false)) {
                     return false;
                 }
             }
@@ -121,7 +126,7 @@ pub fn read(source: &Source, limits: ReadLimits, f: &mut dyn FnMut(Item) -> bool
                 || path.display().to_string(),
                 |n| n.to_string_lossy().into_owned(),
             );
-            f(read_file(path, id, limits))
+            f(read_file(path, id, limits, true))
         }
         Source::Jsonl(path) => match std::fs::File::open(path) {
             Ok(file) => read_jsonl(
@@ -203,7 +208,32 @@ enum Kind {
     Html,
 }
 
-fn read_file(path: &Path, id: String, limits: ReadLimits) -> Item {
+/// Opens `path` for reading: without following a final symlink unless `follow`, and without
+/// blocking on a FIFO; refuses anything but a regular file.
+fn open_regular(path: &Path, follow: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut flags = libc::O_NONBLOCK;
+    if !follow {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::other("a symbolic link (not followed)")
+            } else {
+                e
+            }
+        })?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    Ok(file)
+}
+
+fn read_file(path: &Path, id: String, limits: ReadLimits, follow: bool) -> Item {
     let origin = path.display().to_string();
     let skipped = |reason: String| Item::Skipped {
         origin: origin.clone(),
@@ -214,7 +244,7 @@ fn read_file(path: &Path, id: String, limits: ReadLimits) -> Item {
         Err(reason) => return skipped(reason),
     };
     let mut bytes = Vec::new();
-    match std::fs::File::open(path)
+    match open_regular(path, follow)
         .and_then(|f| f.take(limits.max_doc_bytes + 1).read_to_end(&mut bytes))
     {
         Ok(_) => {}
@@ -272,21 +302,78 @@ fn read_jsonl(
     limits: ReadLimits,
     f: &mut dyn FnMut(Item) -> bool,
 ) -> bool {
-    for (n, line) in input.split(b'\n').enumerate() {
-        let origin = format!("{name}:{}", n + 1);
-        let item = match line {
+    let mut input = input;
+    // A document of `max_doc_bytes` fits even with every character escaped.
+    let cap = limits
+        .max_doc_bytes
+        .saturating_mul(6)
+        .saturating_add(64 << 10);
+    let mut bytes = Vec::new();
+    for n in 1.. {
+        let origin = format!("{name}:{n}");
+        let item = match read_line_capped(&mut input, cap, &mut bytes) {
+            Ok(Line::End) => return true,
             Err(e) => Item::Skipped {
                 origin,
                 reason: format!("unreadable: {e}"),
             },
-            Ok(bytes) if bytes.iter().all(u8::is_ascii_whitespace) => continue,
-            Ok(bytes) => parse_json_doc(&bytes, origin, limits),
+            Ok(Line::TooLong) => Item::Skipped {
+                origin,
+                reason: format!("line longer than {cap} bytes (skipped to its end)"),
+            },
+            Ok(Line::Read) if bytes.iter().all(u8::is_ascii_whitespace) => continue,
+            Ok(Line::Read) => parse_json_doc(&bytes, origin, limits),
         };
         if !f(item) {
             return false;
         }
     }
     true
+}
+
+enum Line {
+    Read,
+    /// Longer than the cap: consumed up to its end, not kept.
+    TooLong,
+    End,
+}
+
+/// Reads one `\n`-terminated line into `buf` (without the `\n`), keeping at most `cap` bytes
+/// in memory whatever the line's length.
+fn read_line_capped(
+    input: &mut impl BufRead,
+    cap: u64,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Line> {
+    buf.clear();
+    let mut seen = 0u64;
+    let mut over = false;
+    loop {
+        let chunk = input.fill_buf()?;
+        if chunk.is_empty() {
+            return Ok(match (seen, over) {
+                (0, _) => Line::End,
+                (_, true) => Line::TooLong,
+                (_, false) => Line::Read,
+            });
+        }
+        let (take, done) = match chunk.iter().position(|b| *b == b'\n') {
+            Some(i) => (i, true),
+            None => (chunk.len(), false),
+        };
+        seen += take as u64 + done as u64;
+        if !over && buf.len() as u64 + take as u64 > cap {
+            over = true;
+            buf.clear();
+        }
+        if !over {
+            buf.extend_from_slice(&chunk[..take]);
+        }
+        input.consume(take + done as usize);
+        if done {
+            return Ok(if over { Line::TooLong } else { Line::Read });
+        }
+    }
 }
 
 fn parse_json_doc(bytes: &[u8], origin: String, limits: ReadLimits) -> Item {
@@ -493,6 +580,71 @@ mod tests {
         assert_eq!(y.id, "7");
         assert_eq!(items.len(), 5);
         assert!(items[2..].iter().all(|i| matches!(i, Item::Skipped { .. })));
+    }
+
+    #[test]
+    fn an_overlong_jsonl_line_is_skipped_without_being_held_and_reading_goes_on() {
+        // The cap is 6 x 1000 + 64 KiB; this line is far longer, in small reads.
+        let long = format!("{{\"id\": \"big\", \"text\": \"{}\"}}", "x".repeat(200_000));
+        let text = format!("{long}\n{{\"id\": \"ok\", \"text\": \"fine\"}}\n");
+        let mut items = Vec::new();
+        let reader = std::io::BufReader::with_capacity(512, text.as_bytes());
+        read_jsonl(reader, "in", LIMITS, &mut |i| {
+            items.push(i);
+            true
+        });
+        assert!(
+            matches!(&items[0], Item::Skipped { origin, reason } if origin == "in:1" && reason.contains("line longer")),
+            "{items:?}"
+        );
+        assert!(
+            matches!(&items[1], Item::Doc(d) if d.id == "ok"),
+            "{items:?}"
+        );
+        assert_eq!(items.len(), 2);
+        let mut buf = Vec::new();
+        let mut r = std::io::BufReader::with_capacity(4, &b"abcdefgh\nxy"[..]);
+        assert!(matches!(
+            read_line_capped(&mut r, 5, &mut buf).unwrap(),
+            Line::TooLong
+        ));
+        assert!(buf.len() <= 5);
+        assert!(matches!(
+            read_line_capped(&mut r, 5, &mut buf).unwrap(),
+            Line::Read
+        ));
+        assert_eq!(buf, b"xy");
+        assert!(matches!(
+            read_line_capped(&mut r, 5, &mut buf).unwrap(),
+            Line::End
+        ));
+    }
+
+    #[test]
+    fn a_walked_file_replaced_by_a_symlink_or_fifo_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret.txt");
+        std::fs::write(&secret, "private").unwrap();
+        let link = dir.path().join("doc.txt");
+        std::os::unix::fs::symlink(&secret, &link).unwrap();
+        let refused = read_file(&link, "doc.txt".into(), LIMITS, false);
+        assert!(
+            matches!(&refused, Item::Skipped { reason, .. } if reason.contains("symbolic link")),
+            "{refused:?}"
+        );
+        // Named on the command line, a link is the user's choice and is followed.
+        assert!(matches!(
+            read_file(&link, "doc.txt".into(), LIMITS, true),
+            Item::Doc(_)
+        ));
+        let fifo = dir.path().join("pipe.txt");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let r = read_file(&fifo, "pipe.txt".into(), LIMITS, true);
+        assert!(
+            matches!(&r, Item::Skipped { reason, .. } if reason.contains("not a regular file")),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -165,6 +165,11 @@ impl Model {
         &self.name
     }
 
+    /// The longest sequence the model takes (prompt and answer), in tokens.
+    pub fn max_positions(&self) -> usize {
+        self.config().max_positions
+    }
+
     pub fn config(&self) -> &ModelConfig {
         self.decoder.config()
     }

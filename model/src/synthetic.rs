@@ -122,7 +122,7 @@ const HIDDEN_HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 const LAYERS: usize = 2;
 const INTERMEDIATE: usize = 96;
-const MAX_POSITIONS: usize = 512;
+const MAX_POSITIONS: usize = 4096;
 const RMS_EPS: f64 = 1e-5;
 
 /// Writes the model into `dir` (`model.gguf` and `hf/`).
