@@ -1,6 +1,7 @@
 //! `ragkv`: the command-line entry point. Thin: parses configuration and calls the libraries.
 
 mod config;
+mod handoff;
 
 use std::path::PathBuf;
 
@@ -190,9 +191,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&out)?);
         }
         Command::Gc => {
-            if let Some(addr) = running_server(&config) {
-                eprintln!("a server is running on this data directory: asking it (http://{addr})");
-                let v = admin_post(&config, addr, "/v1/admin/gc", None)?;
+            if let Some(server) = handoff::running_server(&config) {
+                eprintln!(
+                    "a server is running on this data directory: asking it (http://{})",
+                    server.addr
+                );
+                let v = handoff::admin_post(&config, server, "/v1/admin/gc", None)?;
                 println!("{v}");
             } else if config.vectors_dir().exists() {
                 let r = open_engine(&config)?.gc()?;
@@ -216,7 +220,8 @@ fn run(cli: Cli) -> Result<()> {
             return serve_cmd(&config);
         }
         Command::Delete { ids } => {
-            if let Some(addr) = running_server(&config) {
+            if let Some(server) = handoff::running_server(&config) {
+                let addr = server.addr;
                 for id in &ids {
                     let path = format!("/v1/documents/{}", serve::client::encode_segment(id));
                     let token = Some(config.serve.admin_token.as_str());
@@ -269,7 +274,9 @@ fn run(cli: Cli) -> Result<()> {
 fn serve_cmd(config: &Config) -> Result<()> {
     let engine = std::sync::Arc::new(open_engine(config)?);
     let rag = serve::Rag::start(engine, config.serve.clone()).map_err(anyhow::Error::msg)?;
-    let app = serve::app(serve::AppState::new(rag));
+    let instance = rag.instance.clone();
+    let app = serve::app(serve::AppState::new(rag.clone()));
+    let limits = serve::listen::Limits::from_config(&config.serve);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("ragkv-http")
@@ -281,16 +288,14 @@ fn serve_cmd(config: &Config) -> Result<()> {
             .await
             .with_context(|| format!("binding {}", config.serve.bind))?;
         let addr = listener.local_addr()?;
-        let info = serde_json::json!({"url": format!("http://{addr}"), "pid": std::process::id()});
-        std::fs::write(&server_file, info.to_string())
-            .with_context(|| format!("writing {}", server_file.display()))?;
+        handoff::announce(config, addr, &instance)?;
         eprintln!("ragkv serving on http://{addr}");
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await;
+        let served = serve::listen::serve(listener, app, limits, shutdown_signal()).await;
         let _ = std::fs::remove_file(&server_file);
         served.context("serving")
     })?;
+    // Queued queries end, pending KV write-backs are stored, the threads are joined.
+    rag.shutdown();
     eprintln!("ragkv: shut down");
     Ok(())
 }
@@ -351,11 +356,14 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
         limit: args.limit,
         dry_run: args.dry_run,
     };
-    let report: ingest::RematReport = if let Some(addr) = running_server(config) {
-        eprintln!("a server is running on this data directory: handing the work to http://{addr}");
-        let v = admin_post(
+    let report: ingest::RematReport = if let Some(server) = handoff::running_server(config) {
+        eprintln!(
+            "a server is running on this data directory: handing the work to http://{}",
+            server.addr
+        );
+        let v = handoff::admin_post(
             config,
-            addr,
+            server,
             "/v1/admin/rematerialize",
             Some(&serde_json::to_value(opts)?),
         )?;
@@ -404,32 +412,6 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
     Ok(())
 }
 
-/// POSTs to an admin route of the running server (waiting while another maintenance job runs);
-/// the JSON answer, or an error naming the status.
-fn admin_post(
-    config: &Config,
-    addr: std::net::SocketAddr,
-    path: &str,
-    body: Option<&serde_json::Value>,
-) -> Result<serde_json::Value> {
-    let token = Some(config.serve.admin_token.as_str());
-    // 409: another maintenance job (perhaps the server's own schedule) is running; wait.
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(3600);
-    let (status, text) = loop {
-        let (status, text) = serve::client::request(addr, "POST", path, token, body)?;
-        if status != 409 || std::time::Instant::now() > give_up {
-            break (status, text);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(500));
-    };
-    anyhow::ensure!(
-        status == 200,
-        "server answered {status}: {}",
-        serve::client::error_message(&text)
-    );
-    Ok(serde_json::from_str(&text)?)
-}
-
 fn progress_mode(s: &str) -> Result<ingest::ProgressMode> {
     Ok(match s {
         "auto" => ingest::ProgressMode::Auto,
@@ -455,8 +437,17 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
             anyhow::ensure!(p.exists(), "{} does not exist", p.display());
         }
     }
-    if let Some(addr) = running_server(config) {
-        return ingest_via_server(config, addr, &sources, &args);
+    if let Some(server) = handoff::running_server(config) {
+        anyhow::ensure!(
+            !args.prune,
+            "--prune is not supported while a server runs on this data directory (it owns the \
+             store): stop the server, or delete documents with `ragkv delete`"
+        );
+        let materialize = args.materialize.unwrap_or(config.ingest.materialize);
+        if !handoff::ingest(config, server, &sources, materialize, args.json)? {
+            std::process::exit(EXIT_PARTIAL);
+        }
+        return Ok(());
     }
     let engine = open_engine(config)?;
     let opts = ingest::RunOptions {
@@ -474,138 +465,6 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     }
     if !report.ok() {
-        std::process::exit(EXIT_PARTIAL);
-    }
-    Ok(())
-}
-
-/// A running server's address, if `server.json` names one that answers `/healthz`.
-fn running_server(config: &Config) -> Option<std::net::SocketAddr> {
-    let text = std::fs::read_to_string(config.server_file()).ok()?;
-    let info: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let addr = info["url"]
-        .as_str()?
-        .strip_prefix("http://")?
-        .parse()
-        .ok()?;
-    let (status, body) = serve::client::request(addr, "GET", "/healthz", None, None).ok()?;
-    (status == 200 && body.trim() == "ok").then_some(addr)
-}
-
-/// `ragkv ingest` while a server owns the data directory: read the sources here, send the
-/// documents to `POST /v1/documents` in batches, sum the server's reports.
-fn ingest_via_server(
-    config: &Config,
-    addr: std::net::SocketAddr,
-    sources: &[ingest::Source],
-    args: &IngestArgs,
-) -> Result<()> {
-    anyhow::ensure!(
-        !args.prune,
-        "--prune is not supported while a server runs on this data directory (it owns the \
-         store): stop the server, or delete documents with `ragkv delete`"
-    );
-    eprintln!("a server is running on this data directory: sending the documents to http://{addr}");
-    let materialize = args.materialize.unwrap_or(config.ingest.materialize);
-    let limits = ingest::source::ReadLimits {
-        max_doc_bytes: config.ingest.max_doc_bytes,
-    };
-    let mut total = serde_json::Map::new();
-    let mut failures: Vec<serde_json::Value> = Vec::new();
-    let mut batch: Vec<serde_json::Value> = Vec::new();
-    let mut batch_bytes = 0usize;
-    let mut send = |batch: &mut Vec<serde_json::Value>| -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let body =
-            serde_json::json!({"documents": std::mem::take(batch), "materialize": materialize});
-        let token = Some(config.serve.admin_token.as_str());
-        let (status, text) =
-            serve::client::request(addr, "POST", "/v1/documents", token, Some(&body))?;
-        if status != 200 {
-            anyhow::bail!(
-                "server answered {status}: {}",
-                serve::client::error_message(&text)
-            );
-        }
-        let report: serde_json::Value = serde_json::from_str(&text)?;
-        for (k, v) in report.as_object().into_iter().flatten() {
-            if let Some(n) = v.as_u64() {
-                let cur = total.get(k).and_then(|c| c.as_u64()).unwrap_or(0);
-                total.insert(k.clone(), serde_json::json!(cur + n));
-            } else if let Some(x) = v.as_f64() {
-                let cur = total.get(k).and_then(|c| c.as_f64()).unwrap_or(0.0);
-                total.insert(k.clone(), serde_json::json!(cur + x));
-            }
-        }
-        failures.extend(report["failures"].as_array().cloned().unwrap_or_default());
-        Ok(())
-    };
-    let mut skipped: Vec<serde_json::Value> = Vec::new();
-    let mut err = None;
-    for src in sources {
-        ingest::source::read(src, limits, &mut |item| {
-            match item {
-                ingest::Item::Skipped { origin, reason } => {
-                    skipped.push(serde_json::json!({"origin": origin, "reason": reason}));
-                }
-                ingest::Item::Doc(d) => {
-                    batch_bytes += d.text.len();
-                    batch.push(
-                        serde_json::json!({"id": d.id, "text": d.text, "metadata": d.metadata}),
-                    );
-                    if batch.len() >= 16 || batch_bytes >= 4 << 20 {
-                        batch_bytes = 0;
-                        if let Err(e) = send(&mut batch) {
-                            err = Some(e);
-                            return false;
-                        }
-                    }
-                }
-            }
-            true
-        });
-        if err.is_some() {
-            break;
-        }
-    }
-    if let Some(e) = err {
-        return Err(e);
-    }
-    send(&mut batch)?;
-    let failed = total
-        .get("docs_failed")
-        .and_then(|v| v.as_u64())
-        .unwrap_or(0) as usize
-        + skipped.len();
-    total.insert("docs_failed".into(), serde_json::json!(failed));
-    failures.extend(skipped);
-    for f in &failures {
-        eprintln!(
-            "skipped {}: {}",
-            f["origin"].as_str().unwrap_or("?"),
-            f["reason"].as_str().unwrap_or("?")
-        );
-    }
-    total.insert("failures".into(), serde_json::Value::Array(failures));
-    eprintln!(
-        "documents: {} new, {} unchanged, {} replaced, {} failed (through the server)",
-        total.get("docs_new").and_then(|v| v.as_u64()).unwrap_or(0),
-        total
-            .get("docs_unchanged")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0),
-        total
-            .get("docs_replaced")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0),
-        failed
-    );
-    if args.json {
-        println!("{}", serde_json::Value::Object(total));
-    }
-    if failed > 0 {
         std::process::exit(EXIT_PARTIAL);
     }
     Ok(())

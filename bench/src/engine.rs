@@ -89,11 +89,11 @@ pub fn submit(
     arrived: std::time::Instant,
 ) -> Result<tokio::sync::mpsc::Receiver<serve::Event>, Error> {
     let (tx, rx) = tokio::sync::mpsc::channel(1024);
-    rag.metrics
-        .inflight
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    rag.submit(query, hits, tx, arrived, arrived.elapsed())
-        .map_err(e("submit"))?;
+    let ticket = rag
+        .admit()
+        .ok_or_else(|| Error::Check("the pipeline is at serve.max_inflight".into()))?;
+    rag.submit(ticket, query, hits, tx, arrived, arrived.elapsed())
+        .map_err(|(_, why)| e("submit")(why))?;
     Ok(rx)
 }
 
@@ -103,7 +103,7 @@ pub fn wait(mut rx: tokio::sync::mpsc::Receiver<serve::Event>) -> Result<serve::
         match ev {
             serve::Event::Token(_) => {}
             serve::Event::Done(f) => return Ok(*f),
-            serve::Event::Error(why) => return Err(Error::Check(format!("query: {why}"))),
+            serve::Event::Error(_, why) => return Err(Error::Check(format!("query: {why}"))),
         }
     }
     Err(Error::Check("query ended without a result".into()))

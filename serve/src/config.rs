@@ -44,6 +44,13 @@ pub struct ServeConfig {
     /// server reached through a name, e.g. behind a proxy); every other `Host` or `Origin`
     /// is refused with 403 (see `guard.rs`).
     pub allowed_hosts: Vec<String>,
+    /// Open connections at most; past it, new connections wait in the listen backlog.
+    pub max_connections: usize,
+    /// A client must send a request's headers within this (also while a kept-alive
+    /// connection idles), and its body within `body_timeout_ms`; else the connection closes
+    /// (408 for a body).
+    pub header_timeout_ms: u64,
+    pub body_timeout_ms: u64,
 }
 
 impl Default for ServeConfig {
@@ -67,6 +74,9 @@ impl Default for ServeConfig {
             rematerialize_limit: 0,
             gc_cron: String::new(),
             allowed_hosts: Vec::new(),
+            max_connections: 256,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 30_000,
         }
     }
 }
@@ -92,9 +102,20 @@ impl ServeConfig {
         if self.default_max_tokens == 0 || self.default_max_tokens > self.max_tokens_limit {
             return Err("serve.default_max_tokens: need 1 <= default <= max_tokens_limit".into());
         }
-        if self.request_timeout_ms == 0 || self.max_question_chars == 0 || self.max_body_bytes == 0
+        if self.request_timeout_ms == 0
+            || self.max_question_chars == 0
+            || self.max_body_bytes == 0
+            || self.max_connections == 0
+            || self.header_timeout_ms == 0
+            || self.body_timeout_ms == 0
         {
             return Err("serve: timeouts and limits must be positive".into());
+        }
+        if self.max_connections < self.max_inflight {
+            return Err(format!(
+                "serve.max_connections ({}) must be at least serve.max_inflight ({})",
+                self.max_connections, self.max_inflight
+            ));
         }
         if !(self.recompute_share > 0.0 && self.recompute_share <= 1.0) {
             return Err(format!(

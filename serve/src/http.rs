@@ -16,26 +16,21 @@ use model::GenerateParams;
 use retrieval::SearchFilter;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::mpsc;
 
 use crate::assembly::Assembly;
 use crate::guard::HostRule;
-use crate::rag::{Event, Final, KvMode, Query, Rag};
+use crate::rag::{Event, FailKind, Final, KvMode, Query, Rag};
 
 /// Shared state of the routes.
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub rag: Arc<Rag>,
-    admission: Arc<Semaphore>,
 }
 
 impl AppState {
     pub fn new(rag: Arc<Rag>) -> AppState {
-        let n = rag.config.max_inflight;
-        AppState {
-            rag,
-            admission: Arc::new(Semaphore::new(n)),
-        }
+        AppState { rag }
     }
 }
 
@@ -43,6 +38,7 @@ impl AppState {
 /// rules of [`crate::guard`].
 pub fn app(state: AppState) -> Router {
     let limit = state.rag.config.max_body_bytes;
+    let body_timeout = Duration::from_millis(state.rag.config.body_timeout_ms);
     let rule = Arc::new(HostRule::new(
         &state.rag.config.bind,
         &state.rag.config.allowed_hosts,
@@ -59,8 +55,13 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/admin/gc", post(gc))
         .route("/v1/stats", get(stats))
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            read_body(limit, body_timeout, req, next)
+        }))
+        .layer(axum::middleware::from_fn(json_errors))
         .layer(axum::middleware::from_fn(move |req, next| {
             let rule = rule.clone();
             same_site(rule, req, next)
@@ -99,6 +100,98 @@ async fn same_site(
     }
 }
 
+/// Turns every error response that is not JSON already (the framework's own: 405, 413, 415,
+/// ...) into the API's JSON error shape, keeping its status.
+async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let r = next.run(req).await;
+    let status = r.status();
+    let is_json = r
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return r;
+    }
+    let (parts, body) = r.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let mut out = ApiError::new(status, message).into_response();
+    for name in [header::ALLOW, header::RETRY_AFTER] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
+}
+
+/// Reads the whole request body (at most `limit` bytes) within `timeout` before the route
+/// runs: a client that trickles its body is answered 408 instead of holding a task.
+async fn read_body(
+    limit: usize,
+    timeout: Duration,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body larger than serve.max_body_bytes ({limit})"),
+        )
+        .into_response()
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "request body not received within {} ms",
+                timeout.as_millis()
+            ),
+        )
+        .into_response(),
+        Ok(Err(e)) if e.to_string().contains("length limit") => too_large(),
+        Ok(Err(e)) => ApiError::bad(format!("reading the request body: {e}")).into_response(),
+        Ok(Ok(bytes)) => {
+            next.run(axum::extract::Request::from_parts(parts, bytes.into()))
+                .await
+        }
+    }
+}
+
+/// `GET /healthz`: `ok`, or 503 naming the pipeline workers that stopped.
+async fn healthz(State(state): State<AppState>) -> Response {
+    let dead = state.rag.dead_workers();
+    let mut r = if dead.is_empty() {
+        "ok".into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("pipeline workers stopped: {}", dead.join(", ")),
+        )
+        .into_response()
+    };
+    if let Ok(v) = HeaderValue::from_str(&state.rag.instance) {
+        r.headers_mut().insert("x-ragkv-instance", v);
+    }
+    r
+}
+
 /// An error response: `{"error": {"message", "type"}}`.
 #[derive(Debug)]
 pub struct ApiError {
@@ -121,17 +214,46 @@ impl ApiError {
     fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
+    fn failed(kind: FailKind, message: String) -> ApiError {
+        let status = match kind {
+            FailKind::Invalid => StatusCode::BAD_REQUEST,
+            FailKind::Busy => StatusCode::TOO_MANY_REQUESTS,
+            FailKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            FailKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            FailKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError {
+            status,
+            message,
+            retry_after: (kind == FailKind::Busy).then_some(1),
+        }
+    }
+    /// The `type` of the error body.
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 | 404 | 405 | 408 | 413 | 415 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            429 => "rate_limit_error",
+            504 => "timeout_error",
+            _ => "server_error",
+        }
+    }
+}
+
+/// The JSON error of a rejected extractor (path, query string, body).
+fn rejected(e: impl IntoResponse + std::fmt::Display) -> ApiError {
+    let message = e.to_string();
+    let status = e.into_response().status();
+    ApiError::new(status, message)
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let kind = match self.status.as_u16() {
-            400 | 413 | 422 => "invalid_request_error",
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            429 => "rate_limit_error",
-            _ => "server_error",
+        let kind = if self.status == StatusCode::NOT_FOUND {
+            "not_found_error"
+        } else {
+            self.kind()
         };
         let mut r = (
             self.status,
@@ -240,6 +362,7 @@ fn build_query(
     params
         .validate()
         .map_err(|e| ApiError::bad(e.to_string()))?;
+    rag.fits_context(top_k, max_tokens).map_err(ApiError::bad)?;
     let documents = documents.unwrap_or_default();
     if documents.len() > 1024 {
         return Err(ApiError::bad("documents: at most 1024 ids"));
@@ -257,9 +380,8 @@ fn build_query(
     })
 }
 
-/// An admitted query: its permit (held until the response ends) and its event channel.
+/// An admitted query's event channel (its admission ticket travels with the job).
 struct Running {
-    _permit: OwnedSemaphorePermit,
     rx: mpsc::Receiver<Event>,
     deadline: tokio::time::Instant,
 }
@@ -271,7 +393,7 @@ impl Running {
             Ok(e) => e,
             Err(_) => {
                 self.rx.close();
-                Some(Event::Error("request timed out".into()))
+                Some(Event::Error(FailKind::Timeout, "request timed out".into()))
             }
         }
     }
@@ -281,7 +403,7 @@ impl Running {
 fn start(state: &AppState, q: Query) -> ApiResult<Running> {
     let rag = state.rag.clone();
     let m = &rag.metrics;
-    let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
+    let ticket = rag.admit().ok_or_else(|| {
         m.rejected.fetch_add(1, Ordering::Relaxed);
         ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
@@ -293,7 +415,6 @@ fn start(state: &AppState, q: Query) -> ApiResult<Running> {
         }
     })?;
     m.requests.fetch_add(1, Ordering::Relaxed);
-    m.inflight.fetch_add(1, Ordering::Relaxed);
     let arrived = Instant::now();
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(rag.config.request_timeout_ms);
@@ -305,19 +426,16 @@ fn start(state: &AppState, q: Query) -> ApiResult<Running> {
         let hits = tokio::task::spawn_blocking(move || r2.retrieve(&q2))
             .await
             .map_err(|e| e.to_string())
-            .and_then(|r| r);
-        let outcome = hits.and_then(|hits| rag.submit(q, hits, tx.clone(), arrived, t.elapsed()));
-        if let Err(e) = outcome {
+            .and_then(|r| r)
+            .map_err(|e| (FailKind::Internal, e));
+        let outcome =
+            hits.and_then(|hits| rag.submit(ticket, q, hits, tx.clone(), arrived, t.elapsed()));
+        if let Err((kind, e)) = outcome {
             rag.metrics.failed.fetch_add(1, Ordering::Relaxed);
-            rag.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
-            let _ = tx.send(Event::Error(e)).await;
+            let _ = tx.send(Event::Error(kind, e)).await;
         }
     });
-    Ok(Running {
-        _permit: permit,
-        rx,
-        deadline,
-    })
+    Ok(Running { rx, deadline })
 }
 
 /// Drains a query into its final result (non-streaming responses).
@@ -326,17 +444,21 @@ async fn collect(mut run: Running) -> ApiResult<Final> {
         match e {
             Event::Token(_) => {}
             Event::Done(f) => return Ok(*f),
-            Event::Error(e) => return Err(ApiError::internal(e)),
+            Event::Error(kind, e) => return Err(ApiError::failed(kind, e)),
         }
     }
     Err(ApiError::internal("the query ended without a result"))
 }
 
+type UrlParams = Result<UrlQuery<KvParam>, axum::extract::rejection::QueryRejection>;
+type IdParam = Result<Path<String>, axum::extract::rejection::PathRejection>;
+
 async fn query(
     State(state): State<AppState>,
-    UrlQuery(p): UrlQuery<KvParam>,
+    p: UrlParams,
     body: Result<Json<QueryBody>, axum::extract::rejection::JsonRejection>,
 ) -> ApiResult<Response> {
+    let UrlQuery(p) = p.map_err(rejected)?;
     let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let kv = kv_mode(p.kv.as_deref().or(b.kv.as_deref()))?;
     let asm = assembly(&state.rag, p.assembly.as_deref().or(b.assembly.as_deref()))?;
@@ -374,8 +496,9 @@ fn query_events(mut run: Running) -> impl Stream<Item = Result<SseEvent, Infalli
                     yield Ok(SseEvent::default().event("done").data(serde_json::to_string(&*f).unwrap_or_default()));
                     break;
                 }
-                Event::Error(e) => {
-                    yield Ok(SseEvent::default().event("error").data(json!({"error": {"message": e}}).to_string()));
+                Event::Error(kind, e) => {
+                    let kind = ApiError::failed(kind, String::new()).kind();
+                    yield Ok(SseEvent::default().event("error").data(json!({"error": {"message": e, "type": kind}}).to_string()));
                     break;
                 }
             }
@@ -422,9 +545,10 @@ fn message_text(content: &Value) -> Option<String> {
 
 async fn chat(
     State(state): State<AppState>,
-    UrlQuery(p): UrlQuery<KvParam>,
+    p: UrlParams,
     body: Result<Json<ChatBody>, axum::extract::rejection::JsonRejection>,
 ) -> ApiResult<Response> {
+    let UrlQuery(p) = p.map_err(rejected)?;
     let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     let question = b
         .messages
@@ -485,8 +609,9 @@ async fn chat(
                     yield Ok(SseEvent::default().data(last.to_string()));
                     break;
                 }
-                Event::Error(e) => {
-                    yield Ok(SseEvent::default().data(json!({"error": {"message": e, "type": "server_error"}}).to_string()));
+                Event::Error(kind, e) => {
+                    let kind = ApiError::failed(kind, String::new()).kind();
+                    yield Ok(SseEvent::default().data(json!({"error": {"message": e, "type": kind}}).to_string()));
                     break;
                 }
             }
@@ -546,11 +671,13 @@ pub struct DocumentIn {
     pub metadata: serde_json::Map<String, Value>,
 }
 
+/// `POST /v1/documents`: the ingest report, with 200 when every document was committed, 207
+/// when some failed (the report's `failures` say which and why), 422 when none was.
 async fn add_documents(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Result<Json<DocumentsBody>, axum::extract::rejection::JsonRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     check_admin(&state, &headers)?;
     let Json(b) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
     if b.documents.is_empty() {
@@ -586,13 +713,21 @@ async fn add_documents(
     .await
     .map_err(|e| ApiError::internal(e.to_string()))?
     .map_err(|e| ApiError::internal(e.to_string()))?;
-    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
+    let committed = report.docs_new + report.docs_replaced + report.docs_unchanged;
+    let status = match (report.ok(), committed) {
+        (true, _) => StatusCode::OK,
+        (false, 0) => StatusCode::UNPROCESSABLE_ENTITY,
+        (false, _) => StatusCode::MULTI_STATUS,
+    };
+    Ok((
+        status,
+        Json(serde_json::to_value(report).unwrap_or_default()),
+    )
+        .into_response())
 }
 
-async fn get_document(
-    State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+async fn get_document(State(state): State<AppState>, id: IdParam) -> ApiResult<Json<Value>> {
+    let Path(id) = id.map_err(rejected)?;
     let engine = state.rag.engine.clone();
     let id2 = id.clone();
     let chunks = tokio::task::spawn_blocking(move || engine.index.document(&id2))
@@ -620,9 +755,10 @@ async fn get_document(
 async fn delete_document(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: IdParam,
 ) -> ApiResult<Json<Value>> {
     check_admin(&state, &headers)?;
+    let Path(id) = id.map_err(rejected)?;
     let engine = state.rag.engine.clone();
     let id2 = id.clone();
     let existed = tokio::task::spawn_blocking(move || engine.delete_document(&id2))

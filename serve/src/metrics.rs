@@ -65,6 +65,10 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub failed: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Jobs on which a pipeline worker panicked (contained: the job failed, the worker went on).
+    pub worker_panics: AtomicU64,
+    /// Chunks whose stored KV failed verification (recomputed, then written again).
+    pub kv_corrupt: AtomicU64,
     pub kv_hits: AtomicU64,
     pub kv_misses: AtomicU64,
     pub kv_bytes_loaded: AtomicU64,
@@ -91,6 +95,8 @@ impl Default for Metrics {
             rejected: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
+            worker_panics: AtomicU64::new(0),
+            kv_corrupt: AtomicU64::new(0),
             kv_hits: AtomicU64::new(0),
             kv_misses: AtomicU64::new(0),
             kv_bytes_loaded: AtomicU64::new(0),
@@ -165,6 +171,18 @@ impl Metrics {
                 "counter",
                 "Queries whose client went away or timed out.",
                 g(&self.cancelled),
+            ),
+            (
+                "ragkv_worker_panics_total",
+                "counter",
+                "Jobs on which a pipeline worker panicked (the job failed; the worker went on).",
+                g(&self.worker_panics),
+            ),
+            (
+                "ragkv_kv_corrupt_total",
+                "counter",
+                "Stored chunk KV that failed verification (recomputed and written again).",
+                g(&self.kv_corrupt),
             ),
             (
                 "ragkv_kv_hits_total",

@@ -14,17 +14,21 @@
 //!   document version, so the next query finds them.
 //!
 //! Retrieval (embedding the question, vector search) runs in `spawn_blocking` before a query
-//! enters the loader queue. Admission is bounded by `max_inflight`; the queues are sized so that
-//! an admitted query never blocks a sender.
+//! enters the loader queue. Admission is bounded by `max_inflight`: each admitted query's
+//! [`Ticket`] travels with its job and is given back when the job leaves the pipeline, so the
+//! queues (sized to `max_inflight`) never block a sender. A panic on one job fails that job
+//! only; a worker that stops makes `/healthz` fail ([`crate::supervise`]). [`Rag::shutdown`]
+//! drains the queues and joins the threads, so pending write-backs are stored.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use ingest::Engine;
-use kvstore::PutItem;
 use model::{GenerateParams, Kv, KvCache};
+use parking_lot::Mutex;
 use retrieval::{Hit, SearchFilter};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -33,6 +37,7 @@ use crate::assembly::{assemble, Assembly};
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
+use crate::supervise::{contain, Faults, Health, Ticket};
 
 /// Whether stored KV is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -123,15 +128,38 @@ pub struct Final {
     pub timings: Timings,
 }
 
+/// Why a query failed; decides the status of a non-streaming answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    /// The request cannot be served as asked (400).
+    Invalid,
+    /// No room now (429).
+    Busy,
+    /// It did not finish within `request_timeout_ms` (504).
+    Timeout,
+    /// The pipeline is shutting down or stopped (503).
+    Unavailable,
+    /// A fault of the server (500).
+    Internal,
+}
+
 /// What a query's channel receives: text pieces, then one `Done` or `Error`.
 #[derive(Debug, Clone)]
 pub enum Event {
     Token(String),
     Done(Box<Final>),
-    Error(String),
+    Error(FailKind, String),
+}
+
+type Failure = (FailKind, String);
+
+fn internal(e: impl std::fmt::Display) -> Failure {
+    (FailKind::Internal, e.to_string())
 }
 
 struct LoadJob {
+    /// Admission: given back when the job is dropped, wherever that happens.
+    _ticket: Ticket,
     query: Query,
     hits: Vec<Hit>,
     events: mpsc::Sender<Event>,
@@ -144,6 +172,8 @@ struct Loaded {
     tokens: Vec<u32>,
     /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
     kv: Option<Kv>,
+    /// The stored copy failed verification: write the recomputed KV over it.
+    corrupt: bool,
 }
 
 struct ComputeJob {
@@ -153,9 +183,11 @@ struct ComputeJob {
 }
 
 struct Writeback {
-    kv_doc: String,
+    doc: String,
+    hash: String,
     tokens: Vec<u32>,
     bytes: Vec<u8>,
+    replace: bool,
 }
 
 /// The system prompt's KV, computed once, and where the model's chat template puts the
@@ -174,7 +206,19 @@ pub struct Rag {
     pub metrics: Arc<Metrics>,
     /// Rematerialize and GC jobs (requested, or on the configured schedule).
     pub maintenance: Arc<crate::Maintenance>,
-    load_tx: Sender<LoadJob>,
+    /// Faults tests inject (never set in production).
+    pub faults: Arc<Faults>,
+    /// A random id of this server process: `/healthz` sends it (`x-ragkv-instance`) so that
+    /// the CLI can tell the server that wrote `server.json` from whatever listens there now.
+    pub instance: String,
+    health: Arc<Health>,
+    /// Tokens of the system prefix.
+    prefix_tokens: usize,
+    /// `max_inflight` permits; see [`Rag::admit`].
+    admission: Arc<tokio::sync::Semaphore>,
+    /// `None` once shut down.
+    load_tx: Mutex<Option<Sender<LoadJob>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Rag {
@@ -202,55 +246,109 @@ impl Rag {
             .prefill(&tokens, 0)
             .map_err(|e| e.to_string())?;
         let prefix = Arc::new(Prefix { tokens, kv, prompt });
+        let prefix_tokens = prefix.tokens.len();
+        check_context(&engine, &config, prefix.tokens.len())?;
         let metrics = Arc::new(Metrics::default());
+        let faults = Arc::new(Faults::default());
+        let health = Arc::new(Health::default());
         let (load_tx, load_rx) = bounded::<LoadJob>(config.max_inflight);
         // One loaded query waits while another computes: the loader runs one ahead.
         let (compute_tx, compute_rx) = bounded::<ComputeJob>(1);
         let (wb_tx, wb_rx) = bounded::<Writeback>(64);
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+        let mut workers = Vec::new();
+        let mut spawn = |name: &'static str, f: Box<dyn FnOnce() + Send>| {
+            let alive = health.register(name);
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(f)
-                .map(drop)
+                .spawn(move || {
+                    let _alive = alive;
+                    f()
+                })
+                .map(|h| workers.push(h))
                 .map_err(|e| format!("spawning {name}: {e}"))
         };
         let timeline = Arc::new(Timeline::default());
         {
-            let (e, m, tl) = (engine.clone(), metrics.clone(), timeline.clone());
+            let w = Worker {
+                engine: engine.clone(),
+                metrics: metrics.clone(),
+                faults: faults.clone(),
+            };
+            let tl = timeline.clone();
             let start = prefix.tokens.len();
             spawn(
                 "ragkv-loader",
-                Box::new(move || loader(&e, &m, &tl, start, load_rx, compute_tx)),
+                Box::new(move || loader(&w, &tl, start, load_rx, compute_tx)),
             )?;
         }
         {
-            let (e, m, p) = (engine.clone(), metrics.clone(), prefix.clone());
+            let w = Worker {
+                engine: engine.clone(),
+                metrics: metrics.clone(),
+                faults: faults.clone(),
+            };
+            let p = prefix.clone();
             let share = config.recompute_share;
             spawn(
                 "ragkv-model",
-                Box::new(move || compute(&e, &m, &timeline, &p, share, compute_rx, wb_tx)),
+                Box::new(move || compute(&w, &timeline, &p, share, compute_rx, wb_tx)),
             )?;
         }
         {
-            let (e, m) = (engine.clone(), metrics.clone());
-            spawn(
-                "ragkv-materialize",
-                Box::new(move || writeback(&e, &m, wb_rx)),
-            )?;
+            let w = Worker {
+                engine: engine.clone(),
+                metrics: metrics.clone(),
+                faults: faults.clone(),
+            };
+            spawn("ragkv-materialize", Box::new(move || writeback(&w, wb_rx)))?;
         }
         let maintenance = crate::Maintenance::new(engine.clone(), metrics.clone());
         maintenance.schedule(config.schedules()?)?;
+        let admission = Arc::new(tokio::sync::Semaphore::new(config.max_inflight));
         Ok(Arc::new(Rag {
             engine,
             config,
             metrics,
             maintenance,
-            load_tx,
+            faults,
+            instance: uuid::Uuid::new_v4().simple().to_string(),
+            health,
+            prefix_tokens,
+            admission,
+            load_tx: Mutex::new(Some(load_tx)),
+            workers: Mutex::new(workers),
         }))
+    }
+
+    /// Admits one query if fewer than `max_inflight` are in the pipeline: its ticket goes to
+    /// [`Rag::submit`] with the query. `None`: at capacity (answer 429).
+    pub fn admit(&self) -> Option<Ticket> {
+        let permit = self.admission.clone().try_acquire_owned().ok()?;
+        Some(Ticket::new(permit, self.metrics.clone()))
+    }
+
+    /// Pipeline workers that stopped while the pipeline was open (empty: healthy).
+    pub fn dead_workers(&self) -> Vec<&'static str> {
+        self.health.dead()
+    }
+
+    /// Stops taking queries, lets the queued ones finish (or cancel, if their clients left),
+    /// stores every pending write-back, and joins the threads. Later queries fail with
+    /// [`FailKind::Unavailable`].
+    pub fn shutdown(&self) {
+        self.health.closing();
+        drop(self.load_tx.lock().take());
+        for h in self.workers.lock().drain(..) {
+            let name = h.thread().name().unwrap_or("?").to_string();
+            if h.join().is_err() {
+                tracing::error!(worker = %name, "pipeline worker had panicked");
+            }
+        }
     }
 
     /// Retrieval: blocking (embedding, vector search); call from `spawn_blocking`.
     pub fn retrieve(&self, q: &Query) -> Result<Vec<Hit>, String> {
+        Faults::delay(&self.faults.retrieval_delay_ms);
         let v = self
             .engine
             .embedder
@@ -263,16 +361,18 @@ impl Rag {
     }
 
     /// Hands a retrieved query to the loader. Never blocks for admitted queries (the queue
-    /// holds `max_inflight`); fails if the pipeline is gone.
+    /// holds `max_inflight`, one per ticket); fails if the pipeline is gone.
     pub fn submit(
         &self,
+        ticket: Ticket,
         query: Query,
         hits: Vec<Hit>,
         events: mpsc::Sender<Event>,
         arrived: Instant,
         retrieve: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), (FailKind, String)> {
         let job = LoadJob {
+            _ticket: ticket,
             query,
             hits,
             events,
@@ -282,19 +382,69 @@ impl Rag {
                 ..Timings::default()
             },
         };
+        let stopped = || {
+            (
+                FailKind::Unavailable,
+                "the serving pipeline has stopped".into(),
+            )
+        };
+        let tx = self.load_tx.lock().clone().ok_or_else(stopped)?;
         self.metrics.load_queue.fetch_add(1, Ordering::Relaxed);
-        match self.load_tx.try_send(job) {
+        let r = tx.try_send(job);
+        if r.is_err() {
+            self.metrics.load_queue.fetch_sub(1, Ordering::Relaxed);
+        }
+        match r {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
-                self.metrics.load_queue.fetch_sub(1, Ordering::Relaxed);
-                Err("the loader queue is full".into())
+                self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+                Err((FailKind::Busy, "the loader queue is full".into()))
             }
-            Err(TrySendError::Disconnected(_)) => {
-                self.metrics.load_queue.fetch_sub(1, Ordering::Relaxed);
-                Err("the serving pipeline has stopped".into())
-            }
+            Err(TrySendError::Disconnected(_)) => Err(stopped()),
         }
     }
+
+    /// Whether `top_k` chunks, the question and `max_tokens` fit the model's context (the
+    /// bound, before the question is tokenized; the exact count is checked on the model
+    /// thread).
+    pub fn fits_context(&self, top_k: usize, max_tokens: usize) -> Result<(), String> {
+        let m = self.engine.model.max_positions();
+        let need = self.prefix_len() + top_k * self.engine.max_chunk_tokens() + max_tokens;
+        if need > m {
+            return Err(format!(
+                "top_k {top_k} chunks of up to {} tokens, the system prompt and max_tokens                  {max_tokens} need up to {need} positions; the model has {m}",
+                self.engine.max_chunk_tokens()
+            ));
+        }
+        Ok(())
+    }
+
+    fn prefix_len(&self) -> usize {
+        self.prefix_tokens
+    }
+}
+
+/// Refuses a configuration whose default query cannot fit the model's context.
+fn check_context(engine: &Engine, c: &ServeConfig, prefix: usize) -> Result<(), String> {
+    let m = engine.model.max_positions();
+    let need = prefix + c.default_top_k * engine.max_chunk_tokens() + c.default_max_tokens;
+    if need > m {
+        return Err(format!(
+            "serve.default_top_k ({}) chunks of up to {} tokens, the system prompt ({prefix}) and \
+             serve.default_max_tokens ({}) need {need} positions; the model has {m}",
+            c.default_top_k,
+            engine.max_chunk_tokens(),
+            c.default_max_tokens
+        ));
+    }
+    Ok(())
+}
+
+/// What each pipeline thread works with.
+struct Worker {
+    engine: Arc<Engine>,
+    metrics: Arc<Metrics>,
+    faults: Arc<Faults>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -313,123 +463,152 @@ fn import(engine: &Engine, bytes: &[u8], assembly: Assembly, pos: usize) -> mode
 
 /// `start`: the first chunk's position (the system prefix's length).
 fn loader(
-    engine: &Engine,
-    m: &Metrics,
+    w: &Worker,
     timeline: &Timeline,
     start: usize,
     rx: Receiver<LoadJob>,
     tx: Sender<ComputeJob>,
 ) {
+    let m = &w.metrics;
     let mut buf = Vec::new();
-    for mut job in rx {
+    for job in rx {
         m.load_queue.fetch_sub(1, Ordering::Relaxed);
-        if job.events.is_closed() {
-            m.cancelled.fetch_add(1, Ordering::Relaxed);
-            m.inflight.fetch_sub(1, Ordering::Relaxed);
-            continue;
+        if Faults::take(&w.faults.kill_loader) {
+            return; // as a bug outside any job would: health reports it
         }
-        let t = Instant::now();
-        job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
-        let mut chunks = Vec::with_capacity(job.hits.len());
-        let mut failed = None;
-        let mut pos = start;
-        for hit in std::mem::take(&mut job.hits) {
-            let tokens = match engine.chunk_tokens(&hit.payload.text) {
-                Ok(t) if !t.is_empty() => t,
-                Ok(_) => continue,
-                Err(e) => {
-                    failed = Some(e.to_string());
-                    break;
+        let events = job.events.clone();
+        match contain("ragkv-loader", m, || {
+            if Faults::take(&w.faults.panic_loader) {
+                panic!("injected loader fault");
+            }
+            load(w, timeline, start, &mut buf, job)
+        }) {
+            Ok(Some(cj)) => {
+                m.compute_queue.fetch_add(1, Ordering::Relaxed);
+                if tx.send(cj).is_err() {
+                    return;
                 }
-            };
-            let kv = if job.query.kv == KvMode::On && job.query.assembly.uses_stored_kv() {
-                match engine.store.get_batch_into(
-                    engine.namespace(),
-                    &tokens,
-                    tokens.len(),
-                    &mut buf,
-                ) {
-                    Ok(_) => {
-                        m.kv_bytes_loaded
-                            .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                        match import(engine, &buf, job.query.assembly, pos) {
-                            Ok(kv) => Some(kv),
-                            Err(e) => {
-                                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV import failed; recomputing");
-                                None
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        if !e.is_miss() {
-                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
-                        }
-                        None
-                    }
-                }
-            } else {
-                None
-            };
-            pos += tokens.len();
-            chunks.push(Loaded { hit, tokens, kv });
-        }
-        if let Some(e) = failed {
-            finish_err(m, &job.events, format!("loading chunks: {e}"));
-            continue;
-        }
-        let end = Instant::now();
-        let (took, hidden) = (end - t, timeline.overlap(t, end));
-        job.timings.load_ms = ms(took);
-        job.timings.load_hidden_ms = ms(hidden);
-        m.kv_load_us
-            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
-        m.kv_load_hidden_us
-            .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
-        m.compute_queue.fetch_add(1, Ordering::Relaxed);
-        let queued_at = Instant::now();
-        if tx
-            .send(ComputeJob {
-                job,
-                chunks,
-                queued_at,
-            })
-            .is_err()
-        {
-            return;
+            }
+            Ok(None) => {}
+            Err(e) => finish_err(m, &events, internal(e)),
         }
     }
 }
 
-fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, e: String) {
-    tracing::warn!(error = %e, "query failed");
+/// Reads one query's chunks; `None` when the query ended here (cancelled, or failed and told).
+fn load(
+    w: &Worker,
+    timeline: &Timeline,
+    start: usize,
+    buf: &mut Vec<u8>,
+    mut job: LoadJob,
+) -> Option<ComputeJob> {
+    let (engine, m) = (&*w.engine, &*w.metrics);
+    if job.events.is_closed() {
+        m.cancelled.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    let t = Instant::now();
+    job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
+    let mut chunks = Vec::with_capacity(job.hits.len());
+    let mut pos = start;
+    for hit in std::mem::take(&mut job.hits) {
+        let tokens = match engine.chunk_tokens(&hit.payload.text) {
+            Ok(t) if !t.is_empty() => t,
+            Ok(_) => continue,
+            Err(e) => {
+                finish_err(m, &job.events, internal(format!("loading chunks: {e}")));
+                return None;
+            }
+        };
+        let mut corrupt = false;
+        let kv = if job.query.kv == KvMode::On && job.query.assembly.uses_stored_kv() {
+            match engine
+                .store
+                .get_batch_into(engine.namespace(), &tokens, tokens.len(), buf)
+            {
+                Ok(_) => {
+                    m.kv_bytes_loaded
+                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    match import(engine, buf, job.query.assembly, pos) {
+                        Ok(kv) => Some(kv),
+                        Err(e) => {
+                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
+                            corrupt = true;
+                            None
+                        }
+                    }
+                }
+                Err(e) => {
+                    if !e.is_miss() {
+                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
+                        corrupt = true;
+                    }
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        if corrupt {
+            m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
+        }
+        pos += tokens.len();
+        chunks.push(Loaded {
+            hit,
+            tokens,
+            kv,
+            corrupt,
+        });
+    }
+    let end = Instant::now();
+    let (took, hidden) = (end - t, timeline.overlap(t, end));
+    job.timings.load_ms = ms(took);
+    job.timings.load_hidden_ms = ms(hidden);
+    m.kv_load_us
+        .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    m.kv_load_hidden_us
+        .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
+    Some(ComputeJob {
+        job,
+        chunks,
+        queued_at: Instant::now(),
+    })
+}
+
+fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, (kind, e): Failure) {
+    tracing::warn!(error = %e, ?kind, "query failed");
     m.failed.fetch_add(1, Ordering::Relaxed);
-    m.inflight.fetch_sub(1, Ordering::Relaxed);
-    let _ = events.blocking_send(Event::Error(e));
+    let _ = events.blocking_send(Event::Error(kind, e));
 }
 
 fn compute(
-    engine: &Engine,
-    m: &Metrics,
+    w: &Worker,
     timeline: &Timeline,
     prefix: &Prefix,
     recompute_share: f64,
     rx: Receiver<ComputeJob>,
     wb: Sender<Writeback>,
 ) {
+    let m = &*w.metrics;
     for cj in rx {
         m.compute_queue.fetch_sub(1, Ordering::Relaxed);
         let events = cj.job.events.clone();
         if events.is_closed() {
             m.cancelled.fetch_add(1, Ordering::Relaxed);
-            m.inflight.fetch_sub(1, Ordering::Relaxed);
             continue;
         }
         timeline.start(Instant::now());
-        let r = answer(engine, m, prefix, recompute_share, cj, &wb);
+        let r = contain("ragkv-model", m, || {
+            if Faults::take(&w.faults.panic_model) {
+                panic!("injected model fault");
+            }
+            answer(&w.engine, m, prefix, recompute_share, cj, &wb)
+        });
         timeline.stop(Instant::now());
-        match r {
+        // The job (and its ticket) is gone by now: the answer is final.
+        match r.map_err(internal).and_then(|r| r) {
             Ok(Some(f)) => {
-                m.inflight.fetch_sub(1, Ordering::Relaxed);
                 if f.finish_reason == "cancelled" {
                     m.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
@@ -437,7 +616,6 @@ fn compute(
             }
             Ok(None) => {
                 m.cancelled.fetch_add(1, Ordering::Relaxed);
-                m.inflight.fetch_sub(1, Ordering::Relaxed);
             }
             Err(e) => finish_err(m, &events, e),
         }
@@ -452,7 +630,7 @@ fn answer(
     recompute_share: f64,
     cj: ComputeJob,
     wb: &Sender<Writeback>,
-) -> Result<Option<Final>, String> {
+) -> Result<Option<Final>, Failure> {
     let ComputeJob {
         job,
         chunks,
@@ -467,7 +645,7 @@ fn answer(
     } = job;
     timings.queue_ms += ms(queued_at.elapsed());
     let model = &engine.model;
-    let s = |e: model::Error| e.to_string();
+    let s = internal;
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
@@ -497,14 +675,16 @@ fn answer(
             }
             None => {
                 // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = engine.prefill_bytes(&c.tokens).map_err(|e| e.to_string())?;
+                let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
                 let kv = import(engine, &bytes, query.assembly, pos).map_err(s)?;
                 if query.kv == KvMode::On {
                     misses += 1;
                     let wbm = Writeback {
-                        kv_doc: ingest::kv_doc(&c.hit.payload.doc_id, &c.hit.payload.doc_hash),
+                        doc: c.hit.payload.doc_id.clone(),
+                        hash: c.hit.payload.doc_hash.clone(),
                         tokens: c.tokens.clone(),
                         bytes,
+                        replace: c.corrupt,
                     };
                     if wb.try_send(wbm).is_err() {
                         tracing::warn!("write-back queue full; chunk stays unmaterialized");
@@ -525,6 +705,17 @@ fn answer(
         .encode_pieces(&prefix.prompt.question(&query.question))
         .map_err(s)?;
     let prompt_tokens = context.len() + question.len();
+    let limit = model.max_positions();
+    if prompt_tokens + query.params.max_tokens > limit {
+        return Err((
+            FailKind::Invalid,
+            format!(
+                "the prompt ({prompt_tokens} tokens) and max_tokens ({}) exceed the model's \
+                 context ({limit} positions): lower top_k or max_tokens",
+                query.params.max_tokens
+            ),
+        ));
+    }
     let (all, recomputed) = if full {
         // The reference: the chunks are prefilled with the question, after the exact prefix.
         question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
@@ -606,22 +797,26 @@ fn answer(
     }))
 }
 
-fn writeback(engine: &Engine, m: &Metrics, rx: Receiver<Writeback>) {
-    for w in rx {
-        let r = engine.store.put_batch(
-            engine.namespace(),
-            engine.layout(),
-            &[PutItem {
-                tokens: &w.tokens,
-                kv: &w.bytes,
-                doc: Some(&w.kv_doc),
-            }],
-        );
-        match r {
-            Ok(_) => {
+fn writeback(w: &Worker, rx: Receiver<Writeback>) {
+    let m = &*w.metrics;
+    for wb in rx {
+        Faults::delay(&w.faults.writeback_delay_ms);
+        let r = contain("ragkv-materialize", m, || {
+            if Faults::take(&w.faults.panic_writeback) {
+                panic!("injected write-back fault");
+            }
+            w.engine
+                .write_back(&wb.doc, &wb.hash, &wb.tokens, &wb.bytes, wb.replace)
+                .map_err(|e| e.to_string())
+        });
+        match r.and_then(|r| r) {
+            Ok(true) => {
                 m.rematerialized.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => tracing::warn!(error = %e, doc = %w.kv_doc, "KV write-back failed"),
+            Ok(false) => {
+                tracing::debug!(doc = %wb.doc, "write-back skipped: the version is gone")
+            }
+            Err(e) => tracing::warn!(error = %e, doc = %wb.doc, "KV write-back failed"),
         }
     }
 }

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -13,65 +12,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tower::ServiceExt;
 
-/// Fields drop in order: the engine (and its index) before the directory it lives in.
-struct Fixture {
-    engine: Arc<ingest::Engine>,
-    _dir: tempfile::TempDir,
-}
-
-impl Fixture {
-    /// Waits for the server threads (which hold the engine) to exit once their app is gone.
-    fn close(self) {
-        let start = std::time::Instant::now();
-        while Arc::strong_count(&self.engine) > 1 && start.elapsed() < Duration::from_secs(30) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    let engine = common::engine(
-        dir.path(),
-        ingest::IngestConfig::default(),
-        ingest::Source::Dir(corpus),
-        6,
-    );
-    Fixture {
-        engine: Arc::new(engine),
-        _dir: dir,
-    }
-}
-
-fn app_with(f: &Fixture, config: ServeConfig) -> axum::Router {
-    serve::app(AppState::new(Rag::start(f.engine.clone(), config).unwrap()))
-}
-
-async fn call(
-    app: &axum::Router,
-    method: &str,
-    uri: &str,
-    body: Option<Value>,
-    token: Option<&str>,
-) -> (StatusCode, Value, String) {
-    let mut req = Request::builder().method(method).uri(uri);
-    if body.is_some() {
-        req = req.header("content-type", "application/json");
-    }
-    if let Some(t) = token {
-        req = req.header("authorization", format!("Bearer {t}"));
-    }
-    let req = req
-        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let text = String::from_utf8_lossy(&bytes).into_owned();
-    let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-    (status, json, text)
-}
+use common::router::{app_with, call, fixture};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 

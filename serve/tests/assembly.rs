@@ -159,16 +159,14 @@ fn every_strategy_answers_planted_questions() {
             let hits = rag.retrieve(&q).unwrap();
             assert_eq!(hits[0].payload.doc_id, *id);
             let (tx, mut rx) = tokio::sync::mpsc::channel(256);
-            rag.metrics
-                .inflight
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            rag.submit(q, hits, tx, Instant::now(), Duration::ZERO)
+            let ticket = rag.admit().unwrap();
+            rag.submit(ticket, q, hits, tx, Instant::now(), Duration::ZERO)
                 .unwrap();
             let f = loop {
                 match rx.blocking_recv().expect("query ended") {
                     Event::Token(_) => {}
                     Event::Done(f) => break f,
-                    Event::Error(e) => panic!("{asm}: {e}"),
+                    Event::Error(_, e) => panic!("{asm}: {e}"),
                 }
             };
             eprintln!("{asm} | {question} -> {:?}", f.answer);

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+pub mod router;
+
 /// SmolLM2-135M from the model cache.
 pub fn model() -> model::Model {
     let path = model::models_dir().join(model::SMOLLM2_FILE);

@@ -1,0 +1,71 @@
+//! Router fixtures: an engine over the example corpus, and one-shot calls through `app()`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use serve::{AppState, Rag, ServeConfig};
+use tower::ServiceExt;
+
+/// Fields drop in order: the engine (and its index) before the directory it lives in.
+pub struct Fixture {
+    pub engine: Arc<ingest::Engine>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// Waits for the server threads (which hold the engine) to exit once their app is gone.
+    pub fn close(self) {
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&self.engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+pub fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let engine = super::engine(
+        dir.path(),
+        ingest::IngestConfig::default(),
+        ingest::Source::Dir(corpus),
+        6,
+    );
+    Fixture {
+        engine: Arc::new(engine),
+        _dir: dir,
+    }
+}
+
+pub fn app_with(f: &Fixture, config: ServeConfig) -> axum::Router {
+    serve::app(AppState::new(Rag::start(f.engine.clone(), config).unwrap()))
+}
+
+pub async fn call(
+    app: &axum::Router,
+    method: &str,
+    uri: &str,
+    body: Option<Value>,
+    token: Option<&str>,
+) -> (StatusCode, Value, String) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let req = req
+        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+    (status, json, text)
+}
