@@ -90,6 +90,13 @@ pub enum Error {
 }
 
 impl Error {
+    /// A miss because stored data failed verification or its segment is gone (a part of
+    /// [`Error::is_miss`]): the index entry exists, so writing the sequence again must
+    /// replace it, not skip it as present.
+    pub fn is_damage(&self) -> bool {
+        matches!(self, Error::Corrupt { .. } | Error::SegmentMissing { .. })
+    }
+
     /// True when the error means "serve this KV by recomputing it": a miss, a corrupt record or
     /// a missing segment. Anything else is a failure of the store itself.
     pub fn is_miss(&self) -> bool {

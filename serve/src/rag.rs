@@ -539,10 +539,14 @@ fn load(
                         }
                     }
                 }
+                Err(e) if e.is_damage() => {
+                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
+                    corrupt = true;
+                    None
+                }
                 Err(e) => {
                     if !e.is_miss() {
-                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
-                        corrupt = true;
+                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
                     }
                     None
                 }

@@ -340,3 +340,64 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_stored_chunk_is_recomputed_and_replaced_by_the_write_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "The Brannock weir was rebuilt in granite after the great thaw. ".repeat(4);
+    let d = dir.path().to_path_buf();
+    let t2 = text.clone();
+    let engine = tokio::task::spawn_blocking(move || {
+        let source = ingest::Source::Docs(vec![ingest::Doc {
+            id: "weir".into(),
+            text: t2,
+            metadata: Default::default(),
+            origin: "weir".into(),
+        }]);
+        drop(common::engine(&d, ingest::IngestConfig::default(), source, 1));
+        // Flip payload bytes in every segment file while the store is closed.
+        for seg in std::fs::read_dir(d.join("kv/segments")).unwrap() {
+            let path = seg.unwrap().path();
+            if !path.is_file() {
+                continue;
+            }
+            let mut bytes = std::fs::read(&path).unwrap();
+            for at in [bytes.len() / 3, bytes.len() / 2, 2 * bytes.len() / 3] {
+                bytes[at] ^= 0x5a;
+            }
+            std::fs::write(&path, bytes).unwrap();
+        }
+        std::sync::Arc::new(common::open_engine(
+            &d,
+            ingest::IngestConfig::default(),
+            model::DType::F16,
+        ))
+    })
+    .await
+    .unwrap();
+    let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
+    let app = serve::app(AppState::new(rag.clone()));
+    let q = json!({"question": "What was the Brannock weir rebuilt in?", "top_k": 1,
+                   "max_tokens": 2, "stream": false, "documents": ["weir"]});
+    let (s, r, text) = call(&app, "POST", "/v1/query", Some(q.clone()), None).await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    assert_eq!(r["kv_misses"].as_u64(), Some(1), "{r}");
+    assert_eq!(rag.metrics.kv_corrupt.load(Ordering::SeqCst), 1);
+    let t = std::time::Instant::now();
+    while rag.metrics.rematerialized.load(Ordering::SeqCst) < 1 {
+        assert!(t.elapsed() < Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The index entry pointed at the damaged record; the write-back replaced it.
+    let (_, r, _) = call(&app, "POST", "/v1/query", Some(q), None).await;
+    assert_eq!(r["kv_hits"].as_u64(), Some(1), "{r}");
+    let e2 = engine.clone();
+    let c = tokio::task::spawn_blocking(move || e2.check(false).unwrap())
+        .await
+        .unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    drop(app);
+    rag.shutdown();
+    drop(rag);
+    drop(engine);
+}
