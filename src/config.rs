@@ -74,6 +74,9 @@ pub struct KvStoreConfig {
     pub group: String,
     /// Byte quota per namespace group, MiB (0: none).
     pub quota_mib: u64,
+    /// KV writes fail with a clear error rather than leave less than this free on the data
+    /// directory's file system, MiB (0: no reserve).
+    pub min_free_mib: u64,
     /// Eviction starts above `high_water` × quota and stops at `low_water` × quota.
     pub high_water: f64,
     pub low_water: f64,
@@ -121,6 +124,7 @@ impl Default for KvStoreConfig {
             merge_dead_ratio: d.merge.dead_ratio,
             group: kvstore::DEFAULT_GROUP.into(),
             quota_mib: 0,
+            min_free_mib: 256,
             high_water: d.capacity.high_water,
             low_water: d.capacity.low_water,
             eviction: "lru".into(),
@@ -284,6 +288,7 @@ impl Config {
             },
             adaptive: k.adaptive.then(kvstore::AdaptiveOptions::default),
             namespace_group: k.group.clone(),
+            min_free_bytes: k.min_free_mib << 20,
             block_tokens: k.block_tokens,
             segment_bytes: k.segment_mib << 20,
             sync,

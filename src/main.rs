@@ -136,6 +136,11 @@ enum BenchCommand {
     Compaction(bench::compaction::Args),
     /// Hit rate of each eviction policy at several budgets on a Zipf-skewed trace.
     Eviction(bench::eviction::Args),
+    /// Thousands of bad requests to every route: 5xx, non-JSON errors, cross-site accepted.
+    Fuzz(bench::fuzz::Args),
+    /// A server under ingest, deletes, queries and maintenance, SIGKILLed and restarted for
+    /// minutes; then lost, resurrected and orphaned documents and unreadable KV are counted.
+    Chaos(bench::chaos::Args),
 }
 
 fn main() {
@@ -255,6 +260,8 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Load(args) => bench::load::run(&args)?,
                 BenchCommand::Compaction(args) => bench::compaction::run(&args)?,
                 BenchCommand::Eviction(args) => bench::eviction::run(&args)?,
+                BenchCommand::Fuzz(args) => bench::fuzz::run(&args)?,
+                BenchCommand::Chaos(args) => bench::chaos::run(&args)?,
             };
             for line in lines {
                 println!("{}", serde_json::to_string(&line)?);

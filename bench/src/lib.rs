@@ -3,10 +3,12 @@
 //! `{"bench", "ours", "baseline", "ratio", "unit", ...}` where `ratio` says how many times better
 //! ours is (throughput: ours / baseline; latency and counts: baseline / ours).
 
+pub mod chaos;
 pub mod compaction;
 pub mod dataset;
 pub mod engine;
 pub mod eviction;
+pub mod fuzz;
 pub mod ingest;
 pub mod kvstore;
 pub mod load;

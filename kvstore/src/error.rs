@@ -67,6 +67,18 @@ pub enum Error {
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
 
+    /// A write would leave less than `min_free_bytes` free on the file system.
+    #[error(
+        "disk nearly full: {path} has {free} bytes free, a write of {needed} would go below the \
+         reserve of {reserve} (kvstore min_free_bytes): free space, then run again"
+    )]
+    DiskFull {
+        path: std::path::PathBuf,
+        free: u64,
+        needed: u64,
+        reserve: u64,
+    },
+
     /// A write would take its namespace group over its byte quota (after any eviction the
     /// capacity policy allows).
     #[error(

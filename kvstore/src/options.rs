@@ -117,6 +117,11 @@ pub struct StoreOptions {
     /// Group that namespaces first seen by this process join (quotas apply per group).
     /// Default [`crate::DEFAULT_GROUP`].
     pub namespace_group: String,
+    /// Free bytes a write must leave on the file system holding the segments; a write that
+    /// would go below fails with [`crate::Error::DiskFull`] instead of filling the disk (where
+    /// other writers, the vector index's memory-mapped files among them, would fail worse).
+    /// Default 256 MiB; 0 disables the check.
+    pub min_free_bytes: u64,
 }
 
 impl Default for StoreOptions {
@@ -139,6 +144,7 @@ impl Default for StoreOptions {
             capacity: CapacityOptions::default(),
             adaptive: None,
             namespace_group: crate::DEFAULT_GROUP.into(),
+            min_free_bytes: 256 << 20,
         }
     }
 }

@@ -719,11 +719,17 @@ async fn add_documents(
         (false, 0) => StatusCode::UNPROCESSABLE_ENTITY,
         (false, _) => StatusCode::MULTI_STATUS,
     };
-    Ok((
-        status,
-        Json(serde_json::to_value(report).unwrap_or_default()),
-    )
-        .into_response())
+    let mut body = serde_json::to_value(&report).unwrap_or_default();
+    if status == StatusCode::UNPROCESSABLE_ENTITY {
+        // An error answer in the API's error shape, with the report beside it.
+        let why = report
+            .failures
+            .first()
+            .map_or_else(String::new, |f| format!("{}: {}", f.origin, f.reason));
+        body["error"] = json!({"message": format!("no document was committed ({why})"),
+                               "type": "invalid_request_error"});
+    }
+    Ok((status, Json(body)).into_response())
 }
 
 async fn get_document(State(state): State<AppState>, id: IdParam) -> ApiResult<Json<Value>> {

@@ -214,6 +214,7 @@ async fn every_error_is_json_with_its_status() {
     let (s, r, text) = call(&app, "POST", "/v1/documents", Some(docs), None).await;
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
     assert_eq!(r["failures"].as_array().map(Vec::len), Some(1), "{r}");
+    assert!(r["error"]["message"].is_string(), "{r}");
     drop(app);
     drop(rag);
     tokio::task::spawn_blocking(move || f.close())
@@ -354,7 +355,12 @@ async fn a_corrupt_stored_chunk_is_recomputed_and_replaced_by_the_write_back() {
             metadata: Default::default(),
             origin: "weir".into(),
         }]);
-        drop(common::engine(&d, ingest::IngestConfig::default(), source, 1));
+        drop(common::engine(
+            &d,
+            ingest::IngestConfig::default(),
+            source,
+            1,
+        ));
         // Flip payload bytes in every segment file while the store is closed.
         for seg in std::fs::read_dir(d.join("kv/segments")).unwrap() {
             let path = seg.unwrap().path();

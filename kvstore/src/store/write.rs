@@ -76,6 +76,27 @@ impl BatchBuf {
 }
 
 impl Inner {
+    /// Fails with [`Error::DiskFull`] if writing `needed` bytes would leave less than
+    /// `min_free_bytes` free where the segments live.
+    fn check_free_space(&self, needed: u64) -> Result<()> {
+        let reserve = self.opts.min_free_bytes;
+        if reserve == 0 || needed == 0 {
+            return Ok(());
+        }
+        let Some(free) = free_bytes(&self.seg_dir) else {
+            return Ok(()); // statvfs unavailable: the write's own error will tell
+        };
+        if free < reserve.saturating_add(needed) {
+            return Err(Error::DiskFull {
+                path: self.seg_dir.clone(),
+                free,
+                needed,
+                reserve,
+            });
+        }
+        Ok(())
+    }
+
     pub(super) fn put_batch(
         &self,
         ns: NamespaceId,
@@ -83,6 +104,7 @@ impl Inner {
         items: &[PutItem<'_>],
     ) -> Result<PutReport> {
         self.check_poisoned()?;
+        self.check_free_space(items.iter().map(|i| i.kv.len() as u64).sum())?;
         let info = self.namespace_for_write(ns, layout)?;
         let bt = self.opts.block_tokens;
         let mut plans = Vec::with_capacity(items.len());
@@ -319,6 +341,22 @@ impl Inner {
             })?;
         Ok(out)
     }
+}
+
+/// Bytes available to unprivileged writers on the file system holding `path`.
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path; `st` is written by statvfs before it is read.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // c_ulong / fsblkcnt_t differ by platform
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 #[cfg(test)]
