@@ -177,3 +177,16 @@ pub fn close(engine: Arc<ingest::Engine>) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// An engine in `work` with the repository's example corpus ingested eagerly (SmolLM2,
+/// 512-token chunks): what the serving benchmarks run against.
+pub fn example(work: &Path) -> Result<Arc<ingest::Engine>, Error> {
+    let engine = Arc::new(open(work, None, 512)?);
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    ingest(
+        &engine,
+        ingest::Source::Dir(corpus),
+        ingest::Materialize::Eager,
+    )?;
+    Ok(engine)
+}

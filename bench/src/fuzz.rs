@@ -11,7 +11,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -450,13 +450,7 @@ fn judge(t: &Tally, c: &Case, r: std::io::Result<Option<(u16, String, Vec<u8>)>>
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let engine = Arc::new(crate::engine::open(&work, None, 512)?);
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    crate::engine::ingest(
-        &engine,
-        ingest::Source::Dir(corpus),
-        ingest::Materialize::Eager,
-    )?;
+    let engine = crate::engine::example(&work)?;
     let config = ServeConfig {
         admin_token: TOKEN.into(),
         max_body_bytes: 1 << 20,

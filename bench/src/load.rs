@@ -3,7 +3,7 @@
 //! `--clients` clients; every request is `POST /v1/query` with `stream: false`. Reports
 //! throughput, latency, status codes (a 5xx is a failure of the run) and memory.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -131,13 +131,7 @@ fn phase(
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let engine = Arc::new(crate::engine::open(&work, None, 512)?);
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
-    crate::engine::ingest(
-        &engine,
-        ingest::Source::Dir(corpus),
-        ingest::Materialize::Eager,
-    )?;
+    let engine = crate::engine::example(&work)?;
     let config = ServeConfig {
         max_inflight: args.max_inflight,
         ..ServeConfig::default()

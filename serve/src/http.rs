@@ -431,7 +431,9 @@ fn start(state: &AppState, q: Query) -> ApiResult<Running> {
         let outcome =
             hits.and_then(|hits| rag.submit(ticket, q, hits, tx.clone(), arrived, t.elapsed()));
         if let Err((kind, e)) = outcome {
-            rag.metrics.failed.fetch_add(1, Ordering::Relaxed);
+            if kind != FailKind::Busy {
+                rag.metrics.failed.fetch_add(1, Ordering::Relaxed);
+            }
             let _ = tx.send(Event::Error(kind, e)).await;
         }
     });

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::router::{call, fixture};
+use common::router::{call, fixture, teardown};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -103,11 +103,7 @@ async fn a_panicking_worker_fails_one_query_and_the_pipeline_goes_on() {
         assert!(t.elapsed() < Duration::from_secs(10), "healthz stayed ok");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    drop(app);
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    teardown(app, rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,11 +143,7 @@ async fn a_client_that_leaves_keeps_its_slot_until_its_job_is_gone() {
     rag.faults.retrieval_delay_ms.store(0, Ordering::SeqCst);
     let (s, _, text) = call(&app, "POST", "/v1/query", Some(ask(2)), None).await;
     assert_eq!(s, StatusCode::OK, "{text}");
-    drop(app);
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    teardown(app, rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,11 +207,7 @@ async fn every_error_is_json_with_its_status() {
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
     assert_eq!(r["failures"].as_array().map(Vec::len), Some(1), "{r}");
     assert!(r["error"]["message"].is_string(), "{r}");
-    drop(app);
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    teardown(app, rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,11 +247,7 @@ async fn shutdown_stores_pending_write_backs_and_joins_the_threads() {
     // After shutdown, queries get 503.
     let (s, _, text) = call(&app, "POST", "/v1/query", Some(ask(2)), None).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{text}");
-    drop(app);
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    teardown(app, rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

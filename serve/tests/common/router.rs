@@ -69,3 +69,12 @@ pub async fn call(
     let json = serde_json::from_str(&text).unwrap_or(Value::Null);
     (status, json, text)
 }
+
+/// Drops the router and the pipeline, then waits for the engine to be released.
+pub async fn teardown(app: axum::Router, rag: Arc<Rag>, f: Fixture) {
+    drop(app);
+    drop(rag);
+    tokio::task::spawn_blocking(move || f.close())
+        .await
+        .unwrap();
+}
