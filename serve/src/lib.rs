@@ -19,11 +19,13 @@
 pub mod assembly;
 pub mod client;
 pub mod config;
+pub mod events;
 pub mod guard;
 pub mod http;
 pub mod listen;
 pub mod maintenance;
 pub mod metrics;
+mod middleware;
 pub mod overlap;
 pub mod rag;
 pub mod schedule;
