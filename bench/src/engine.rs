@@ -190,3 +190,37 @@ pub fn example(work: &Path) -> Result<Arc<ingest::Engine>, Error> {
     )?;
     Ok(engine)
 }
+
+/// Starts `engine`'s serving pipeline with `config` behind the production server loop on a
+/// free loopback port, on a runtime of its own; dropping the runtime stops the server.
+pub fn serve_loopback(
+    engine: &Arc<ingest::Engine>,
+    config: serve::ServeConfig,
+) -> Result<
+    (
+        tokio::runtime::Runtime,
+        std::net::SocketAddr,
+        Arc<serve::Rag>,
+    ),
+    Error,
+> {
+    let limits = serve::listen::Limits::from_config(&config);
+    let rag = serve::Rag::start(engine.clone(), config).map_err(Error::Check)?;
+    let app = serve::app(serve::AppState::new(rag.clone()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(crate::io("tokio runtime"))?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .map_err(crate::io("bind"))?;
+    let addr = listener.local_addr().map_err(crate::io("bind"))?;
+    rt.spawn(serve::listen::serve(
+        listener,
+        app,
+        limits,
+        std::future::pending(),
+    ));
+    Ok((rt, addr, rag))
+}

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use serve::{AppState, Rag, ServeConfig};
+use serve::ServeConfig;
 
 use crate::{Error, Line};
 
@@ -458,24 +458,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         body_timeout_ms: 2_000,
         ..ServeConfig::default()
     };
-    let limits = serve::listen::Limits::from_config(&config);
-    let rag = Rag::start(engine.clone(), config).map_err(Error::Check)?;
-    let app = serve::app(AppState::new(rag.clone()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(crate::io("tokio runtime"))?;
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .map_err(crate::io("bind"))?;
-    let addr = listener.local_addr().map_err(crate::io("bind"))?;
-    rt.spawn(serve::listen::serve(
-        listener,
-        app,
-        limits,
-        std::future::pending(),
-    ));
+    let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config)?;
 
     let tally = Arc::new(Tally::default());
     let start = Instant::now();

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serve::{AppState, Rag, ServeConfig};
+use serve::ServeConfig;
 
 use crate::{percentile, Error, Line};
 
@@ -136,20 +136,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         max_inflight: args.max_inflight,
         ..ServeConfig::default()
     };
-    let rag = Rag::start(engine.clone(), config).map_err(Error::Check)?;
-    let app = serve::app(AppState::new(rag.clone()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(crate::io("tokio runtime"))?;
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .map_err(crate::io("bind"))?;
-    let addr = listener.local_addr().map_err(crate::io("bind"))?;
-    rt.spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config)?;
     let rss_before = rss_mib();
     eprintln!("[load] baseline: 1 client for {} s", args.baseline_seconds);
     let (one, one_wall, _) = phase(addr, 1, args.baseline_seconds, args);

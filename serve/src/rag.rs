@@ -159,7 +159,14 @@ impl Rag {
             .map_err(|e| e.to_string())?;
         let prefix = Arc::new(Prefix { tokens, kv, prompt });
         let prefix_tokens = prefix.tokens.len();
-        check_context(&engine, &config, prefix.tokens.len())?;
+        // A configuration whose default query cannot fit is refused at start-up.
+        fits_context(
+            &engine,
+            prefix_tokens,
+            config.default_top_k,
+            config.default_max_tokens,
+        )
+        .map_err(|e| format!("serve.default_top_k / serve.default_max_tokens: {e}"))?;
         let metrics = Arc::new(Metrics::default());
         let faults = Arc::new(Faults::default());
         let health = Arc::new(Health::default());
@@ -320,33 +327,24 @@ impl Rag {
     /// bound, before the question is tokenized; the exact count is checked on the model
     /// thread).
     pub fn fits_context(&self, top_k: usize, max_tokens: usize) -> Result<(), String> {
-        let m = self.engine.model.max_positions();
-        let need = self.prefix_len() + top_k * self.engine.max_chunk_tokens() + max_tokens;
-        if need > m {
-            return Err(format!(
-                "top_k {top_k} chunks of up to {} tokens, the system prompt and max_tokens                  {max_tokens} need up to {need} positions; the model has {m}",
-                self.engine.max_chunk_tokens()
-            ));
-        }
-        Ok(())
-    }
-
-    fn prefix_len(&self) -> usize {
-        self.prefix_tokens
+        fits_context(&self.engine, self.prefix_tokens, top_k, max_tokens)
     }
 }
 
-/// Refuses a configuration whose default query cannot fit the model's context.
-fn check_context(engine: &Engine, c: &ServeConfig, prefix: usize) -> Result<(), String> {
-    let m = engine.model.max_positions();
-    let need = prefix + c.default_top_k * engine.max_chunk_tokens() + c.default_max_tokens;
+/// Whether a system prompt of `prefix` tokens, `top_k` chunks of the longest size and
+/// `max_tokens` of answer fit the model's positions.
+fn fits_context(
+    engine: &Engine,
+    prefix: usize,
+    top_k: usize,
+    max_tokens: usize,
+) -> Result<(), String> {
+    let (m, chunk) = (engine.model.max_positions(), engine.max_chunk_tokens());
+    let need = prefix + top_k * chunk + max_tokens;
     if need > m {
         return Err(format!(
-            "serve.default_top_k ({}) chunks of up to {} tokens, the system prompt ({prefix}) and \
-             serve.default_max_tokens ({}) need {need} positions; the model has {m}",
-            c.default_top_k,
-            engine.max_chunk_tokens(),
-            c.default_max_tokens
+            "top_k {top_k} chunks of up to {chunk} tokens, the system prompt ({prefix}) and \
+             max_tokens {max_tokens} need up to {need} positions; the model has {m}"
         ));
     }
     Ok(())

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tower::ServiceExt;
 
-use common::router::{app_with, call, fixture};
+use common::router::{app_with, call, fixture, start};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -297,15 +297,13 @@ async fn admin_routes_need_the_token_and_documents_round_trip() {
 async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
-    let rag = Rag::start(
-        f.engine.clone(),
+    let (rag, app) = start(
+        &f,
         ServeConfig {
             max_inflight: 1,
             ..ServeConfig::default()
         },
-    )
-    .unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::router::{call, fixture, teardown};
+use common::router::{call, fixture, start, teardown};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -24,8 +24,7 @@ fn ask(max_tokens: usize) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_worker_fails_one_query_and_the_pipeline_goes_on() {
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
-    let rag = Rag::start(f.engine.clone(), ServeConfig::default()).unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    let (rag, app) = start(&f, ServeConfig::default());
     for (name, flag) in [
         ("loader", &rag.faults.panic_loader),
         ("model", &rag.faults.panic_model),
@@ -109,15 +108,13 @@ async fn a_panicking_worker_fails_one_query_and_the_pipeline_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_keeps_its_slot_until_its_job_is_gone() {
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
-    let rag = Rag::start(
-        f.engine.clone(),
+    let (rag, app) = start(
+        &f,
         ServeConfig {
             max_inflight: 1,
             ..ServeConfig::default()
         },
-    )
-    .unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    );
     // Retrieval takes 1.5 s: the first client sends its query and leaves at once.
     rag.faults.retrieval_delay_ms.store(1500, Ordering::SeqCst);
     let app2 = app.clone();
@@ -154,8 +151,7 @@ async fn every_error_is_json_with_its_status() {
         max_body_bytes: 4096,
         ..ServeConfig::default()
     };
-    let rag = Rag::start(f.engine.clone(), config).unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    let (rag, app) = start(&f, config);
     let cases: Vec<(&str, &str, Option<Value>, u16)> = vec![
         ("GET", "/no/such/route", None, 404),
         ("PUT", "/v1/query", None, 405),
@@ -213,8 +209,7 @@ async fn every_error_is_json_with_its_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_stores_pending_write_backs_and_joins_the_threads() {
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
-    let rag = Rag::start(f.engine.clone(), ServeConfig::default()).unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    let (rag, app) = start(&f, ServeConfig::default());
     let doc = json!({"documents": [{"id": "late", "text":
         "The Orrin tide gauge was moved to the north pier in the spring."}],
         "materialize": "none"});
@@ -261,8 +256,7 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
         ..ServeConfig::default()
     };
     let limits = serve::listen::Limits::from_config(&config);
-    let rag = Rag::start(f.engine.clone(), config).unwrap();
-    let app = serve::app(AppState::new(rag.clone()));
+    let (rag, app) = start(&f, config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -42,7 +42,14 @@ pub fn fixture() -> Fixture {
 }
 
 pub fn app_with(f: &Fixture, config: ServeConfig) -> axum::Router {
-    serve::app(AppState::new(Rag::start(f.engine.clone(), config).unwrap()))
+    start(f, config).1
+}
+
+/// The pipeline over `f`'s engine with `config`, and its router.
+pub fn start(f: &Fixture, config: ServeConfig) -> (Arc<Rag>, axum::Router) {
+    let rag = Rag::start(f.engine.clone(), config).unwrap();
+    let app = serve::app(AppState::new(rag.clone()));
+    (rag, app)
 }
 
 pub async fn call(
