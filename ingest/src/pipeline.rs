@@ -257,16 +257,29 @@ impl Engine {
     /// Prune (when asked), build the HNSW index, and detach KV no point references: of the
     /// documents this run read (every document with `prune`).
     fn finish(&self, opts: &RunOptions, seen: &HashSet<String>, report: &mut Report) -> Result<()> {
-        if !opts.prune {
+        report.orphans_removed += if opts.prune {
+            let versions = self.prune(seen, report)?;
+            self.detach_orphans(&versions)?
+        } else {
+            // Only the documents this run read: a seek each, not a scan of every payload.
             let mut candidates = Vec::new();
             for d in seen {
                 candidates.extend(self.kv_versions(d)?);
             }
-            report.orphans_removed += self.detach_unreferenced(candidates)?;
-            self.index.optimize()?;
-            self.index.flush()?;
-            return Ok(());
-        }
+            self.detach_unreferenced(candidates)?
+        };
+        self.index.optimize()?;
+        self.index.flush()?;
+        Ok(())
+    }
+
+    /// Deletes the points of indexed documents this run did not see (unless a source could
+    /// not be read completely); returns the versions the index holds afterwards.
+    fn prune(
+        &self,
+        seen: &HashSet<String>,
+        report: &mut Report,
+    ) -> Result<HashMap<String, HashSet<String>>> {
         let mut versions = self.indexed_versions()?;
         // A source that could not be listed would look like a source whose documents all
         // vanished: never prune then.
@@ -280,24 +293,21 @@ impl Engine {
                 reason: "skipped: a source could not be read completely".into(),
             });
             report.docs_failed += 1;
-        } else {
-            let gone: Vec<String> = versions
-                .keys()
-                .filter(|d| !seen.contains(*d))
-                .cloned()
-                .collect();
-            for d in gone {
-                let _claim = self.claims.claim(&d);
-                self.index.delete_document(&d)?;
-                versions.remove(&d);
-                report.docs_deleted += 1;
-            }
-            self.index.flush()?;
+            return Ok(versions);
         }
-        report.orphans_removed += self.detach_orphans(&versions)?;
-        self.index.optimize()?;
+        let gone: Vec<String> = versions
+            .keys()
+            .filter(|d| !seen.contains(*d))
+            .cloned()
+            .collect();
+        for d in gone {
+            let _claim = self.claims.claim(&d);
+            self.index.delete_document(&d)?;
+            versions.remove(&d);
+            report.docs_deleted += 1;
+        }
         self.index.flush()?;
-        Ok(())
+        Ok(versions)
     }
 
     /// Document → content hashes of the versions the vector index holds.
