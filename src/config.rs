@@ -37,6 +37,12 @@ pub struct ModelConfig {
     pub kv_dtype: String,
     /// Compute device: `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda` build).
     pub device: String,
+    /// GGUF weights: `dequantized` (default: f32 at load, the reference path) or `quantized`
+    /// (kept in their block types: memory near the file's size, 8-bit activations as in
+    /// llama.cpp, 2x faster decode; experimental: it changes some greedy answers, see
+    /// docs/BENCHMARKS.md, engine). The two compute slightly different KV, so they use
+    /// different KV namespaces.
+    pub weights: String,
 }
 
 impl Default for ModelConfig {
@@ -45,6 +51,7 @@ impl Default for ModelConfig {
             path: PathBuf::new(),
             kv_dtype: "f16".into(),
             device: "cpu".into(),
+            weights: "dequantized".into(),
         }
     }
 }
@@ -173,6 +180,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.store_options()?;
         self.kv_dtype()?;
+        self.quantized_weights()?;
         self.device_spec()?;
         let path = self.model_path();
         let path = path.to_string_lossy();
@@ -196,6 +204,15 @@ impl Config {
             }
         }
         c
+    }
+
+    /// `model.weights`: whether GGUF matrices stay quantized.
+    pub fn quantized_weights(&self) -> Result<bool> {
+        match self.model.weights.as_str() {
+            "quantized" => Ok(true),
+            "dequantized" => Ok(false),
+            other => bail!("model.weights: {other:?} (quantized, dequantized)"),
+        }
     }
 
     /// `model.kv_dtype` as a candle dtype.

@@ -144,6 +144,7 @@ enum BenchCommand {
 }
 
 fn main() {
+    model::pin_thread_count();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RAGKV_LOG")
@@ -499,6 +500,7 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
     };
     let opts = model::LoadOptions {
         device: config.device_spec()?.open().context("model.device")?,
+        quantized: config.quantized_weights()?,
         ..model::LoadOptions::default()
     };
     let llm = model::Model::load(&source, &opts)

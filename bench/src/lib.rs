@@ -11,6 +11,7 @@ pub mod eviction;
 pub mod fuzz;
 pub mod ingest;
 pub mod kvstore;
+pub mod llama;
 pub mod load;
 pub mod model;
 pub mod qa;

@@ -1,9 +1,13 @@
-//! `ragkv bench model`: ragkv's decoder against candle-transformers' stock Llama on the same
-//! weights (our GGUF load, exported in HF layout and handed to the stock model through a
-//! `VarBuilder`), plus KV export/import throughput.
+//! `ragkv bench model`: ragkv's decoder against llama.cpp's `llama-bench` on the same GGUF file
+//! and thread count (prefill of `--prompt-tokens`, decode of `--decode-tokens`, each llama-bench
+//! run interleaved with ours so that both see the same machine), the resident memory of the
+//! loaded model against the file's size, and for Llama-family models candle-transformers'
+//! stock Llama on the same weights (f32, exported in HF layout); plus KV export/import
+//! throughput.
 //!
-//! Both run f32 on the same device and thread pool; each figure is the median of `--reps`
-//! runs after one warm-up run.
+//! Each figure is the median of `--reps` runs after one warm-up run. Our decode continues
+//! after the prompt (attention over `--prompt-tokens` keys); llama-bench's `tg` starts from an
+//! empty context, so the decode comparison leans slightly toward llama.cpp.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -32,6 +36,28 @@ pub struct Args {
     /// Compute device for both decoders: cpu, cuda or cuda:N (CUDA needs `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// llama.cpp's llama-bench (default: the one scripts/llama-server.sh builds into the
+    /// cache). Without it the llama.cpp lines are left out, with a note.
+    #[arg(long)]
+    pub llama_bench: Option<PathBuf>,
+    /// Threads for llama-bench (ours use every CPU the process may: set RAYON_NUM_THREADS
+    /// to change both).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Dequantize GGUF weights at load (the reference path) instead of keeping them quantized.
+    #[arg(long)]
+    pub dequantized: bool,
+}
+
+/// Resident set size of this process, bytes (Linux; 0 elsewhere).
+fn rss_bytes() -> usize {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * page.max(0) as usize
 }
 
 pub(crate) fn merr(e: model::Error) -> Error {
@@ -57,29 +83,37 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let device = model::device(&args.device).map_err(merr)?;
     let opts = LoadOptions {
         device: device.clone(),
+        quantized: !args.dequantized,
         ..LoadOptions::default()
     };
+    let rss_before = rss_bytes();
     let ours = Model::load(&source, &opts).map_err(merr)?;
+    let loaded_bytes = rss_bytes().saturating_sub(rss_before);
+    let file_bytes = std::fs::metadata(&path)
+        .map_err(crate::io(path.display().to_string()))?
+        .len() as f64;
     // Timings end when the device has finished the work (a no-op on the CPU).
     let sync = || device.synchronize().map_err(cerr);
-    if ours.config().arch != model::Arch::Llama {
-        return Err(Error::Invalid {
-            what: "--model",
-            why: "the stock comparison runs candle-transformers' llama: pass a Llama-family model"
-                .into(),
-        });
-    }
-    let dir = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
-    ours.export_hf(dir.path()).map_err(merr)?;
-    let cfg_text = std::fs::read_to_string(dir.path().join("config.json"))
-        .map_err(crate::io("config.json"))?;
-    let stock_cfg: stock::LlamaConfig =
-        serde_json::from_str(&cfg_text).map_err(|e| Error::Check(format!("stock config: {e}")))?;
-    let stock_cfg = stock_cfg.into_config(false);
-    let tensors = candle_core::safetensors::load(dir.path().join("model.safetensors"), &device)
-        .map_err(cerr)?;
-    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &device);
-    let stock_model = stock::Llama::load(vb, &stock_cfg).map_err(cerr)?;
+    let llama_bench = match (
+        &source,
+        crate::llama::binary(args.llama_bench.as_deref(), "llama-bench"),
+    ) {
+        (ModelSource::Gguf(_), Ok(bin)) => Some(bin),
+        (ModelSource::Gguf(_), Err(e)) => {
+            eprintln!("note: no llama.cpp comparison: {e}");
+            None
+        }
+        (ModelSource::HfDir(_), _) => None,
+    };
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let stock = if ours.config().arch == model::Arch::Llama {
+        Some(load_stock(&ours, &device)?)
+    } else {
+        eprintln!("note: the stock candle-transformers comparison runs Llama-family models only");
+        None
+    };
 
     // A prompt of real text, repeated to length.
     let text = "Retrieval-augmented generation keeps the key/value cache of every document chunk on flash, \
@@ -95,6 +129,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut ours_decode = Vec::new();
     let mut stock_prefill = Vec::new();
     let mut stock_decode = Vec::new();
+    let mut llama_prefill = Vec::new();
+    let mut llama_decode = Vec::new();
     let mut agree = true;
     for rep in 0..=args.reps {
         // Ours.
@@ -118,41 +154,33 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         }
         let d = t.elapsed().as_secs_f64() / args.decode_tokens.max(1) as f64;
 
-        // Stock.
-        let mut scache = stock::Cache::new(true, DType::F32, &stock_cfg, &device).map_err(cerr)?;
-        let input = Tensor::new(prompt.as_slice(), &device)
-            .and_then(|t| t.unsqueeze(0))
-            .map_err(cerr)?;
-        let t = Instant::now();
-        let mut slogits = stock_model.forward(&input, 0, &mut scache).map_err(cerr)?;
-        sync()?;
-        let sp = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let mut stock_tokens = Vec::new();
-        for i in 0..args.decode_tokens {
-            let next = model::Decoder::argmax(&slogits.squeeze(0).map_err(cerr)?).map_err(merr)?;
-            stock_tokens.push(next);
-            let input = Tensor::new(&[next], &device)
-                .and_then(|t| t.unsqueeze(0))
-                .map_err(cerr)?;
-            slogits = stock_model
-                .forward(&input, n + i, &mut scache)
-                .map_err(cerr)?;
+        if let Some((stock_model, stock_cfg)) = &stock {
+            let (sp, sd, stock_tokens) =
+                run_stock(stock_model, stock_cfg, &device, &prompt, args.decode_tokens)?;
+            agree &= ours_tokens == stock_tokens;
+            if rep > 0 {
+                stock_prefill.push(n as f64 / sp);
+                stock_decode.push(sd * 1e3);
+            }
         }
-        let sd = t.elapsed().as_secs_f64() / args.decode_tokens.max(1) as f64;
-        agree &= ours_tokens == stock_tokens;
+        if let (Some(bin), true) = (&llama_bench, rep > 0) {
+            let f = crate::llama::bench(bin, &path, n, args.decode_tokens, threads, 1)?;
+            eprintln!(
+                "rep {rep}: llama.cpp {:.0} tok/s, {:.1} ms/tok",
+                f.prefill,
+                1e3 / f.decode
+            );
+            llama_prefill.push(f.prefill);
+            llama_decode.push(1e3 / f.decode);
+        }
         if rep > 0 {
             ours_prefill.push(n as f64 / p);
             ours_decode.push(d * 1e3);
-            stock_prefill.push(n as f64 / sp);
-            stock_decode.push(sd * 1e3);
         }
         eprintln!(
-            "rep {rep}: ours {:.0} tok/s, {:.1} ms/tok; stock {:.0} tok/s, {:.1} ms/tok",
+            "rep {rep}: ours {:.0} tok/s, {:.1} ms/tok",
             n as f64 / p,
-            d * 1e3,
-            n as f64 / sp,
-            sd * 1e3
+            d * 1e3
         );
     }
     if !agree {
@@ -180,24 +208,67 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         copy.push(c.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
         std::hint::black_box(c);
     }
-    let stock_name = "candle-transformers llama (same weights, f32)";
-    Ok(vec![
-        Line::higher(
-            "model.prefill",
-            median(ours_prefill),
-            median(stock_prefill),
-            "tokens/s",
-            stock_name,
-        )
-        .bar(0.9),
-        Line::lower(
-            "model.decode",
-            median(ours_decode),
-            median(stock_decode),
-            "ms/token",
-            stock_name,
-        )
-        .bar(1.0),
+    let mut lines = Vec::new();
+    if !llama_prefill.is_empty() {
+        let name = format!("llama.cpp llama-bench, same GGUF, {threads} threads");
+        lines.push(
+            Line::higher(
+                "model.prefill_vs_llama_cpp",
+                median(ours_prefill.clone()),
+                median(llama_prefill),
+                "tokens/s",
+                &name,
+            )
+            .bar(1.0),
+        );
+        lines.push(
+            Line::lower(
+                "model.decode_vs_llama_cpp",
+                median(ours_decode.clone()),
+                median(llama_decode),
+                "ms/token",
+                &name,
+            )
+            .bar(0.8),
+        );
+    }
+    if let ModelSource::Gguf(_) = source {
+        // Ratio = file / resident: at least 1/1.5 when resident memory is at most 1.5x the file.
+        lines.push(
+            Line::lower(
+                "model.resident_memory",
+                loaded_bytes as f64 / (1 << 20) as f64,
+                file_bytes / (1 << 20) as f64,
+                "MiB",
+                "the GGUF file's size",
+            )
+            .bar(1.0 / 1.5),
+        );
+    }
+    if stock.is_some() {
+        let stock_name = "candle-transformers llama (same weights, f32)";
+        lines.push(
+            Line::higher(
+                "model.prefill",
+                median(ours_prefill),
+                median(stock_prefill),
+                "tokens/s",
+                stock_name,
+            )
+            .bar(0.9),
+        );
+        lines.push(
+            Line::lower(
+                "model.decode",
+                median(ours_decode),
+                median(stock_decode),
+                "ms/token",
+                stock_name,
+            )
+            .bar(1.0),
+        );
+    }
+    lines.extend([
         Line::higher(
             "model.kv_export",
             median(export),
@@ -212,5 +283,58 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             "GB/s",
             "memcpy of the same bytes",
         ),
-    ])
+    ]);
+    Ok(lines)
+}
+
+/// candle-transformers' Llama on our weights, exported in HF layout (dequantized, f32).
+fn load_stock(
+    ours: &Model,
+    device: &candle_core::Device,
+) -> Result<(stock::Llama, stock::Config), Error> {
+    let dir = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
+    ours.export_hf(dir.path()).map_err(merr)?;
+    let cfg_text = std::fs::read_to_string(dir.path().join("config.json"))
+        .map_err(crate::io("config.json"))?;
+    let stock_cfg: stock::LlamaConfig =
+        serde_json::from_str(&cfg_text).map_err(|e| Error::Check(format!("stock config: {e}")))?;
+    let stock_cfg = stock_cfg.into_config(false);
+    let tensors = candle_core::safetensors::load(dir.path().join("model.safetensors"), device)
+        .map_err(cerr)?;
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, device);
+    let stock_model = stock::Llama::load(vb, &stock_cfg).map_err(cerr)?;
+    Ok((stock_model, stock_cfg))
+}
+
+/// One stock run: prefill seconds, decode seconds per token, greedy tokens.
+fn run_stock(
+    stock_model: &stock::Llama,
+    stock_cfg: &stock::Config,
+    device: &candle_core::Device,
+    prompt: &[u32],
+    decode_tokens: usize,
+) -> Result<(f64, f64, Vec<u32>), Error> {
+    let n = prompt.len();
+    let mut scache = stock::Cache::new(true, DType::F32, stock_cfg, device).map_err(cerr)?;
+    let input = Tensor::new(prompt, device)
+        .and_then(|t| t.unsqueeze(0))
+        .map_err(cerr)?;
+    let t = Instant::now();
+    let mut slogits = stock_model.forward(&input, 0, &mut scache).map_err(cerr)?;
+    device.synchronize().map_err(cerr)?;
+    let sp = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut stock_tokens = Vec::new();
+    for i in 0..decode_tokens {
+        let next = model::Decoder::argmax(&slogits.squeeze(0).map_err(cerr)?).map_err(merr)?;
+        stock_tokens.push(next);
+        let input = Tensor::new(&[next], device)
+            .and_then(|t| t.unsqueeze(0))
+            .map_err(cerr)?;
+        slogits = stock_model
+            .forward(&input, n + i, &mut scache)
+            .map_err(cerr)?;
+    }
+    let sd = t.elapsed().as_secs_f64() / decode_tokens.max(1) as f64;
+    Ok((sp, sd, stock_tokens))
 }

@@ -5,29 +5,29 @@
 //! Weights are immutable; per-sequence state lives in a [`KvCache`] the caller owns, so one
 //! model serves many sequences and a cache can be filled from stored KV.
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::Linear;
+use candle_core::{DType, Device, Tensor, D};
 
 use crate::config::ModelConfig;
 use crate::error::{Ctx, Error, Result};
 use crate::kv::{Kv, KvCache};
+use crate::linear::{Embedding, Proj};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
 #[derive(Debug)]
 struct Layer {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
     /// Per-head RMSNorm weights of queries and keys (Qwen3).
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
 }
 
 /// Which logits a forward pass returns.
@@ -43,29 +43,45 @@ pub enum Logits {
 #[derive(Debug)]
 pub struct Decoder {
     cfg: ModelConfig,
-    embed: Tensor,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Proj,
     rope: Rope,
     dtype: DType,
     device: Device,
 }
 
-fn linear(w: &Weights, name: &str, bias: bool, shape: (usize, usize)) -> Result<Linear> {
-    let weight = w.get(&format!("{name}.weight"))?.clone();
-    if weight.dims2().ctx(name)? != shape {
-        return Err(Error::Weight {
-            name: format!("{name}.weight"),
-            why: format!("shape {:?}, expected {shape:?}", weight.dims()),
-        });
+/// The matrix `name` (`(out, in)`, quantized if the weights keep it so) as a projection in
+/// `dtype`.
+fn matrix(w: &Weights, name: &str, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
+    match w.quantized(name) {
+        Some(q) => Proj::quant(q.clone(), b, dtype),
+        None => Ok(Proj::dense(w.get(name)?.clone(), b)),
     }
+}
+
+fn linear(
+    w: &Weights,
+    name: &str,
+    bias: bool,
+    shape: (usize, usize),
+    dtype: DType,
+) -> Result<Proj> {
     let b = if bias {
         Some(w.get(&format!("{name}.bias"))?.clone())
     } else {
         w.opt(&format!("{name}.bias")).cloned()
     };
-    Ok(Linear::new(weight, b))
+    let p = matrix(w, &format!("{name}.weight"), b, dtype)?;
+    let dims = p.dims()?;
+    if dims != shape {
+        return Err(Error::Weight {
+            name: format!("{name}.weight"),
+            why: format!("shape {dims:?}, expected {shape:?}"),
+        });
+    }
+    Ok(p)
 }
 
 /// A per-head norm's weight: required (of `dim` values) when `wanted`, absent otherwise.
@@ -102,20 +118,29 @@ impl Decoder {
                     &format!("{p}.self_attn.q_proj"),
                     cfg.attn_bias,
                     (q_out, h),
+                    dtype,
                 )?,
                 k: linear(
                     w,
                     &format!("{p}.self_attn.k_proj"),
                     cfg.attn_bias,
                     (kv * hd, h),
+                    dtype,
                 )?,
                 v: linear(
                     w,
                     &format!("{p}.self_attn.v_proj"),
                     cfg.attn_bias,
                     (kv * hd, h),
+                    dtype,
                 )?,
-                o: linear(w, &format!("{p}.self_attn.o_proj"), false, (h, q_out))?,
+                o: linear(
+                    w,
+                    &format!("{p}.self_attn.o_proj"),
+                    false,
+                    (h, q_out),
+                    dtype,
+                )?,
                 q_norm: norm(w, &format!("{p}.self_attn.q_norm.weight"), cfg.qk_norm, hd)?,
                 k_norm: norm(w, &format!("{p}.self_attn.k_norm.weight"), cfg.qk_norm, hd)?,
                 ffn_norm: w
@@ -126,21 +151,38 @@ impl Decoder {
                     &format!("{p}.mlp.gate_proj"),
                     false,
                     (cfg.intermediate, h),
+                    dtype,
                 )?,
-                up: linear(w, &format!("{p}.mlp.up_proj"), false, (cfg.intermediate, h))?,
+                up: linear(
+                    w,
+                    &format!("{p}.mlp.up_proj"),
+                    false,
+                    (cfg.intermediate, h),
+                    dtype,
+                )?,
                 down: linear(
                     w,
                     &format!("{p}.mlp.down_proj"),
                     false,
                     (h, cfg.intermediate),
+                    dtype,
                 )?,
             });
         }
-        let embed = w.get("model.embed_tokens.weight")?.clone();
-        let lm_head = match w.opt("lm_head.weight") {
-            Some(t) if !cfg.tie_embeddings => t.clone(),
-            _ => embed.clone(),
+        const EMBED: &str = "model.embed_tokens.weight";
+        let embed = match w.quantized(EMBED) {
+            Some(q) => Embedding::Quant {
+                table: q.clone(),
+                dtype,
+            },
+            None => Embedding::Dense(w.get(EMBED)?.clone()),
         };
+        let head = if w.has("lm_head.weight") && !cfg.tie_embeddings {
+            "lm_head.weight"
+        } else {
+            EMBED
+        };
+        let lm_head = matrix(w, head, None, dtype)?;
         Ok(Decoder {
             rope: Rope::new(&cfg),
             norm: w.get("model.norm.weight")?.clone(),
@@ -196,11 +238,7 @@ impl Decoder {
         let pos = cache.next_pos();
         let past = cache.len();
         let ids = Tensor::new(tokens, &self.device).ctx("token ids")?;
-        let mut x = self
-            .embed
-            .index_select(&ids, 0)
-            .and_then(|t| t.unsqueeze(0))
-            .ctx("embed")?;
+        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
         let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
         let mask = if s > 1 || windowed {
             Some(self.mask(s, past + s)?)
@@ -221,7 +259,7 @@ impl Decoder {
             Logits::All => x,
         };
         let x = self.rms(&x, &self.norm)?;
-        let out = x.matmul(&self.lm_head.t().ctx("lm head")?).ctx("lm head")?;
+        let out = self.lm_head.forward(&x)?;
         let out = out.to_dtype(DType::F32).ctx("logits")?;
         match logits {
             Logits::Last => out.squeeze(0).ctx("logits"),
@@ -271,10 +309,9 @@ impl Decoder {
         let g = layer
             .gate
             .forward(&h)
-            .and_then(|t| candle_nn::ops::silu(&t))
-            .ctx("gate")?;
-        let u = layer.up.forward(&h).ctx("up")?;
-        let m = layer.down.forward(&(g * u).ctx("swiglu")?).ctx("down")?;
+            .and_then(|t| candle_nn::ops::silu(&t).ctx("silu"))?;
+        let u = layer.up.forward(&h)?;
+        let m = layer.down.forward(&(g * u).ctx("swiglu")?)?;
         (x + m).ctx("residual")
     }
 
@@ -283,16 +320,8 @@ impl Decoder {
         let cfg = &self.cfg;
         let (b, s, _) = h.dims3().ctx("attn input")?;
         let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
-        let q = layer
-            .q
-            .forward(h)
-            .and_then(|t| t.reshape((b, s, nh, hd)))
-            .ctx("q")?;
-        let k = layer
-            .k
-            .forward(h)
-            .and_then(|t| t.reshape((b, s, nkv, hd)))
-            .ctx("k")?;
+        let q = layer.q.forward(h)?.reshape((b, s, nh, hd)).ctx("q")?;
+        let k = layer.k.forward(h)?.reshape((b, s, nkv, hd)).ctx("k")?;
         let (q, k) = match (&layer.q_norm, &layer.k_norm) {
             (Some(qn), Some(kn)) => (self.rms(&q, qn)?, self.rms(&k, kn)?),
             _ => (q, k),
@@ -301,8 +330,8 @@ impl Decoder {
         let k = k.transpose(1, 2).ctx("k")?;
         let v = layer
             .v
-            .forward(h)
-            .and_then(|t| t.reshape((b, s, nkv, hd)))
+            .forward(h)?
+            .reshape((b, s, nkv, hd))
             .and_then(|t| t.transpose(1, 2))
             .and_then(|t| t.contiguous())
             .ctx("v")?;
@@ -365,7 +394,7 @@ impl Decoder {
             .and_then(|y| y.transpose(1, 2))
             .and_then(|y| y.reshape((b, s, nh * hd)))
             .ctx("attn out")?;
-        layer.o.forward(&y).ctx("o")
+        layer.o.forward(&y)
     }
 
     /// KV of `tokens` computed alone, as if they sat at positions `start_pos..`.
@@ -424,11 +453,7 @@ impl Decoder {
         }
         let m = n - exact;
         let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
-        let x = self
-            .embed
-            .index_select(&ids, 0)
-            .and_then(|t| t.unsqueeze(0))
-            .ctx("embed")?;
+        let x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
 
         // Layer 0 for every token, over the stored (exact) keys and values.
         let (k0, v0) = &kv.layers[0];

@@ -1,14 +1,16 @@
 //! Loading weights and metadata from GGUF files and HF safetensors directories.
 //!
 //! Tensors are held under their HF names (`model.layers.0.self_attn.q_proj.weight`, ...).
-//! GGUF weights are dequantized at load to the requested dtype. Llama GGUF files keep the
+//! GGUF matrices in a quantized block type stay quantized (see [`crate::linear`]) unless the
+//! caller asks for dense weights; everything else is converted at load to the requested dtype. Llama GGUF files keep the
 //! q/k row order llama.cpp's converter gave them (pairs interleaved), so those models run with
 //! [`RopeStyle::Interleaved`]; [`Weights::to_hf`] undoes the permutation for export.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Arch, HfConfig, ModelConfig, RopeStyle};
@@ -67,17 +69,23 @@ impl ModelSource {
     }
 }
 
-/// Dequantized weights by HF name.
+/// Weights by HF name: dense tensors, and matrices kept in their GGUF block type.
 #[derive(Debug)]
 pub struct Weights {
     pub(crate) tensors: HashMap<String, Tensor>,
+    pub(crate) quant: HashMap<String, Arc<QTensor>>,
 }
 
 impl Weights {
+    /// A dense tensor (1-D weights are always dense).
     pub(crate) fn get(&self, name: &str) -> Result<&Tensor> {
         self.tensors.get(name).ok_or_else(|| Error::Weight {
             name: name.into(),
-            why: "missing".into(),
+            why: if self.quant.contains_key(name) {
+                "quantized where a dense tensor is needed".into()
+            } else {
+                "missing".into()
+            },
         })
     }
 
@@ -85,10 +93,48 @@ impl Weights {
         self.tensors.get(name)
     }
 
-    /// The weights in HF layout (q/k rows un-permuted for interleaved-RoPE GGUF models).
+    /// A matrix kept quantized, if it is.
+    pub(crate) fn quantized(&self, name: &str) -> Option<&Arc<QTensor>> {
+        self.quant.get(name)
+    }
+
+    /// Whether any matrix is kept quantized.
+    pub(crate) fn has_quantized(&self) -> bool {
+        !self.quant.is_empty()
+    }
+
+    /// Whether `name` exists, dense or quantized.
+    pub(crate) fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name) || self.quant.contains_key(name)
+    }
+
+    /// Bytes the weights hold in memory.
+    pub fn resident_bytes(&self) -> usize {
+        let dense: usize = self
+            .tensors
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        dense
+            + self
+                .quant
+                .values()
+                .map(|q| q.storage_size_in_bytes())
+                .sum::<usize>()
+    }
+
+    /// The weights in HF layout (q/k rows un-permuted for interleaved-RoPE GGUF models),
+    /// quantized ones dequantized to f32.
     pub fn to_hf(&self, cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
+        let mut dequantized = HashMap::new();
+        for (name, q) in &self.quant {
+            let t = q
+                .dequantize(&Device::Cpu)
+                .ctx(&format!("dequantizing {name}"))?;
+            dequantized.insert(name.clone(), t);
+        }
         let mut out = HashMap::new();
-        for (name, t) in &self.tensors {
+        for (name, t) in self.tensors.iter().chain(&dequantized) {
             let t = if cfg.rope_style == RopeStyle::Interleaved
                 && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight"))
             {
@@ -181,10 +227,22 @@ impl GgufMeta<'_> {
     }
 }
 
-/// Reads a GGUF file: config, dequantized weights, and the raw metadata (for the tokenizer).
+/// Whether a GGUF tensor stays in its quantized blocks: a matrix in a quantized block type
+/// (f32/f16/bf16 ones are converted like any dense weight).
+fn keep_quantized(info: &gguf_file::TensorInfo) -> bool {
+    info.shape.rank() == 2
+        && !matches!(
+            info.ggml_dtype,
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+        )
+}
+
+/// Reads a GGUF file: config, weights (matrices kept quantized when `quantized`, see
+/// [`keep_quantized`]), and the raw metadata (for the tokenizer).
 pub(crate) fn load_gguf(
     path: &Path,
     dtype: DType,
+    quantized: bool,
     device: &Device,
 ) -> Result<(ModelConfig, Weights, HashMap<String, gguf_file::Value>)> {
     let mut file = fs_err::File::open(path)?;
@@ -258,12 +316,20 @@ pub(crate) fn load_gguf(
     cfg.validate()?;
 
     let mut tensors = HashMap::new();
+    let mut quant = HashMap::new();
     let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
     for name in names {
         let Some(hf) = hf_name(&name) else {
             tracing::debug!(tensor = %name, "ignoring GGUF tensor");
             continue;
         };
+        if quantized && keep_quantized(&content.tensor_infos[&name]) {
+            let q = content
+                .tensor(&mut file, &name, device)
+                .ctx(&format!("reading {name}"))?;
+            quant.insert(hf, Arc::new(q));
+            continue;
+        }
         let q = content
             .tensor(&mut file, &name, &Device::Cpu)
             .ctx(&format!("reading {name}"))?;
@@ -274,7 +340,7 @@ pub(crate) fn load_gguf(
             .ctx(&format!("dequantizing {name}"))?;
         tensors.insert(hf, t);
     }
-    Ok((cfg, Weights { tensors }, content.metadata))
+    Ok((cfg, Weights { tensors, quant }, content.metadata))
 }
 
 /// GGUF (llama.cpp) tensor names and their HF names: whole names, then per-layer suffixes
@@ -366,7 +432,13 @@ pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(Mode
             tensors.insert(name, t);
         }
     }
-    Ok((cfg, Weights { tensors }))
+    Ok((
+        cfg,
+        Weights {
+            tensors,
+            quant: HashMap::new(),
+        },
+    ))
 }
 
 /// Content hash of the model files (blake3, hex): every byte of the GGUF file, or of every

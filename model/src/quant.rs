@@ -1,0 +1,585 @@
+//! Matrix products over GGUF's 32-element block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with
+//! f32 activations, on the CPU: the decode step's kernel.
+//!
+//! candle multiplies these block types with a portable scalar dot product; most small GGUF
+//! models are made of them (SmolLM2-135M Q4_1, Qwen2.5-0.5B Q4_K_M's Q5_0 attention and
+//! gate/up matrices, whose 896 columns do not fit K-quants' 256-element super-blocks). This
+//! module follows llama.cpp's scheme: each activation row is quantized to 8 bits per block
+//! ([`BlockQ8`]), and a weight row's dot product with it runs in integer SIMD (AVX2 + FMA,
+//! detected at run time, with a scalar fallback that the tests hold it to), one block scale
+//! product per 32 elements. Output rows are split over candle's persistent spinning thread
+//! pool (the caller takes a share; waking rayon's sleeping workers for each of a decode
+//! step's ~200 products cost more than the products on SmolLM2); each weight row is read once
+//! for every activation row of the batch (`m` rows: a batched decode step).
+//!
+//! Block layouts (ggml's, little endian; `d`/`m` are f16; element `j < 16` is the low nibble
+//! of `qs[j]`, element `j + 16` its high nibble; Q5 high bits: bit `j` of `qh` for element `j`):
+//!
+//! | type | bytes | layout | value |
+//! |---|---:|---|---|
+//! | Q4_0 | 18 | `d, qs[16]` | `(q - 8) d` |
+//! | Q4_1 | 20 | `d, m, qs[16]` | `q d + m` |
+//! | Q5_0 | 22 | `d, qh[4], qs[16]` | `(q - 16) d` |
+//! | Q5_1 | 24 | `d, m, qh[4], qs[16]` | `q d + m` |
+//! | Q8_0 | 34 | `d, qs[32]` (i8) | `q d` |
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+
+/// Elements per block.
+pub(crate) const QK: usize = 32;
+
+/// A block type this module multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+}
+
+impl Kind {
+    pub(crate) fn of(dtype: GgmlDType) -> Option<Kind> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Kind::Q4_0,
+            GgmlDType::Q4_1 => Kind::Q4_1,
+            GgmlDType::Q5_0 => Kind::Q5_0,
+            GgmlDType::Q5_1 => Kind::Q5_1,
+            GgmlDType::Q8_0 => Kind::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per block.
+    pub(crate) fn block_bytes(self) -> usize {
+        match self {
+            Kind::Q4_0 => 18,
+            Kind::Q4_1 => 20,
+            Kind::Q5_0 => 22,
+            Kind::Q5_1 => 24,
+            Kind::Q8_0 => 34,
+        }
+    }
+}
+
+/// One block of an activation row: scale, scale times the sum of the quants (for the
+/// `+ m` term of Q4_1/Q5_1), and the quants.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub(crate) struct BlockQ8 {
+    d: f32,
+    s: f32,
+    qs: [i8; QK],
+}
+
+/// Quantizes `x` (a multiple of [`QK`] long) to 8 bits per block: `d = max|x| / 127`.
+pub(crate) fn quantize_row(x: &[f32]) -> Vec<BlockQ8> {
+    x.chunks_exact(QK)
+        .map(|b| {
+            let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut qs = [0i8; QK];
+            let mut sum = 0i32;
+            for (q, v) in qs.iter_mut().zip(b) {
+                *q = (v * id).round() as i8;
+                sum += *q as i32;
+            }
+            BlockQ8 {
+                d,
+                s: d * sum as f32,
+                qs,
+            }
+        })
+        .collect()
+}
+
+fn half(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The dot product of one weight row (`a.len()` blocks of `kind`) with an activation row.
+type Dot = fn(&[u8], &[BlockQ8]) -> f32;
+
+/// The dot products of one weight row with four activation rows (the weight blocks decoded
+/// once for all four).
+type Dot4 = fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4];
+
+/// A block type's kernels.
+#[derive(Clone, Copy)]
+struct Kernels {
+    one: Dot,
+    four: Dot4,
+}
+
+/// A block's integer quants (with the `- 8`/`- 16` offsets applied) and its `m` (0 for the
+/// symmetric types).
+fn unpack(kind: Kind, blk: &[u8]) -> ([i32; QK], f32) {
+    let mut q = [0i32; QK];
+    let nibbles = |q: &mut [i32; QK], qs: &[u8], qh: u32, bias: i32| {
+        for j in 0..QK / 2 {
+            let lo = (qs[j] & 0xF) as u32 | ((qh >> j) & 1) << 4;
+            let hi = (qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+            q[j] = lo as i32 - bias;
+            q[j + QK / 2] = hi as i32 - bias;
+        }
+    };
+    match kind {
+        Kind::Q4_0 => nibbles(&mut q, &blk[2..18], 0, 8),
+        Kind::Q4_1 => nibbles(&mut q, &blk[4..20], 0, 0),
+        Kind::Q5_0 => nibbles(&mut q, &blk[6..22], u32_at(blk, 2), 16),
+        Kind::Q5_1 => nibbles(&mut q, &blk[8..24], u32_at(blk, 4), 0),
+        Kind::Q8_0 => {
+            for (v, b) in q.iter_mut().zip(&blk[2..34]) {
+                *v = *b as i8 as i32;
+            }
+        }
+    }
+    let m = match kind {
+        Kind::Q4_1 | Kind::Q5_1 => half(blk, 2),
+        _ => 0.0,
+    };
+    (q, m)
+}
+
+/// Portable reference: exact integer sums per block, as the SIMD kernels compute them.
+fn dot_scalar(kind: Kind, w: &[u8], a: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (blk, y) in w.chunks_exact(kind.block_bytes()).zip(a) {
+        let (q, m) = unpack(kind, blk);
+        let sum: i32 = q.iter().zip(&y.qs).map(|(w, x)| w * *x as i32).sum();
+        acc += half(blk, 0) * y.d * sum as f32 + m * y.s;
+    }
+    acc
+}
+
+fn scalar_kernels(kind: Kind) -> Kernels {
+    macro_rules! k {
+        ($kind:expr) => {
+            Kernels {
+                one: |w, a| dot_scalar($kind, w, a),
+                four: |w, a| a.map(|a| dot_scalar($kind, w, a)),
+            }
+        };
+    }
+    match kind {
+        Kind::Q4_0 => k!(Kind::Q4_0),
+        Kind::Q4_1 => k!(Kind::Q4_1),
+        Kind::Q5_0 => k!(Kind::Q5_0),
+        Kind::Q5_1 => k!(Kind::Q5_1),
+        Kind::Q8_0 => k!(Kind::Q8_0),
+    }
+}
+
+/// The fastest kernels this CPU runs for `kind`.
+fn kernels(kind: Kind) -> Kernels {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        return avx2::kernels(kind);
+    }
+    scalar_kernels(kind)
+}
+
+/// `x @ w.T`: `w` holds `n` rows of `k` elements in `kind` blocks, `x` holds `m` rows of `k`
+/// f32; the result is `m` rows of `n`.
+pub(crate) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    matmul_with(kernels(kind), kind, w, n, k, x)
+}
+
+fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    debug_assert_eq!(k % QK, 0);
+    let m = x.len() / k;
+    let row_bytes = k / QK * kind.block_bytes();
+    debug_assert_eq!(w.len(), n * row_bytes);
+    let rows: Vec<Vec<BlockQ8>> = x.chunks_exact(k).map(quantize_row).collect();
+    // Output transposed (`n` rows of `m`), so each range of weight rows owns a contiguous
+    // run of it and each weight row is read once for all `m` activation rows.
+    let mut out_t = vec![0f32; n * m];
+    let dst = SharedOut(out_t.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let dst = &dst;
+        // SAFETY: the pool hands out disjoint ranges of `0..n`; rows `range` of `out_t` are
+        // written by this call only, and `out_t` outlives `execute_chunked`.
+        let d =
+            unsafe { std::slice::from_raw_parts_mut(dst.0.add(range.start * m), range.len() * m) };
+        for (j, d) in range.zip(d.chunks_exact_mut(m)) {
+            let wr = &w[j * row_bytes..(j + 1) * row_bytes];
+            let mut quads = d.chunks_exact_mut(4);
+            let mut i = 0;
+            for o in &mut quads {
+                let a = [&rows[i][..], &rows[i + 1], &rows[i + 2], &rows[i + 3]];
+                o.copy_from_slice(&(kern.four)(wr, a));
+                i += 4;
+            }
+            for o in quads.into_remainder() {
+                *o = (kern.one)(wr, &rows[i]);
+                i += 1;
+            }
+        }
+    });
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * n];
+    for (j, col) in out_t.chunks_exact(m).enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            out[i * n + j] = *v;
+        }
+    }
+    out
+}
+
+/// The output buffer, written in disjoint ranges by the pool's threads.
+struct SharedOut(*mut f32);
+// SAFETY: each thread writes only the rows of the range it was handed.
+unsafe impl Sync for SharedOut {}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 + FMA + F16C kernels (llama.cpp's `ggml_vec_dot_*` for these block types). Every
+    //! function here needs those features: the callers check [`available`] first.
+    // Intrinsics without pointer arguments are safe to call from newer compilers on.
+    #![allow(unused_unsafe)]
+    use std::arch::x86_64::*;
+
+    use super::{u32_at, BlockQ8, Kernels, Kind};
+
+    /// The f16 at `at` (hardware conversion).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half(b: &[u8], at: usize) -> f32 {
+        let h = u16::from_le_bytes([b[at], b[at + 1]]);
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32))) }
+    }
+
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    pub(super) fn kernels(kind: Kind) -> Kernels {
+        // SAFETY (for each): `available()` was checked by the caller.
+        macro_rules! k {
+            ($k:literal) => {
+                Kernels {
+                    one: |w, a| unsafe { dot::<$k>(w, a) },
+                    four: |w, a| unsafe { dot4::<$k>(w, a) },
+                }
+            };
+        }
+        match kind {
+            Kind::Q4_0 => k!(0),
+            Kind::Q4_1 => k!(1),
+            Kind::Q5_0 => k!(2),
+            Kind::Q5_1 => k!(3),
+            Kind::Q8_0 => k!(4),
+        }
+    }
+
+    /// A weight block as bytes ready for `maddubs`: unsigned quants (Q4_1, Q5_1) or the
+    /// absolute values of signed ones, the signs to move onto the activations (`None` for
+    /// unsigned), the scale `d` and the offset `m`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode<const K: u8>(blk: &[u8]) -> (__m256i, Option<__m256i>, f32, f32) {
+        unsafe {
+            let p = blk.as_ptr();
+            let d = half(blk, 0);
+            match K {
+                0 => {
+                    let x = _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8));
+                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
+                }
+                1 => (nibbles(p.add(4)), None, d, half(blk, 2)),
+                2 => {
+                    let hi = _mm256_andnot_si256(
+                        bytes_from_bits(u32_at(blk, 2)),
+                        _mm256_set1_epi8(0xF0u8 as i8),
+                    );
+                    let x = _mm256_or_si256(nibbles(p.add(6)), hi);
+                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
+                }
+                3 => {
+                    let hi =
+                        _mm256_and_si256(bytes_from_bits(u32_at(blk, 4)), _mm256_set1_epi8(0x10));
+                    (
+                        _mm256_or_si256(nibbles(p.add(8)), hi),
+                        None,
+                        d,
+                        half(blk, 2),
+                    )
+                }
+                _ => {
+                    let x = _mm256_loadu_si256(p.add(2) as *const __m256i);
+                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
+                }
+            }
+        }
+    }
+
+    /// [`dot`] against four activation rows, each weight block decoded once. Written out per
+    /// row (no arrays, no bounds checks in the loop) so the accumulators stay in registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot4<const K: u8>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
+        unsafe {
+            let bb = [18, 20, 22, 24, 34][K as usize];
+            let nb = a[0].len();
+            assert!(w.len() >= nb * bb && a.iter().all(|r| r.len() == nb));
+            let (a0, a1, a2, a3) = (a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr());
+            let (mut c0, mut c1, mut c2, mut c3) = (
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+            );
+            let (mut o0, mut o1, mut o2, mut o3) = (0f32, 0f32, 0f32, 0f32);
+            for b in 0..nb {
+                // SAFETY: `b < nb` and the lengths were checked above.
+                let blk = std::slice::from_raw_parts(w.as_ptr().add(b * bb), bb);
+                let (x, sign, d, m) = decode::<K>(blk);
+                macro_rules! row {
+                    ($ptr:expr, $acc:ident, $off:ident) => {{
+                        let y = &*$ptr.add(b);
+                        let qy = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+                        let qy = match sign {
+                            Some(s) => _mm256_sign_epi8(qy, s),
+                            None => qy,
+                        };
+                        $acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), mul_sum_us8(x, qy), $acc);
+                        if K == 1 || K == 3 {
+                            $off += m * y.s;
+                        }
+                    }};
+                }
+                row!(a0, c0, o0);
+                row!(a1, c1, o1);
+                row!(a2, c2, o2);
+                row!(a3, c3, o3);
+            }
+            [hsum(c0) + o0, hsum(c1) + o1, hsum(c2) + o2, hsum(c3) + o3]
+        }
+    }
+
+    /// The 32 nibbles of 16 bytes: low nibbles in bytes 0..16, high ones in 16..32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        unsafe {
+            let tmp = _mm_loadu_si128(p as *const __m128i);
+            let both =
+                _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+            _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+        }
+    }
+
+    /// Byte `i` is 0xFF where bit `i` of `x` is set.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bytes_from_bits(x: u32) -> __m256i {
+        unsafe {
+            let shuf = _mm256_set_epi64x(
+                0x0303030303030303,
+                0x0202020202020202,
+                0x0101010101010101,
+                0x0000000000000000,
+            );
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+            let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+            _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+        }
+    }
+
+    /// Sums of products of unsigned `x` and signed `y` bytes, as 8 f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul_sum_us8(x: __m256i, y: __m256i) -> __m256 {
+        unsafe {
+            let pairs = _mm256_maddubs_epi16(x, y);
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
+        }
+    }
+
+    /// Sums of products of signed bytes (|x| and y with x's sign moved onto it).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
+        unsafe { mul_sum_us8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    /// `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0 (a constant, so each kind compiles to
+    /// its own loop).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot<const K: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
+        unsafe {
+            let bb = [18, 20, 22, 24, 34][K as usize];
+            debug_assert!(w.len() >= a.len() * bb);
+            let mut acc = _mm256_setzero_ps();
+            let mut offsets = 0f32;
+            for (i, y) in a.iter().enumerate() {
+                let blk = &w[i * bb..(i + 1) * bb];
+                let p = blk.as_ptr();
+                let qy = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+                let d = _mm256_set1_ps(half(blk, 0) * y.d);
+                let prod = match K {
+                    0 => mul_sum_i8(_mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)), qy),
+                    1 => {
+                        offsets += half(blk, 2) * y.s;
+                        mul_sum_us8(nibbles(p.add(4)), qy)
+                    }
+                    2 => {
+                        // (q | bit << 4) - 16: where the bit is clear, set the upper nibble.
+                        let hi = _mm256_andnot_si256(
+                            bytes_from_bits(u32_at(blk, 2)),
+                            _mm256_set1_epi8(0xF0u8 as i8),
+                        );
+                        mul_sum_i8(_mm256_or_si256(nibbles(p.add(6)), hi), qy)
+                    }
+                    3 => {
+                        offsets += half(blk, 2) * y.s;
+                        let hi = _mm256_and_si256(
+                            bytes_from_bits(u32_at(blk, 4)),
+                            _mm256_set1_epi8(0x10),
+                        );
+                        mul_sum_us8(_mm256_or_si256(nibbles(p.add(8)), hi), qy)
+                    }
+                    _ => mul_sum_i8(_mm256_loadu_si256(p.add(2) as *const __m256i), qy),
+                };
+                acc = _mm256_fmadd_ps(d, prod, acc);
+            }
+            hsum(acc) + offsets
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    use proptest::prelude::*;
+
+    const KINDS: [(Kind, GgmlDType); 5] = [
+        (Kind::Q4_0, GgmlDType::Q4_0),
+        (Kind::Q4_1, GgmlDType::Q4_1),
+        (Kind::Q5_0, GgmlDType::Q5_0),
+        (Kind::Q5_1, GgmlDType::Q5_1),
+        (Kind::Q8_0, GgmlDType::Q8_0),
+    ];
+
+    /// `(n, k)` weights quantized by candle (ggml's encoders), their bytes and their
+    /// dequantized values.
+    fn weights(vals: &[f32], n: usize, k: usize, dtype: GgmlDType) -> (Vec<u8>, Vec<f32>) {
+        let t = Tensor::from_slice(vals, (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let bytes = q.data().unwrap().into_owned();
+        let back = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        (bytes, back)
+    }
+
+    fn dequantized_q8(row: &[BlockQ8]) -> Vec<f32> {
+        row.iter()
+            .flat_map(|b| b.qs.iter().map(move |q| *q as f32 * b.d))
+            .collect()
+    }
+
+    fn check(vals: &[f32], x: &[f32], n: usize, k: usize) {
+        for (kind, dtype) in KINDS {
+            assert_eq!(Kind::of(dtype), Some(kind));
+            let (w, wd) = weights(vals, n, k, dtype);
+            assert_eq!(w.len(), n * k / QK * kind.block_bytes(), "{kind:?} layout");
+            let m = x.len() / k;
+            // Reference: the dequantized weights times the quantized activations, in f64.
+            let xq: Vec<f32> = x
+                .chunks_exact(k)
+                .flat_map(|r| dequantized_q8(&quantize_row(r)))
+                .collect();
+            let fast = matmul(kind, &w, n, k, x);
+            let scalar = matmul_with(scalar_kernels(kind), kind, &w, n, k, x);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|c| wd[j * k + c] as f64 * xq[i * k + c] as f64)
+                        .sum();
+                    let scale: f64 = (0..k)
+                        .map(|c| (wd[j * k + c] as f64 * xq[i * k + c] as f64).abs())
+                        .sum::<f64>()
+                        + 1e-6;
+                    for (name, got) in [("simd", fast[i * n + j]), ("scalar", scalar[i * n + j])] {
+                        let err = (got as f64 - want).abs() / scale;
+                        assert!(
+                            err < 1e-3,
+                            "{kind:?} {name} ({i},{j}): {got} vs {want} (rel {err})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kind_matches_its_dequantized_weights() {
+        let (n, k) = (37, 96);
+        let vals: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        let x: Vec<f32> = (0..3 * k)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+            .collect();
+        check(&vals, &x, n, k);
+        // Five rows (a tile of four and one more), one row (the decode shape), and an
+        // all-zero activation row.
+        let x5: Vec<f32> = (0..5 * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+            .collect();
+        check(&vals, &x5, n, k);
+        check(&vals, &x[..k], n, k);
+        check(&vals, &vec![0.0; k], n, k);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn random_matrices_match(
+            n in 1usize..20,
+            blocks in 1usize..5,
+            m in 1usize..10,
+            seed in any::<u64>(),
+            spread in 0.01f32..100.0,
+        ) {
+            let k = blocks * QK;
+            let mut s = seed | 1;
+            let mut next = move || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
+            };
+            let vals: Vec<f32> = (0..n * k).map(|_| next() * spread).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
+            check(&vals, &x, n, k);
+        }
+    }
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` and `llama-bench` (the CPU peer of `ragkv bench peer`)
+# from the source that the `llama-cpp-python` sdist vendors, into the cache, outside the repo.
+# Idempotent: does nothing when the binaries are already there. About 6 minutes on 2 cores.
+#
+#   scripts/llama-server.sh        prints the path of llama-server on its last line
+#
+# Environment:
+#   RAGKV_CACHE   cache directory (default: ~/.cache/ragkv); the build lands in $RAGKV_CACHE/llama.cpp
+set -euo pipefail
+
+log() { printf '[llama-server] %s\n' "$*" >&2; }
+
+version=0.3.36
+cache="${RAGKV_CACHE:-$HOME/.cache/ragkv}"
+dest="$cache/llama.cpp"
+if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-bench" ]; then
+  echo "$dest/bin/llama-server"
+  exit 0
+fi
+
+need_apt=()
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v make >/dev/null 2>&1 || need_apt+=(make)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "installing apt packages: ${need_apt[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+src="$cache/llama_cpp_python-$version"
+if [ ! -d "$src/vendor/llama.cpp" ]; then
+  mkdir -p "$cache/wheels"
+  sdist="$cache/wheels/llama_cpp_python-$version.tar.gz"
+  if [ ! -f "$sdist" ]; then
+    log "downloading the llama-cpp-python $version sdist (it vendors llama.cpp's source)"
+    python3 -m pip download --quiet --no-deps "llama-cpp-python==$version" -d "$cache/wheels" >&2
+  fi
+  tar -xzf "$sdist" -C "$cache"
+fi
+
+log "building llama-server and llama-bench (cmake, native CPU; several minutes)"
+build="$src/vendor/llama.cpp/build"
+cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+cmake --build "$build" --config Release -j "$(nproc)" --target llama-server llama-bench >&2
+mkdir -p "$dest/bin"
+cp "$build/bin/llama-server" "$build/bin/llama-bench" "$dest/bin/"
+# Shared libraries the binaries link (libllama, libggml*), when built shared.
+find "$build" -name '*.so*' -exec cp -P {} "$dest/bin/" \; 2>/dev/null || true
+log "done: $dest/bin"
+echo "$dest/bin/llama-server"
