@@ -23,14 +23,9 @@ need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  log "installing apt packages: ${need_apt[*]}"
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
-fi
+# shellcheck source=scripts/apt.sh
+. "$(dirname "$0")/apt.sh"
+apt_install ${need_apt[@]+"${need_apt[@]}"}
 
 src="$cache/llama_cpp_python-$version"
 if [ ! -d "$src/vendor/llama.cpp" ]; then

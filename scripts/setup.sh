@@ -22,13 +22,10 @@ python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 # The quickstart talks to the server with curl.
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 
+# shellcheck source=scripts/apt.sh
+. "$(dirname "$0")/apt.sh"
 if [ ${#need_apt[@]} -gt 0 ]; then
-  log "installing apt packages: ${need_apt[*]}"
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  apt_install "${need_apt[@]}"
 else
   log "apt packages present"
 fi

@@ -1,9 +1,10 @@
 //! ragkv's LLM runtime on candle, with a KV cache that can be exported, stored, re-positioned
 //! and imported.
 //!
-//! - [`Model::load`] reads a GGUF file (weights dequantized to the requested dtype; tokenizer
-//!   and chat template from its metadata) or an HF directory (`config.json`, safetensors,
-//!   `tokenizer.json`).
+//! - [`Model::load`] reads a GGUF file (weights dequantized to the requested dtype, or kept in
+//!   their quantized blocks with [`LoadOptions::quantized`]: `linear.rs`, `quant.rs`;
+//!   tokenizer and chat template from its metadata) or an HF directory (`config.json`,
+//!   safetensors, `tokenizer.json`).
 //! - [`Model::prefill`] computes a chunk's [`Kv`] at any start position; [`Kv::to_bytes`] /
 //!   [`Kv::from_bytes`] convert to the store's layer-major layout; [`Model::reposition`] moves
 //!   stored keys to new positions; [`Model::blend`] recomputes the tokens of an assembled

@@ -6,7 +6,7 @@
 //! block types run [`crate::quant`]'s kernels on the CPU, K-quants candle's (repacked AVX2
 //! ones), CUDA candle's. Prefill runs the same kernels (four activation rows per decoded weight
 //! block): measured against dequantizing each matrix for an f32 GEMM on SmolLM2-135M and
-//! Qwen2.5-0.5B, the quantized path was 2.2-4x faster at 32 and 128 prompt tokens, and at 512
+//! Qwen2.5-0.5B, the quantized path was 1.3-4x faster at 32 and 128 prompt tokens, and at 512
 //! tokens 1.2x faster on Qwen2.5 and 0.87x on SmolLM2 (docs/BENCHMARKS.md, engine); one path
 //! keeps memory at the file's size, with no transient f32 copy of a matrix.
 //!
