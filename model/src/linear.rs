@@ -7,8 +7,9 @@
 //! ones), CUDA candle's. Prefill runs the same kernels (four activation rows per decoded weight
 //! block): measured against dequantizing each matrix for an f32 GEMM on SmolLM2-135M and
 //! Qwen2.5-0.5B, the quantized path was 1.3-4x faster at 32 and 128 prompt tokens, and at 512
-//! tokens 1.2x faster on Qwen2.5 and 0.87x on SmolLM2 (docs/BENCHMARKS.md, engine); one path
-//! keeps memory at the file's size, with no transient f32 copy of a matrix.
+//! tokens 1.2x faster on Qwen2.5 and 0.86x on SmolLM2 (docs/BENCHMARKS.md, "Quantized weights
+//! against llama.cpp"); one path keeps memory at the file's size, with no transient f32 copy
+//! of a matrix.
 //!
 //! Dense weights (HF safetensors, or `model.weights = "dequantized"`) use the plain matmul.
 

@@ -405,13 +405,6 @@ mod avx2 {
         }
     }
 
-    /// Sums of products of signed bytes (|x| and y with x's sign moved onto it).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
-        unsafe { mul_sum_us8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)) }
-    }
-
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -423,45 +416,23 @@ mod avx2 {
         }
     }
 
-    /// `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0 (a constant, so each kind compiles to
-    /// its own loop).
+    /// One weight row against one activation row. `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1,
+    /// 4 Q8_0 (a constant, so each kind compiles to its own loop).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot<const K: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
         unsafe {
             let bb = [18, 20, 22, 24, 34][K as usize];
-            debug_assert!(w.len() >= a.len() * bb);
             let mut acc = _mm256_setzero_ps();
             let mut offsets = 0f32;
-            for (i, y) in a.iter().enumerate() {
-                let blk = &w[i * bb..(i + 1) * bb];
-                let p = blk.as_ptr();
+            for (blk, y) in w.chunks_exact(bb).zip(a) {
+                let (x, sign, d, m) = decode::<K>(blk);
                 let qy = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-                let d = _mm256_set1_ps(half(blk, 0) * y.d);
-                let prod = match K {
-                    0 => mul_sum_i8(_mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)), qy),
-                    1 => {
-                        offsets += half(blk, 2) * y.s;
-                        mul_sum_us8(nibbles(p.add(4)), qy)
-                    }
-                    2 => {
-                        // (q | bit << 4) - 16: where the bit is clear, set the upper nibble.
-                        let hi = _mm256_andnot_si256(
-                            bytes_from_bits(u32_at(blk, 2)),
-                            _mm256_set1_epi8(0xF0u8 as i8),
-                        );
-                        mul_sum_i8(_mm256_or_si256(nibbles(p.add(6)), hi), qy)
-                    }
-                    3 => {
-                        offsets += half(blk, 2) * y.s;
-                        let hi = _mm256_and_si256(
-                            bytes_from_bits(u32_at(blk, 4)),
-                            _mm256_set1_epi8(0x10),
-                        );
-                        mul_sum_us8(_mm256_or_si256(nibbles(p.add(8)), hi), qy)
-                    }
-                    _ => mul_sum_i8(_mm256_loadu_si256(p.add(2) as *const __m256i), qy),
+                let qy = match sign {
+                    Some(s) => _mm256_sign_epi8(qy, s),
+                    None => qy,
                 };
-                acc = _mm256_fmadd_ps(d, prod, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), mul_sum_us8(x, qy), acc);
+                offsets += m * y.s;
             }
             hsum(acc) + offsets
         }
