@@ -9,19 +9,36 @@ fn e(what: &str) -> impl Fn(String) -> Error + '_ {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
+/// Which model a benchmark's engine runs.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ModelArgs {
+    /// GGUF file or HF directory (default: SmolLM2-135M-Instruct from scripts/setup.sh).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Keep GGUF weights quantized in memory (`model.weights = "quantized"`).
+    #[arg(long)]
+    pub quantized: bool,
+}
+
+impl ModelArgs {
+    /// The model file's name, for reports.
+    pub fn name(&self) -> String {
+        self.model.as_ref().map_or_else(
+            || model::SMOLLM2_FILE.to_string(),
+            |p| p.file_name().unwrap_or_default().to_string_lossy().into(),
+        )
+    }
+}
+
 /// The engine benchmarks run: SmolLM2 by default, KV stored as f16, chunks alone.
-pub fn open(
-    dir: &Path,
-    model_path: Option<&PathBuf>,
-    chunk_tokens: usize,
-) -> Result<ingest::Engine, Error> {
-    open_with(dir, model_path, chunk_tokens, "")
+pub fn open(dir: &Path, llm: &ModelArgs, chunk_tokens: usize) -> Result<ingest::Engine, Error> {
+    open_with(dir, llm, chunk_tokens, "")
 }
 
 /// [`open`] with a chunk preamble (`ingest.chunk_preamble`).
 pub fn open_with(
     dir: &Path,
-    model_path: Option<&PathBuf>,
+    llm: &ModelArgs,
     chunk_tokens: usize,
     chunk_preamble: &str,
 ) -> Result<ingest::Engine, Error> {
@@ -34,11 +51,16 @@ pub fn open_with(
         &retrieval::IndexConfig::default(),
     )
     .map_err(|x| e("index")(x.to_string()))?;
-    let path = model_path
-        .cloned()
+    let path = llm
+        .model
+        .clone()
         .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let opts = model::LoadOptions {
+        quantized: llm.quantized,
+        ..model::LoadOptions::default()
+    };
     let llm = model::ModelSource::from_path(&path)
-        .and_then(|s| model::Model::load(&s, &model::LoadOptions::default()))
+        .and_then(|s| model::Model::load(&s, &opts))
         .map_err(|x| e("model")(x.to_string()))?;
     ingest::Engine::new(
         Arc::new(store),
@@ -59,7 +81,7 @@ pub fn open_with(
 /// `work` already holds an index. `tag` prefixes the progress lines.
 pub fn open_indexed(
     work: &Path,
-    model_path: Option<&PathBuf>,
+    llm: &ModelArgs,
     chunk_tokens: usize,
     chunk_preamble: &str,
     dataset: &Path,
@@ -67,7 +89,7 @@ pub fn open_indexed(
     tag: &str,
 ) -> Result<ingest::Engine, Error> {
     let fresh = !work.join("vectors").exists();
-    let engine = open_with(work, model_path, chunk_tokens, chunk_preamble)?;
+    let engine = open_with(work, llm, chunk_tokens, chunk_preamble)?;
     if fresh {
         let corpus = crate::dataset::documents(dataset, docs)?;
         eprintln!("[{tag}] indexing {} documents (vectors only)", corpus.len());
@@ -180,8 +202,8 @@ pub fn close(engine: Arc<ingest::Engine>) {
 
 /// An engine in `work` with the repository's example corpus ingested eagerly (SmolLM2,
 /// 512-token chunks): what the serving benchmarks run against.
-pub fn example(work: &Path) -> Result<Arc<ingest::Engine>, Error> {
-    let engine = Arc::new(open(work, None, 512)?);
+pub fn example(work: &Path, llm: &ModelArgs) -> Result<Arc<ingest::Engine>, Error> {
+    let engine = Arc::new(open(work, llm, 512)?);
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
     ingest(
         &engine,

@@ -450,7 +450,7 @@ fn judge(t: &Tally, c: &Case, r: std::io::Result<Option<(u16, String, Vec<u8>)>>
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let engine = crate::engine::example(&work)?;
+    let engine = crate::engine::example(&work, &crate::engine::ModelArgs::default())?;
     let config = ServeConfig {
         admin_token: TOKEN.into(),
         max_body_bytes: 1 << 20,

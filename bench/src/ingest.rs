@@ -18,9 +18,8 @@ pub struct Args {
     /// Chunk size in model tokens.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
-    /// Model (default SmolLM2-135M-Instruct).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -34,7 +33,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let _ = std::fs::remove_dir_all(work.join("kv"));
     let _ = std::fs::remove_dir_all(work.join("vectors"));
-    let engine = crate::engine::open(&work, args.model.as_ref(), args.chunk_tokens)?;
+    let engine = crate::engine::open(&work, &args.llm, args.chunk_tokens)?;
 
     // Baseline: bare prefill of exactly the chunks the pipeline will prefill.
     let chunker = engine.config.chunker();

@@ -31,6 +31,14 @@ pub struct Args {
     pub max_tokens: usize,
     #[arg(long, default_value_t = 2)]
     pub top_k: usize,
+    /// Queries decoded together (`serve.max_batch`); 1 turns batching off.
+    #[arg(long, default_value_t = ServeConfig::default().max_batch)]
+    pub max_batch: usize,
+    /// KV cache budget of the batch (`serve.kv_budget_mb`).
+    #[arg(long, default_value_t = ServeConfig::default().kv_budget_mb)]
+    pub kv_budget_mb: usize,
+    #[command(flatten)]
+    pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -71,7 +79,8 @@ fn phase(
     clients: usize,
     secs: u64,
     args: &Args,
-) -> (Tally, f64, Vec<f64>) {
+    rag: &serve::Rag,
+) -> (Tally, f64, Vec<f64>, u64) {
     let tally = Arc::new(Tally::default());
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
@@ -114,8 +123,12 @@ fn phase(
         })
         .collect();
     let mut rss = Vec::new();
+    let mut kv_peak = 0;
     while start.elapsed() < Duration::from_secs(secs) {
-        std::thread::sleep(Duration::from_secs(1));
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(100));
+            kv_peak = kv_peak.max(rag.metrics.kv_reserved_bytes.load(Ordering::Relaxed));
+        }
         rss.push(rss_mib());
     }
     stop.store(true, Ordering::Relaxed);
@@ -124,28 +137,33 @@ fn phase(
     }
     let wall = start.elapsed().as_secs_f64();
     let tally = Arc::try_unwrap(tally).unwrap_or_default();
-    (tally, wall, rss)
+    (tally, wall, rss, kv_peak)
 }
 
 /// Runs the benchmark.
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    let engine = crate::engine::example(&work)?;
+    let engine = crate::engine::example(&work, &args.llm)?;
     let config = ServeConfig {
         max_inflight: args.max_inflight,
+        max_batch: args.max_batch,
+        kv_budget_mb: args.kv_budget_mb,
         ..ServeConfig::default()
     };
     let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config)?;
     let rss_before = rss_mib();
     eprintln!("[load] baseline: 1 client for {} s", args.baseline_seconds);
-    let (one, one_wall, _) = phase(addr, 1, args.baseline_seconds, args);
+    let (one, one_wall, _, _) = phase(addr, 1, args.baseline_seconds, args, &rag);
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let (steps0, rows0) = (g(&rag.metrics.batch_steps), g(&rag.metrics.batch_rows));
     eprintln!(
         "[load] {} clients for {} s (capacity {})",
         args.clients, args.seconds, args.max_inflight
     );
-    let (many, wall, rss) = phase(addr, args.clients, args.seconds, args);
-    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let (many, wall, rss, kv_peak) = phase(addr, args.clients, args.seconds, args, &rag);
+    let steps = g(&rag.metrics.batch_steps) - steps0;
+    let rows = g(&rag.metrics.batch_rows) - rows0;
     let mut lat = many.latencies_ms.lock().unwrap().clone();
     lat.sort_by(f64::total_cmp);
     let half = rss.len() / 2;
@@ -166,6 +184,9 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         "rss_mib_before": rss_before, "rss_mib_max_first_half": max_first,
         "rss_mib_max_second_half": max_second,
         "server_rejected": g(&rag.metrics.rejected), "server_failed": g(&rag.metrics.failed),
+        "max_batch": args.max_batch, "mean_batch": rows as f64 / steps.max(1) as f64,
+        "kv_budget_mib": args.kv_budget_mb, "kv_reserved_mib_peak": kv_peak as f64 / (1u64 << 20) as f64,
+        "quantized": args.llm.quantized, "model": args.llm.name(),
     }));
     // Stop the server and its threads before the working directory goes away.
     drop(rt);

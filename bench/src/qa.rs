@@ -53,9 +53,8 @@ pub struct Args {
     /// boundary handling. Use a separate `--dir` per preamble.
     #[arg(long, default_value = "")]
     pub chunk_preamble: String,
-    /// GGUF or safetensors model (default: SmolLM2-135M).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub llm: crate::engine::ModelArgs,
     /// Working directory, reused across runs (index and KV of one model); default: a fresh
     /// temporary directory.
     #[arg(long)]
@@ -172,17 +171,14 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     let work = work_dir.path().to_path_buf();
     let engine = Arc::new(crate::engine::open_indexed(
         &work,
-        args.model.as_ref(),
+        &args.llm,
         args.chunk_tokens,
         &args.chunk_preamble.replace("\\n", "\n"),
         &ds,
         args.docs,
         "qa",
     )?);
-    let model_name = args.model.as_ref().map_or_else(
-        || model::SMOLLM2_FILE.to_string(),
-        |p| p.file_name().unwrap_or_default().to_string_lossy().into(),
-    );
+    let model_name = args.llm.name();
     let questions = dataset::questions(&ds, args.questions)?;
     let rag = Rag::start(
         engine.clone(),

@@ -34,8 +34,8 @@ pub struct Args {
     pub max_tokens: usize,
     #[arg(long)]
     pub dataset: Option<PathBuf>,
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory). With an index already
     /// there, ingestion is skipped.
     #[arg(long)]
@@ -84,7 +84,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let work = work_dir.path().to_path_buf();
     let engine = std::sync::Arc::new(crate::engine::open_indexed(
         &work,
-        args.model.as_ref(),
+        &args.llm,
         args.chunk_tokens,
         "",
         &ds,

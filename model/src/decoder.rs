@@ -221,6 +221,105 @@ impl Decoder {
 
     /// Runs `tokens` through the model after what `cache` holds, appending their KV.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Tensor> {
+        let s = tokens.len();
+        let x = self.layers_over(&mut [(cache, tokens)])?;
+        let x = match logits {
+            Logits::Last => x.narrow(0, s.saturating_sub(1), 1).ctx("last")?,
+            Logits::All => x,
+        };
+        let out = self.logits(&x)?;
+        match logits {
+            Logits::Last => out.squeeze(0).ctx("logits"),
+            Logits::All => Ok(out),
+        }
+    }
+
+    /// One step over several sequences (continuous batching): each sequence's tokens run
+    /// after what its own cache holds (one token for a decoding sequence, several for a
+    /// prompt or a piece of one), all of them as one batch through the projections and the
+    /// MLP (each weight read once per step, whatever the batch), while attention runs per
+    /// sequence over its own cache. Returns the logits of each sequence's last token,
+    /// `(sequences, vocab)`. A sequence's logits do not depend on the others in the step
+    /// beyond float rounding of the batched products.
+    pub fn step(&self, seqs: &mut [(&mut KvCache, &[u32])]) -> Result<Tensor> {
+        let x = self.layers_over(seqs)?;
+        let mut last = Vec::with_capacity(seqs.len());
+        let mut end = 0u32;
+        for (_, t) in seqs.iter() {
+            end += t.len() as u32;
+            last.push(end - 1);
+        }
+        let idx = Tensor::new(last, &self.device).ctx("last rows")?;
+        let x = x.index_select(&idx, 0).ctx("last rows")?;
+        self.logits(&x)
+    }
+
+    /// The final norm and the output projection of hidden rows `(n, hidden)`: f32 logits
+    /// `(n, vocab)`.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.rms(x, &self.norm)?;
+        let out = self.lm_head.forward(&x)?;
+        out.to_dtype(DType::F32).ctx("logits")
+    }
+
+    /// Every layer over the sequences' tokens (concatenated, in order), appending each
+    /// sequence's KV to its cache: the hidden states `(tokens, hidden)` before the final norm.
+    fn layers_over(&self, seqs: &mut [(&mut KvCache, &[u32])]) -> Result<Tensor> {
+        if seqs.is_empty() {
+            return Err(Error::Input {
+                why: "no sequences".into(),
+            });
+        }
+        let mut all = Vec::new();
+        let mut positions = Vec::new();
+        // Per sequence: its first row in the batch, its tokens, its mask.
+        let mut spans = Vec::with_capacity(seqs.len());
+        for (cache, tokens) in seqs.iter() {
+            self.check_tokens(tokens)?;
+            let (s, past, pos) = (tokens.len(), cache.len(), cache.next_pos());
+            let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
+            let mask = if s > 1 || windowed {
+                Some(self.mask(s, past + s)?)
+            } else {
+                None
+            };
+            spans.push((all.len(), s, mask));
+            all.extend_from_slice(tokens);
+            positions.extend((pos..pos + s).map(|p| p as i64));
+        }
+        let ids = Tensor::new(all.as_slice(), &self.device).ctx("token ids")?;
+        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+        // One rotation table for the step, shared by every layer's queries and keys.
+        let (cos, sin) = self
+            .rope
+            .tables(positions.into_iter(), &self.device, self.dtype)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let _span = tracing::trace_span!("layer", i).entered();
+            let h = self.rms(&x, &layer.attn_norm)?;
+            let (q, k, v) = self.qkv(layer, &h)?;
+            let q = self.rope.apply(&q, &cos, &sin)?;
+            let k = self.rope.apply(&k, &cos, &sin)?;
+            let mut ys = Vec::with_capacity(spans.len());
+            for ((cache, _), (first, s, mask)) in seqs.iter_mut().zip(&spans) {
+                let rows = |t: &Tensor| t.narrow(2, *first, *s).ctx("sequence rows");
+                let (ck, cv) = cache.append(i, &rows(&k)?, &rows(&v)?)?;
+                ys.push(self.attend_heads(&rows(&q)?, &ck, &cv, mask.as_ref())?);
+            }
+            let y = if ys.len() == 1 {
+                ys.pop().expect("one")
+            } else {
+                Tensor::cat(&ys, 1).ctx("batch attention")?
+            };
+            x = (x + layer.o.forward(&y)?).ctx("residual")?;
+            x = self.mlp(layer, x)?;
+        }
+        for ((cache, _), (_, s, _)) in seqs.iter_mut().zip(&spans) {
+            cache.advance(*s);
+        }
+        x.squeeze(0).ctx("squeeze")
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::Input {
                 why: "no tokens".into(),
@@ -234,37 +333,7 @@ impl Decoder {
                 ),
             });
         }
-        let s = tokens.len();
-        let pos = cache.next_pos();
-        let past = cache.len();
-        let ids = Tensor::new(tokens, &self.device).ctx("token ids")?;
-        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
-        let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
-        let mask = if s > 1 || windowed {
-            Some(self.mask(s, past + s)?)
-        } else {
-            None
-        };
-        for (i, layer) in self.layers.iter().enumerate() {
-            let _span = tracing::trace_span!("layer", i).entered();
-            let h = self.rms(&x, &layer.attn_norm)?;
-            let a = self.attention(i, layer, &h, pos, cache, mask.as_ref())?;
-            x = (x + a).ctx("residual")?;
-            x = self.mlp(layer, x)?;
-        }
-        cache.advance(s);
-        let x = x.squeeze(0).ctx("squeeze")?;
-        let x = match logits {
-            Logits::Last => x.narrow(0, s - 1, 1).ctx("last")?,
-            Logits::All => x,
-        };
-        let x = self.rms(&x, &self.norm)?;
-        let out = self.lm_head.forward(&x)?;
-        let out = out.to_dtype(DType::F32).ctx("logits")?;
-        match logits {
-            Logits::Last => out.squeeze(0).ctx("logits"),
-            Logits::All => Ok(out),
-        }
+        Ok(())
     }
 
     /// Whether the query at cache index `q` sees the key at `k`: causal, and within the
@@ -338,28 +407,23 @@ impl Decoder {
         Ok((q, k, v))
     }
 
-    fn attention(
-        &self,
-        i: usize,
-        layer: &Layer,
-        h: &Tensor,
-        pos: usize,
-        cache: &mut KvCache,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(layer, h)?;
-        let q = self.rope.forward(&q, pos)?;
-        let k = self.rope.forward(&k, pos)?;
-        let (k, v) = cache.append(i, &k, &v)?;
-        self.attend(layer, &q, &k, &v, mask)
-    }
-
-    /// Attention of rotated queries `q` (b, heads, s, d) over keys and values
-    /// (b, kv_heads, t, d), with an optional additive mask `(s, t)`, through the output
-    /// projection.
+    /// [`Decoder::attend_heads`] through the layer's output projection.
     fn attend(
         &self,
         layer: &Layer,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        layer.o.forward(&self.attend_heads(q, k, v, mask)?)
+    }
+
+    /// Attention of rotated queries `q` (b, heads, s, d) over keys and values
+    /// (b, kv_heads, t, d), with an optional additive mask `(s, t)`: the heads' outputs
+    /// `(b, s, heads * d)`, before the output projection.
+    fn attend_heads(
+        &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -389,12 +453,10 @@ impl Decoder {
         };
         let att = candle_nn::ops::softmax_last_dim(&att).ctx("softmax")?;
         let y = att.matmul(&v).ctx("av")?; // (b, nkv, rep * s, hd)
-        let y = y
-            .reshape((b, nh, s, hd))
+        y.reshape((b, nh, s, hd))
             .and_then(|y| y.transpose(1, 2))
             .and_then(|y| y.reshape((b, s, nh * hd)))
-            .ctx("attn out")?;
-        layer.o.forward(&y)
+            .ctx("attn out")
     }
 
     /// KV of `tokens` computed alone, as if they sat at positions `start_pos..`.

@@ -131,9 +131,115 @@ impl Sampler {
     }
 }
 
-/// Generates after `prompt`, which is appended to `cache` first (it may be empty if the cache
-/// already ends with the prompt's last token and `first_logits` is given). `on_text` receives
-/// each new piece of text; returning `false` cancels.
+/// What one sampled token gives: text to stream, and the token to feed the model next
+/// (`None`: the sequence is finished; see [`Decoding::finish`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advance {
+    pub text: Option<String>,
+    pub next: Option<u32>,
+}
+
+/// One sequence's decoding state, independent of how its logits are computed (alone with
+/// [`generate`], or in a batch with [`Decoder::step`]): sampling, stop tokens, stop strings,
+/// incremental detokenization, the token limit.
+#[derive(Debug)]
+pub struct Decoding<'a> {
+    params: GenerateParams,
+    sampler: Sampler,
+    stream: TokenStream<'a>,
+    eos: &'a [u32],
+    out: Generation,
+    done: bool,
+}
+
+impl<'a> Decoding<'a> {
+    pub fn new(tokenizer: &'a Tokenizer, params: &GenerateParams) -> Result<Decoding<'a>> {
+        params.validate()?;
+        Ok(Decoding {
+            params: params.clone(),
+            sampler: Sampler::new(params.clone()),
+            stream: TokenStream::new(tokenizer),
+            eos: &tokenizer.eos,
+            out: Generation {
+                tokens: Vec::new(),
+                text: String::new(),
+                finish: FinishReason::Length,
+            },
+            done: false,
+        })
+    }
+
+    /// Samples the next token from `logits` (vocab,) and says what to stream and feed next.
+    pub fn advance(&mut self, logits: &Tensor) -> Result<Advance> {
+        if self.done {
+            return Err(Error::Input {
+                why: "advance after the sequence finished".into(),
+            });
+        }
+        let next = self.sampler.sample(logits)?;
+        let out = &mut self.out;
+        if self.eos.contains(&next) || self.params.stop_tokens.contains(&next) {
+            return Ok(self.end(FinishReason::Stop, None));
+        }
+        out.tokens.push(next);
+        let mut text = None;
+        if let Some(piece) = self.stream.push(next)? {
+            out.text.push_str(&piece);
+            if let Some(cut) = self
+                .params
+                .stop_strings
+                .iter()
+                .filter_map(|s| out.text.find(s.as_str()))
+                .min()
+            {
+                let keep = out.text.len() - piece.len();
+                let shown = (cut > keep).then(|| out.text[keep..cut].to_string());
+                out.text.truncate(cut);
+                return Ok(self.end(FinishReason::Stop, shown));
+            }
+            text = Some(piece);
+        }
+        if out.tokens.len() >= self.params.max_tokens {
+            if let Some(rest) = self.stream.finish()? {
+                out.text.push_str(&rest);
+                text = Some(text.unwrap_or_default() + &rest);
+            }
+            return Ok(self.end(FinishReason::Length, text));
+        }
+        Ok(Advance {
+            text,
+            next: Some(next),
+        })
+    }
+
+    fn end(&mut self, finish: FinishReason, text: Option<String>) -> Advance {
+        self.out.finish = finish;
+        self.done = true;
+        Advance { text, next: None }
+    }
+
+    /// The consumer went away: the sequence ends as cancelled.
+    pub fn cancel(&mut self) {
+        self.end(FinishReason::Cancelled, None);
+    }
+
+    /// Whether the sequence has finished (stop, length or cancel).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.out.tokens
+    }
+
+    pub fn finish(self) -> Generation {
+        self.out
+    }
+}
+
+/// Generates after `prompt`, which is appended to `cache` first. `on_text` receives each new
+/// piece of text; returning `false` cancels.
 pub fn generate(
     model: &Decoder,
     tokenizer: &Tokenizer,
@@ -142,60 +248,25 @@ pub fn generate(
     params: &GenerateParams,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
-    params.validate()?;
+    let mut decoding = Decoding::new(tokenizer, params)?;
     if prompt.is_empty() {
         return Err(Error::Input {
             why: "empty prompt".into(),
         });
     }
     let mut logits = model.forward(cache, prompt, Logits::Last)?;
-    let mut sampler = Sampler::new(params.clone());
-    let mut stream = TokenStream::new(tokenizer);
-    let mut out = Generation {
-        tokens: Vec::new(),
-        text: String::new(),
-        finish: FinishReason::Length,
-    };
-    for step in 0..params.max_tokens {
-        let next = sampler.sample(&logits)?;
-        if tokenizer.eos.contains(&next) || params.stop_tokens.contains(&next) {
-            out.finish = FinishReason::Stop;
-            break;
-        }
-        out.tokens.push(next);
-        if let Some(piece) = stream.push(next)? {
-            out.text.push_str(&piece);
-            if let Some(cut) = params
-                .stop_strings
-                .iter()
-                .filter_map(|s| out.text.find(s.as_str()))
-                .min()
-            {
-                let keep = out.text.len() - piece.len();
-                if cut > keep && !on_text(&out.text[keep..cut]) {
-                    out.finish = FinishReason::Cancelled;
-                }
-                out.text.truncate(cut);
-                if out.finish != FinishReason::Cancelled {
-                    out.finish = FinishReason::Stop;
-                }
-                break;
-            }
-            if !on_text(&piece) {
-                out.finish = FinishReason::Cancelled;
+    loop {
+        let a = decoding.advance(&logits)?;
+        if let Some(text) = &a.text {
+            if !on_text(text) {
+                decoding.cancel();
                 break;
             }
         }
-        if step + 1 == params.max_tokens {
-            break;
-        }
-        logits = model.forward(cache, &[next], Logits::Last)?;
-    }
-    if out.finish == FinishReason::Length {
-        if let Some(rest) = stream.finish()? {
-            out.text.push_str(&rest);
-            on_text(&rest);
+        match a.next {
+            Some(next) => logits = model.forward(cache, &[next], Logits::Last)?,
+            None => break,
         }
     }
-    Ok(out)
+    Ok(decoding.finish())
 }

@@ -11,7 +11,9 @@
 //!   context whose KV deviates most from full attention; [`KvCache::from_kv`] resumes decoding
 //!   from stored KV.
 //! - [`generate`] decodes with greedy / temperature / top-k / top-p sampling, stop tokens and
-//!   stop strings, streaming text incrementally.
+//!   stop strings, streaming text incrementally. For many sequences at once,
+//!   [`Decoder::step`] runs one batched step (each sequence over its own [`KvCache`]) and a
+//!   [`Decoding`] per sequence samples from its row of the logits.
 //!
 //! Everything here is blocking compute: call it from a dedicated thread, never from an async
 //! worker.
@@ -37,7 +39,9 @@ pub use candle_core::{DType, Device, Tensor};
 pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
 pub use decoder::{Decoder, Logits};
 pub use error::{Error, Result};
-pub use generate::{generate, FinishReason, GenerateParams, Generation, Sampler};
+pub use generate::{
+    generate, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
+};
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
 pub use template::{chatml, Message, Piece, RagPrompt};
 pub use tokenizer::{TokenStream, Tokenizer};

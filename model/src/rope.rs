@@ -53,7 +53,7 @@ impl Rope {
     }
 
     /// cos and sin tables, shape `(positions.len(), head_dim / 2)`.
-    fn tables(
+    pub(crate) fn tables(
         &self,
         positions: impl Iterator<Item = i64>,
         device: &Device,
@@ -80,7 +80,9 @@ impl Rope {
         Ok((cos, sin))
     }
 
-    fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// Rotates `x` (batch, heads, seq, head_dim) by tables from [`Rope::tables`] (one row
+    /// per `seq` row).
+    pub(crate) fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous().ctx("rope input")?;
         match self.style {
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),

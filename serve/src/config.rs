@@ -16,6 +16,15 @@ pub struct ServeConfig {
     pub admin_token: String,
     /// Requests admitted at once (retrieving, loading, queued or generating); more get 429.
     pub max_inflight: usize,
+    /// Queries the model decodes together in one batch (continuous batching); more wait.
+    pub max_batch: usize,
+    /// KV cache the batch's queries may hold together, in MiB (each reserves its prompt and
+    /// `max_tokens` when it joins); past it, queries wait for room.
+    pub kv_budget_mb: usize,
+    /// Prompt tokens a joining query feeds per batch step (a longer question, or a `full`
+    /// assembly's whole context, is prefilled over several steps so that the others' next
+    /// tokens are not held up for long).
+    pub prefill_chunk: usize,
     /// A request is cancelled after this long.
     pub request_timeout_ms: u64,
     pub max_question_chars: usize,
@@ -59,6 +68,9 @@ impl Default for ServeConfig {
             bind: "127.0.0.1:8080".into(),
             admin_token: String::new(),
             max_inflight: 16,
+            max_batch: 8,
+            kv_budget_mb: 2048,
+            prefill_chunk: 256,
             request_timeout_ms: 120_000,
             max_question_chars: 4_000,
             default_top_k: 4,
@@ -95,6 +107,15 @@ impl ServeConfig {
         }
         if self.max_inflight == 0 || self.max_inflight > 4096 {
             return Err("serve.max_inflight: must be in 1..=4096".into());
+        }
+        if self.max_batch == 0 || self.max_batch > 256 {
+            return Err("serve.max_batch: must be in 1..=256".into());
+        }
+        if self.kv_budget_mb == 0 || self.kv_budget_mb > (1 << 24) {
+            return Err("serve.kv_budget_mb: must be in 1..=16777216".into());
+        }
+        if self.prefill_chunk == 0 {
+            return Err("serve.prefill_chunk: must be positive".into());
         }
         if self.default_top_k == 0 || self.default_top_k > self.max_top_k || self.max_top_k > 256 {
             return Err("serve.default_top_k/max_top_k: need 1 <= default <= max <= 256".into());
@@ -133,6 +154,16 @@ impl ServeConfig {
         }
         self.schedules()?;
         Ok(())
+    }
+
+    /// The model thread's batch limits.
+    pub(crate) fn limits(&self) -> crate::batch::Limits {
+        crate::batch::Limits {
+            max_batch: self.max_batch,
+            kv_budget: (self.kv_budget_mb as u64) << 20,
+            prefill_chunk: self.prefill_chunk,
+            recompute_share: self.recompute_share,
+        }
     }
 
     /// The parsed maintenance schedules.

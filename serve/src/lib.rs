@@ -17,6 +17,7 @@
 //! The request path and its threads are described in [`rag`].
 
 pub mod assembly;
+mod batch;
 pub mod client;
 pub mod config;
 pub mod events;

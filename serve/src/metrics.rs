@@ -79,6 +79,13 @@ pub struct Metrics {
     pub inflight: AtomicU64,
     pub load_queue: AtomicU64,
     pub compute_queue: AtomicU64,
+    /// Queries in the model's batch, and the KV cache bytes they reserve.
+    pub batch_size: AtomicU64,
+    pub kv_reserved_bytes: AtomicU64,
+    /// Batch steps run, and the queries they ran summed over steps (their ratio is the mean
+    /// batch size).
+    pub batch_steps: AtomicU64,
+    pub batch_rows: AtomicU64,
     pub tokens_generated: AtomicU64,
     /// Maintenance jobs run (requested or scheduled), failed, and chunks they prefilled.
     pub maintenance_runs: AtomicU64,
@@ -106,6 +113,10 @@ impl Default for Metrics {
             inflight: AtomicU64::new(0),
             load_queue: AtomicU64::new(0),
             compute_queue: AtomicU64::new(0),
+            batch_size: AtomicU64::new(0),
+            kv_reserved_bytes: AtomicU64::new(0),
+            batch_steps: AtomicU64::new(0),
+            batch_rows: AtomicU64::new(0),
             tokens_generated: AtomicU64::new(0),
             maintenance_runs: AtomicU64::new(0),
             maintenance_failures: AtomicU64::new(0),
@@ -227,6 +238,18 @@ impl Metrics {
                 g(&self.maintenance_chunks),
             ),
             (
+                "ragkv_batch_steps_total",
+                "counter",
+                "Batch steps the model ran.",
+                g(&self.batch_steps),
+            ),
+            (
+                "ragkv_batch_rows_total",
+                "counter",
+                "Queries run by those steps, summed (over steps: the mean batch size).",
+                g(&self.batch_rows),
+            ),
+            (
                 "ragkv_tokens_generated_total",
                 "counter",
                 "Tokens generated.",
@@ -249,6 +272,18 @@ impl Metrics {
                 "gauge",
                 "Loaded queries waiting for the model.",
                 g(&self.compute_queue),
+            ),
+            (
+                "ragkv_batch_size",
+                "gauge",
+                "Queries in the model's batch (decoding together).",
+                g(&self.batch_size),
+            ),
+            (
+                "ragkv_kv_reserved_bytes",
+                "gauge",
+                "KV cache bytes reserved by the queries in the batch (bounded by serve.kv_budget_mb).",
+                g(&self.kv_reserved_bytes),
             ),
         ] {
             let _ = writeln!(

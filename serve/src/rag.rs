@@ -2,14 +2,17 @@
 //!
 //! Three named threads, joined by bounded queues:
 //! - `ragkv-loader` reads each admitted query's chunk KV from the store (verified), imports
-//!   it into tensors and rotates each chunk's keys to the positions it takes in the prompt
-//!   (consecutive, after the system prefix). It works ahead of the model: the queue to the
-//!   model holds one loaded query, so query N+1's KV is read while query N decodes. How much
-//!   of each load ran while the model was busy is measured ([`crate::overlap`]) and reported.
-//! - `ragkv-model` assembles the prompt cache (the system prefix, computed once, then the
-//!   chunks' KV, by the query's [`Assembly`] strategy), prefills the question and decodes,
-//!   sending text to the query's own channel. A chunk whose KV is missing or fails verification is
-//!   prefilled inline, and its KV is queued for writing back.
+//!   it into tensors, rotates each chunk's keys to the positions it takes in the prompt
+//!   (consecutive, after the system prefix), and tokenizes the question. It works ahead of
+//!   the model: the queue to the model holds one loaded query, so the next query's KV is read
+//!   while the batch decodes. How much of each load ran while the model was busy is measured
+//!   ([`crate::overlap`]) and reported.
+//! - `ragkv-model` runs the continuous-batching scheduler ([`crate::batch`]): loaded queries
+//!   join the batch between steps while it has room and their KV fits the budget (assembled
+//!   from the system prefix, computed once, and the chunks' KV by the query's [`Assembly`]
+//!   strategy; a chunk whose KV is missing or fails verification is prefilled inline and
+//!   queued for writing back), every query in the batch advances by one step at a time, and
+//!   each streams text to its own channel.
 //! - `ragkv-materialize` writes those KVs back to the store, attached to the chunk's
 //!   document version, so the next query finds them.
 //!
@@ -17,8 +20,9 @@
 //! enters the loader queue. Admission is bounded by `max_inflight`: each admitted query's
 //! [`Ticket`] travels with its job and is given back when the job leaves the pipeline, so the
 //! queues (sized to `max_inflight`) never block a sender. A panic on one job fails that job
-//! only; a worker that stops makes `/healthz` fail ([`crate::supervise`]). [`Rag::shutdown`]
-//! drains the queues and joins the threads, so pending write-backs are stored.
+//! only (a panic in a batch step, the queries of that step); a worker that stops makes
+//! `/healthz` fail ([`crate::supervise`]). [`Rag::shutdown`] drains the queues and joins the
+//! threads, so pending write-backs are stored.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,13 +31,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use ingest::Engine;
-use model::{GenerateParams, Kv, KvCache};
+use model::{GenerateParams, Kv};
 use parking_lot::Mutex;
 use retrieval::{Hit, SearchFilter};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::assembly::{assemble, Assembly};
+use crate::assembly::Assembly;
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
@@ -63,51 +67,63 @@ pub struct Query {
     pub assembly: Assembly,
 }
 
-type Failure = (FailKind, String);
+pub(crate) type Failure = (FailKind, String);
 
-fn internal(e: impl std::fmt::Display) -> Failure {
+pub(crate) fn internal(e: impl std::fmt::Display) -> Failure {
     (FailKind::Internal, e.to_string())
 }
 
-struct LoadJob {
+pub(crate) struct LoadJob {
     /// Admission: given back when the job is dropped, wherever that happens.
-    _ticket: Ticket,
-    query: Query,
-    hits: Vec<Hit>,
-    events: mpsc::Sender<Event>,
-    arrived: Instant,
-    timings: Timings,
+    pub ticket: Ticket,
+    pub query: Query,
+    pub hits: Vec<Hit>,
+    pub events: mpsc::Sender<Event>,
+    pub arrived: Instant,
+    pub timings: Timings,
 }
 
-struct Loaded {
-    hit: Hit,
-    tokens: Vec<u32>,
+pub(crate) struct Loaded {
+    pub hit: Hit,
+    pub tokens: Vec<u32>,
     /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
-    kv: Option<Kv>,
+    pub kv: Option<Kv>,
     /// The stored copy failed verification: write the recomputed KV over it.
-    corrupt: bool,
+    pub corrupt: bool,
 }
 
-struct ComputeJob {
-    job: LoadJob,
-    chunks: Vec<Loaded>,
-    queued_at: Instant,
+/// A loaded query, ready to join the model's batch.
+pub(crate) struct ComputeJob {
+    pub job: LoadJob,
+    pub chunks: Vec<Loaded>,
+    /// The question's tokens in the chat template.
+    pub question: Vec<u32>,
+    /// Tokens of the whole prompt: prefix, chunks, question.
+    pub prompt_tokens: usize,
+    pub queued_at: Instant,
 }
 
-struct Writeback {
-    doc: String,
-    hash: String,
-    tokens: Vec<u32>,
-    bytes: Vec<u8>,
-    replace: bool,
+impl ComputeJob {
+    /// Tokens the query's cache holds at most: the prompt and the answer.
+    pub fn cache_tokens(&self) -> usize {
+        self.prompt_tokens + self.job.query.params.max_tokens + 1
+    }
+}
+
+pub(crate) struct Writeback {
+    pub doc: String,
+    pub hash: String,
+    pub tokens: Vec<u32>,
+    pub bytes: Vec<u8>,
+    pub replace: bool,
 }
 
 /// The system prompt's KV, computed once, and where the model's chat template puts the
 /// question.
-struct Prefix {
-    tokens: Vec<u32>,
-    kv: Kv,
-    prompt: model::RagPrompt,
+pub(crate) struct Prefix {
+    pub tokens: Vec<u32>,
+    pub kv: Kv,
+    pub prompt: model::RagPrompt,
 }
 
 /// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
@@ -167,6 +183,24 @@ impl Rag {
             config.default_max_tokens,
         )
         .map_err(|e| format!("serve.default_top_k / serve.default_max_tokens: {e}"))?;
+        // ... and so is a KV budget that cannot hold one default query.
+        let per_token = engine
+            .model
+            .kv_layout()
+            .map_err(|e| e.to_string())?
+            .bytes_per_token();
+        let tokens = prefix_tokens
+            + config.default_top_k * engine.max_chunk_tokens()
+            + config.default_max_tokens;
+        let need = (tokens * per_token) as u64;
+        if need > config.limits().kv_budget {
+            return Err(format!(
+                "serve.kv_budget_mb: {} MiB cannot hold one default query ({tokens} tokens of \
+                 KV, {} MiB)",
+                config.kv_budget_mb,
+                need.div_ceil(1 << 20)
+            ));
+        }
         let metrics = Arc::new(Metrics::default());
         let faults = Arc::new(Faults::default());
         let health = Arc::new(Health::default());
@@ -194,10 +228,10 @@ impl Rag {
                 faults: faults.clone(),
             };
             let tl = timeline.clone();
-            let start = prefix.tokens.len();
+            let p = prefix.clone();
             spawn(
                 "ragkv-loader",
-                Box::new(move || loader(&w, &tl, start, load_rx, compute_tx)),
+                Box::new(move || loader(&w, &tl, &p, load_rx, compute_tx)),
             )?;
         }
         {
@@ -207,10 +241,10 @@ impl Rag {
                 faults: faults.clone(),
             };
             let p = prefix.clone();
-            let share = config.recompute_share;
+            let limits = config.limits();
             spawn(
                 "ragkv-model",
-                Box::new(move || compute(&w, &timeline, &p, share, compute_rx, wb_tx)),
+                Box::new(move || crate::batch::run(&w, &timeline, &p, limits, compute_rx, wb_tx)),
             )?;
         }
         {
@@ -291,7 +325,7 @@ impl Rag {
         retrieve: Duration,
     ) -> Result<(), (FailKind, String)> {
         let job = LoadJob {
-            _ticket: ticket,
+            ticket,
             query,
             hits,
             events,
@@ -351,31 +385,35 @@ fn fits_context(
 }
 
 /// What each pipeline thread works with.
-struct Worker {
-    engine: Arc<Engine>,
-    metrics: Arc<Metrics>,
-    faults: Arc<Faults>,
+pub(crate) struct Worker {
+    pub engine: Arc<Engine>,
+    pub metrics: Arc<Metrics>,
+    pub faults: Arc<Faults>,
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
 /// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype on the
 /// model's device (the host-to-device copy happens here, on the loader thread, overlapping
 /// the decoder's work), placed for a prompt where the chunk starts at `pos`.
-fn import(engine: &Engine, bytes: &[u8], assembly: Assembly, pos: usize) -> model::Result<Kv> {
+pub(crate) fn import(
+    engine: &Engine,
+    bytes: &[u8],
+    assembly: Assembly,
+    pos: usize,
+) -> model::Result<Kv> {
     let model = &engine.model;
     Kv::from_bytes(bytes, &engine.layout(), model.device())
         .and_then(|kv| kv.to(model.device(), model.dtype()))
         .and_then(|kv| assembly.place(model, kv, pos))
 }
 
-/// `start`: the first chunk's position (the system prefix's length).
 fn loader(
     w: &Worker,
     timeline: &Timeline,
-    start: usize,
+    prefix: &Prefix,
     rx: Receiver<LoadJob>,
     tx: Sender<ComputeJob>,
 ) {
@@ -391,7 +429,7 @@ fn loader(
             if Faults::take(&w.faults.panic_loader) {
                 panic!("injected loader fault");
             }
-            load(w, timeline, start, &mut buf, job)
+            load(w, timeline, prefix, &mut buf, job)
         }) {
             Ok(Some(cj)) => {
                 m.compute_queue.fetch_add(1, Ordering::Relaxed);
@@ -405,11 +443,12 @@ fn loader(
     }
 }
 
-/// Reads one query's chunks; `None` when the query ended here (cancelled, or failed and told).
+/// Reads one query's chunks and tokenizes its question; `None` when the query ended here
+/// (cancelled, or failed and told).
 fn load(
     w: &Worker,
     timeline: &Timeline,
-    start: usize,
+    prefix: &Prefix,
     buf: &mut Vec<u8>,
     mut job: LoadJob,
 ) -> Option<ComputeJob> {
@@ -421,7 +460,7 @@ fn load(
     let t = Instant::now();
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
     let mut chunks = Vec::with_capacity(job.hits.len());
-    let mut pos = start;
+    let mut pos = prefix.tokens.len();
     for hit in std::mem::take(&mut job.hits) {
         let tokens = match engine.chunk_tokens(&hit.payload.text) {
             Ok(t) if !t.is_empty() => t,
@@ -483,232 +522,41 @@ fn load(
         .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
     m.kv_load_hidden_us
         .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
+    let question = match engine
+        .model
+        .tokenizer()
+        .encode_pieces(&prefix.prompt.question(&job.query.question))
+    {
+        Ok(q) => q,
+        Err(e) => {
+            finish_err(m, &job.events, internal(e));
+            return None;
+        }
+    };
+    let prompt_tokens = pos + question.len();
+    let limit = engine.model.max_positions();
+    if prompt_tokens + job.query.params.max_tokens > limit {
+        let e = format!(
+            "the prompt ({prompt_tokens} tokens) and max_tokens ({}) exceed the model's \
+             context ({limit} positions): lower top_k or max_tokens",
+            job.query.params.max_tokens
+        );
+        finish_err(m, &job.events, (FailKind::Invalid, e));
+        return None;
+    }
     Some(ComputeJob {
         job,
         chunks,
+        question,
+        prompt_tokens,
         queued_at: Instant::now(),
     })
 }
 
-fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, (kind, e): Failure) {
+pub(crate) fn finish_err(m: &Metrics, events: &mpsc::Sender<Event>, (kind, e): Failure) {
     tracing::warn!(error = %e, ?kind, "query failed");
     m.failed.fetch_add(1, Ordering::Relaxed);
     let _ = events.blocking_send(Event::Error(kind, e));
-}
-
-fn compute(
-    w: &Worker,
-    timeline: &Timeline,
-    prefix: &Prefix,
-    recompute_share: f64,
-    rx: Receiver<ComputeJob>,
-    wb: Sender<Writeback>,
-) {
-    let m = &*w.metrics;
-    for cj in rx {
-        m.compute_queue.fetch_sub(1, Ordering::Relaxed);
-        let events = cj.job.events.clone();
-        if events.is_closed() {
-            m.cancelled.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        timeline.start(Instant::now());
-        let r = contain("ragkv-model", m, || {
-            if Faults::take(&w.faults.panic_model) {
-                panic!("injected model fault");
-            }
-            answer(&w.engine, m, prefix, recompute_share, cj, &wb)
-        });
-        timeline.stop(Instant::now());
-        // The job (and its ticket) is gone by now: the answer is final.
-        match r.map_err(internal).and_then(|r| r) {
-            Ok(Some(f)) => {
-                if f.finish_reason == "cancelled" {
-                    m.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
-                let _ = events.blocking_send(Event::Done(Box::new(f)));
-            }
-            Ok(None) => {
-                m.cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => finish_err(m, &events, e),
-        }
-    }
-}
-
-/// Assembles, prefills and decodes one query. `Ok(None)`: the client went away.
-fn answer(
-    engine: &Engine,
-    m: &Metrics,
-    prefix: &Prefix,
-    recompute_share: f64,
-    cj: ComputeJob,
-    wb: &Sender<Writeback>,
-) -> Result<Option<Final>, Failure> {
-    let ComputeJob {
-        job,
-        chunks,
-        queued_at,
-    } = cj;
-    let LoadJob {
-        query,
-        events,
-        arrived,
-        mut timings,
-        ..
-    } = job;
-    timings.queue_ms += ms(queued_at.elapsed());
-    let model = &engine.model;
-    let s = internal;
-
-    // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
-    let t = Instant::now();
-    let full = query.assembly == Assembly::Full;
-    let mut parts = Vec::with_capacity(chunks.len());
-    let mut context = prefix.tokens.clone();
-    let mut citations = Vec::with_capacity(chunks.len());
-    let (mut hits, mut misses) = (0, 0);
-    for c in chunks {
-        let pos = context.len();
-        context.extend_from_slice(&c.tokens);
-        let citation = |kv| Citation {
-            doc_id: c.hit.payload.doc_id.clone(),
-            chunk: c.hit.payload.ordinal,
-            score: c.hit.score,
-            tokens: c.tokens.len(),
-            kv,
-        };
-        if full {
-            citations.push(citation(KvSource::Full));
-            continue;
-        }
-        let (kv, source) = match c.kv {
-            Some(kv) => {
-                hits += 1;
-                (kv, KvSource::Stored)
-            }
-            None => {
-                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
-                let kv = import(engine, &bytes, query.assembly, pos).map_err(s)?;
-                if query.kv == KvMode::On {
-                    misses += 1;
-                    let wbm = Writeback {
-                        doc: c.hit.payload.doc_id.clone(),
-                        hash: c.hit.payload.doc_hash.clone(),
-                        tokens: c.tokens.clone(),
-                        bytes,
-                        replace: c.corrupt,
-                    };
-                    if wb.try_send(wbm).is_err() {
-                        tracing::warn!("write-back queue full; chunk stays unmaterialized");
-                    }
-                    (kv, KvSource::Recomputed)
-                } else {
-                    (kv, KvSource::Off)
-                }
-            }
-        };
-        citations.push(citation(source));
-        parts.push(kv);
-    }
-    m.kv_hits.fetch_add(hits as u64, Ordering::Relaxed);
-    m.kv_misses.fetch_add(misses as u64, Ordering::Relaxed);
-    let mut question = model
-        .tokenizer()
-        .encode_pieces(&prefix.prompt.question(&query.question))
-        .map_err(s)?;
-    let prompt_tokens = context.len() + question.len();
-    let limit = model.max_positions();
-    if prompt_tokens + query.params.max_tokens > limit {
-        return Err((
-            FailKind::Invalid,
-            format!(
-                "the prompt ({prompt_tokens} tokens) and max_tokens ({}) exceed the model's \
-                 context ({limit} positions): lower top_k or max_tokens",
-                query.params.max_tokens
-            ),
-        ));
-    }
-    let (all, recomputed) = if full {
-        // The reference: the chunks are prefilled with the question, after the exact prefix.
-        question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
-        (prefix.kv.clone(), 0)
-    } else {
-        assemble(
-            model,
-            query.assembly,
-            recompute_share,
-            &prefix.kv,
-            parts,
-            &context,
-        )
-        .map_err(s)?
-    };
-    let mut cache =
-        KvCache::from_kv(&all, question.len() + query.params.max_tokens + 1).map_err(s)?;
-    timings.assemble_ms = ms(t.elapsed());
-
-    // Prefill the question, decode.
-    let t = Instant::now();
-    let mut first: Option<Instant> = None;
-    let mut last = Instant::now();
-    let mut gone = false;
-    let generation = model::generate(
-        model.decoder(),
-        model.tokenizer(),
-        &mut cache,
-        &question,
-        &query.params,
-        |piece| {
-            let now = Instant::now();
-            match first {
-                None => {
-                    first = Some(now);
-                    m.ttft.observe((now - arrived).as_secs_f64());
-                }
-                Some(_) => m.itl.observe((now - last).as_secs_f64()),
-            }
-            last = now;
-            if events
-                .blocking_send(Event::Token(piece.to_string()))
-                .is_err()
-            {
-                gone = true;
-                return false;
-            }
-            true
-        },
-    )
-    .map_err(s)?;
-    if gone {
-        return Ok(None);
-    }
-    let end = Instant::now();
-    let first = first.unwrap_or(end);
-    timings.prefill_ms = ms(first - t);
-    timings.first_token_ms = ms(first - arrived);
-    timings.decode_ms = ms(end - first);
-    timings.total_ms = ms(end - arrived);
-    m.tokens_generated
-        .fetch_add(generation.tokens.len() as u64, Ordering::Relaxed);
-    Ok(Some(Final {
-        answer: generation.text,
-        citations,
-        kv_hits: hits,
-        kv_misses: misses,
-        prompt_tokens,
-        assembly: query.assembly,
-        recomputed_tokens: recomputed,
-        completion_tokens: generation.tokens.len(),
-        finish_reason: match generation.finish {
-            model::FinishReason::Stop => "stop",
-            model::FinishReason::Length => "length",
-            model::FinishReason::Cancelled => "cancelled",
-        }
-        .into(),
-        timings,
-    }))
 }
 
 fn writeback(w: &Worker, rx: Receiver<Writeback>) {

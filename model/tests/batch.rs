@@ -1,0 +1,154 @@
+//! Continuous batching ([`Decoder::step`]): a sequence decoded in a batch, joining and leaving
+//! while others run, gets the logits (within float tolerance) and the greedy tokens it gets
+//! alone. Synthetic models of every family (Mistral with a sliding window shorter than the
+//! prompts) and, when set up, SmolLM2-135M with quantized weights (the serving configuration
+//! where the batch goes through the 8-bit kernels' four-row path).
+
+use std::path::PathBuf;
+
+use candle_core::Tensor;
+use model::synthetic::{self, SyntheticSpec};
+use model::{Arch, Decoder, KvCache, LoadOptions, Logits, Model, ModelSource};
+
+/// Greedy decoding of `prompt` alone: the logits of every step and the tokens.
+fn alone(m: &Model, prompt: &[u32], steps: usize) -> (Vec<Tensor>, Vec<u32>) {
+    let d = m.decoder();
+    let mut cache = m.new_cache(prompt.len() + steps).unwrap();
+    let mut logits = d.forward(&mut cache, prompt, Logits::Last).unwrap();
+    let (mut all, mut tokens) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let next = Decoder::argmax(&logits).unwrap();
+        all.push(logits);
+        tokens.push(next);
+        logits = d.forward(&mut cache, &[next], Logits::Last).unwrap();
+    }
+    (all, tokens)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// Sequence `i` joins at step `join[i]` (its whole prompt in that step, beside the others'
+/// decoding tokens) and leaves after `steps` tokens; every step runs the sequences present as
+/// one batch. Each one's logits must match its solo run within `tol`, and its greedy tokens
+/// must be the same.
+fn check(m: &Model, prompts: &[Vec<u32>], join: &[usize], steps: usize, tol: f32) {
+    let solo: Vec<_> = prompts.iter().map(|p| alone(m, p, steps)).collect();
+    let d = m.decoder();
+    let mut caches: Vec<KvCache> = prompts
+        .iter()
+        .map(|p| m.new_cache(p.len() + steps).unwrap())
+        .collect();
+    let mut fed: Vec<Vec<u32>> = prompts.to_vec();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut worst = 0f32;
+    let mut batch_sizes = Vec::new();
+    for t in 0.. {
+        let present: Vec<usize> = (0..prompts.len())
+            .filter(|&i| join[i] <= t && got[i].len() < steps)
+            .collect();
+        if present.is_empty() && (0..prompts.len()).all(|i| got[i].len() == steps) {
+            break;
+        }
+        if present.is_empty() {
+            continue;
+        }
+        batch_sizes.push(present.len());
+        let mut seqs: Vec<(&mut KvCache, &[u32])> = Vec::new();
+        for (i, c) in caches.iter_mut().enumerate() {
+            if present.contains(&i) {
+                seqs.push((c, fed[i].as_slice()));
+            }
+        }
+        let logits = d.step(&mut seqs).unwrap();
+        assert_eq!(logits.dim(0).unwrap(), present.len());
+        for (row, &i) in present.iter().enumerate() {
+            let l = logits.get(row).unwrap();
+            let n = got[i].len();
+            worst = worst.max(max_diff(&l, &solo[i].0[n]));
+            let next = Decoder::argmax(&l).unwrap();
+            got[i].push(next);
+            fed[i] = vec![next];
+        }
+    }
+    assert!(
+        batch_sizes.contains(&prompts.len()),
+        "the schedule never ran every sequence together: {batch_sizes:?}"
+    );
+    assert!(worst <= tol, "batched logits differ from solo by {worst}");
+    for (i, (_, tokens)) in solo.iter().enumerate() {
+        assert_eq!(
+            &got[i], tokens,
+            "sequence {i}: batched greedy tokens differ"
+        );
+    }
+}
+
+fn prompts(vocab: usize) -> Vec<Vec<u32>> {
+    let v = vocab as u32;
+    vec![
+        (0..11).map(|i| (i * 7 + 3) % v).collect(),
+        vec![5 % v],
+        (0..23).map(|i| (i * 13 + 1) % v).collect(),
+        (0..4).map(|i| (i * 3 + 2) % v).collect(),
+    ]
+}
+
+#[test]
+fn batched_steps_match_solo_decoding_in_every_family() {
+    for (arch, window) in [
+        (Arch::Llama, None),
+        (Arch::Qwen2, None),
+        (Arch::Qwen3, None),
+        (Arch::Mistral, Some(8)),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = SyntheticSpec::new(arch);
+        spec.sliding_window = window;
+        let files = synthetic::write(&spec, dir.path()).unwrap();
+        let source = if window.is_some() {
+            ModelSource::HfDir(files.hf_dir)
+        } else {
+            ModelSource::Gguf(files.gguf)
+        };
+        let m = Model::load(&source, &LoadOptions::default()).unwrap();
+        let p = prompts(m.config().vocab_size);
+        // Together from the start, then staggered: later prompts prefill beside decoding.
+        check(&m, &p, &[0, 0, 0, 0], 12, 1e-4);
+        check(&m, &p, &[0, 2, 3, 7], 12, 1e-4);
+    }
+}
+
+#[test]
+fn batched_steps_match_solo_decoding_on_quantized_smollm2() {
+    let path = std::env::var("RAGKV_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| model::models_dir().join(model::SMOLLM2_FILE));
+    assert!(path.exists(), "run scripts/setup.sh: {}", path.display());
+    let opts = LoadOptions {
+        quantized: true,
+        ..LoadOptions::default()
+    };
+    let m = Model::load(&ModelSource::Gguf(path), &opts).unwrap();
+    let tok = m.tokenizer();
+    let p: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "Rust is a programming language that",
+        "Once upon a time, in a small village by the sea, there lived",
+        "1, 2, 3, 4,",
+        "The quick brown fox",
+    ]
+    .iter()
+    .map(|s| tok.encode(s).unwrap())
+    .collect();
+    check(&m, &p, &[0, 0, 0, 0, 0], 16, 1e-3);
+    check(&m, &p, &[0, 1, 1, 5, 9], 16, 1e-3);
+}
