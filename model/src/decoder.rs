@@ -303,7 +303,12 @@ impl Decoder {
             for ((cache, _), (first, s, mask)) in seqs.iter_mut().zip(&spans) {
                 let rows = |t: &Tensor| t.narrow(2, *first, *s).ctx("sequence rows");
                 let (ck, cv) = cache.append(i, &rows(&k)?, &rows(&v)?)?;
-                ys.push(self.attend_heads(&rows(&q)?, &ck, &cv, mask.as_ref())?);
+                let y = if *s == 1 && self.device.is_cpu() && self.dtype == DType::F32 {
+                    self.attend_decode(&rows(&q)?, &ck, &cv)?
+                } else {
+                    self.attend_heads(&rows(&q)?, &ck, &cv, mask.as_ref())?
+                };
+                ys.push(y);
             }
             let y = if ys.len() == 1 {
                 ys.pop().expect("one")
@@ -405,6 +410,18 @@ impl Decoder {
             .and_then(|t| t.contiguous())
             .ctx("v")?;
         Ok((q, k, v))
+    }
+
+    /// [`Decoder::attend_heads`] for one query token over f32 keys and values on the CPU,
+    /// read in place ([`crate::attention`]): `(1, 1, heads * d)`.
+    fn attend_decode(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let t = k.dim(2).ctx("k len")?;
+        let from = self.cfg.sliding_window.map_or(0, |w| t.saturating_sub(w));
+        let op = crate::attention::DecodeAttention {
+            from,
+            scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
+        };
+        q.apply_op3_no_bwd(k, v, &op).ctx("decode attention")
     }
 
     /// [`Decoder::attend_heads`] through the layer's output projection.

@@ -18,6 +18,7 @@
 //! Everything here is blocking compute: call it from a dedicated thread, never from an async
 //! worker.
 
+mod attention;
 mod config;
 mod decoder;
 mod error;

@@ -235,7 +235,7 @@ fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32
 }
 
 /// The output buffer, written in disjoint ranges by the pool's threads.
-struct SharedOut(*mut f32);
+pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each thread writes only the rows of the range it was handed.
 unsafe impl Sync for SharedOut {}
 
