@@ -43,6 +43,9 @@ use crate::rag::{
 };
 use crate::supervise::{contain, Faults, Ticket};
 
+/// How long, at shutdown, final events wait for clients whose channels are full.
+const LINGER: Duration = Duration::from_secs(2);
+
 /// How the scheduler bounds a batch (from [`crate::ServeConfig`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
@@ -116,6 +119,7 @@ pub(crate) fn run(
     let mut waiting: Option<ComputeJob> = None;
     let mut used = 0u64;
     let mut open = true;
+    let mut closing: Option<Instant> = None;
     loop {
         leaving.retain_mut(|l| flush(&l.events, &mut l.queue).is_ok() && !l.queue.is_empty());
         // Join: queued queries while they fit.
@@ -187,9 +191,14 @@ pub(crate) fn run(
             }
         }
         if active.is_empty() {
-            if !open && waiting.is_none() && leaving.is_empty() {
-                timeline.stop(Instant::now());
-                return;
+            if !open && waiting.is_none() {
+                // Shutting down: last events wait a little for slow readers, then go.
+                let deadline = *closing.get_or_insert_with(|| Instant::now() + LINGER);
+                if leaving.is_empty() || Instant::now() > deadline {
+                    timeline.stop(Instant::now());
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5));
             }
             continue;
         }
@@ -206,10 +215,11 @@ pub(crate) fn run(
             used = 0;
             m.batch_size.store(0, Ordering::Relaxed);
             m.kv_reserved_bytes.store(0, Ordering::Relaxed);
-            for a in active.drain(..) {
+            for Active { ticket, events, .. } in active.drain(..) {
+                drop(ticket);
                 m.failed.fetch_add(1, Ordering::Relaxed);
                 // Never blocking: a client whose channel is full sees its stream end.
-                let _ = a.events.try_send(Event::Error(kind, e.clone()));
+                let _ = events.try_send(Event::Error(kind, e.clone()));
             }
         }
         // Leave: finished, cancelled or gone.
