@@ -270,6 +270,9 @@ impl Decoder {
                 why: "no sequences".into(),
             });
         }
+        // One decoding token attends over an f32 cache on the CPU in place (its window, if
+        // any, is the kernel's start row); everything else takes the general path with a mask.
+        let in_place = self.device.is_cpu() && self.dtype == DType::F32;
         let mut all = Vec::new();
         let mut positions = Vec::new();
         // Per sequence: its first row in the batch, its tokens, its mask.
@@ -278,7 +281,7 @@ impl Decoder {
             self.check_tokens(tokens)?;
             let (s, past, pos) = (tokens.len(), cache.len(), cache.next_pos());
             let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
-            let mask = if s > 1 || windowed {
+            let mask = if s > 1 || (windowed && !in_place) {
                 Some(self.mask(s, past + s)?)
             } else {
                 None
@@ -303,7 +306,7 @@ impl Decoder {
             for ((cache, _), (first, s, mask)) in seqs.iter_mut().zip(&spans) {
                 let rows = |t: &Tensor| t.narrow(2, *first, *s).ctx("sequence rows");
                 let (ck, cv) = cache.append(i, &rows(&k)?, &rows(&v)?)?;
-                let y = if *s == 1 && self.device.is_cpu() && self.dtype == DType::F32 {
+                let y = if *s == 1 && in_place {
                     self.attend_decode(&rows(&q)?, &ck, &cv)?
                 } else {
                     self.attend_heads(&rows(&q)?, &ck, &cv, mask.as_ref())?

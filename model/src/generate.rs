@@ -228,11 +228,6 @@ impl<'a> Decoding<'a> {
         self.done
     }
 
-    /// The tokens generated so far.
-    pub fn tokens(&self) -> &[u32] {
-        &self.out.tokens
-    }
-
     pub fn finish(self) -> Generation {
         self.out
     }

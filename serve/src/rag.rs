@@ -220,13 +220,14 @@ impl Rag {
                 .map(|h| workers.push(h))
                 .map_err(|e| format!("spawning {name}: {e}"))
         };
+        let worker = || Worker {
+            engine: engine.clone(),
+            metrics: metrics.clone(),
+            faults: faults.clone(),
+        };
         let timeline = Arc::new(Timeline::default());
         {
-            let w = Worker {
-                engine: engine.clone(),
-                metrics: metrics.clone(),
-                faults: faults.clone(),
-            };
+            let w = worker();
             let tl = timeline.clone();
             let p = prefix.clone();
             spawn(
@@ -235,11 +236,7 @@ impl Rag {
             )?;
         }
         {
-            let w = Worker {
-                engine: engine.clone(),
-                metrics: metrics.clone(),
-                faults: faults.clone(),
-            };
+            let w = worker();
             let p = prefix.clone();
             let limits = config.limits();
             spawn(
@@ -248,11 +245,7 @@ impl Rag {
             )?;
         }
         {
-            let w = Worker {
-                engine: engine.clone(),
-                metrics: metrics.clone(),
-                faults: faults.clone(),
-            };
+            let w = worker();
             spawn("ragkv-materialize", Box::new(move || writeback(&w, wb_rx)))?;
         }
         let maintenance = crate::Maintenance::new(engine.clone(), metrics.clone());

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tower::ServiceExt;
 
-use common::router::{app_with, call, fixture, start};
+use common::router::{app_with, call, fixture, send_query, start};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -295,7 +295,7 @@ async fn admin_routes_need_the_token_and_documents_round_trip() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
     let (rag, app) = start(
         &f,
@@ -308,18 +308,12 @@ async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
-    let body = json!({"question": QUESTION, "top_k": 2, "max_tokens": 48}).to_string();
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    sock.write_all(req.as_bytes()).await.unwrap();
+    let body = json!({"question": QUESTION, "top_k": 2, "max_tokens": 48});
+    let mut sock = send_query(addr, &body).await;
 
     // While it runs, a second query is refused with 429 and Retry-After.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut s2 = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s2.write_all(req.as_bytes()).await.unwrap();
+    let mut s2 = send_query(addr, &body).await;
     let mut buf = vec![0u8; 4096];
     let n = s2.read(&mut buf).await.unwrap();
     let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
@@ -353,14 +347,8 @@ async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
     // A client that goes away mid-answer cancels its generation: the model is free again
     // long before 1,000 tokens could have been generated.
     let long = json!({"question": "Count from 1 to 1000, separated by commas.",
-                      "top_k": 1, "max_tokens": 1000})
-    .to_string();
-    let req = format!(
-        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{long}",
-        long.len()
-    );
-    let mut s3 = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s3.write_all(req.as_bytes()).await.unwrap();
+                      "top_k": 1, "max_tokens": 1000});
+    let mut s3 = send_query(addr, &long).await;
     let mut got = String::new();
     while !got.contains("event: token") {
         let n = s3.read(&mut buf).await.unwrap();

@@ -12,9 +12,9 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 use serve::{Rag, ServeConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 
-use common::router::{call, fixture, start, teardown};
+use common::router::{call, fixture, send_query, start, teardown};
 
 fn questions() -> Vec<Value> {
     [
@@ -82,21 +82,9 @@ async fn answers_in_a_batch_equal_answers_alone() {
     teardown(app, rag, f).await;
 }
 
-/// Sends `POST /v1/query` with `body` over a new connection (closed after the response).
-async fn send(addr: std::net::SocketAddr, body: &Value) -> tokio::net::TcpStream {
-    let body = body.to_string();
-    let req = format!(
-        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    sock.write_all(req.as_bytes()).await.unwrap();
-    sock
-}
-
 /// Sends a streaming query over `addr` and returns the socket once a token event arrived.
 async fn streaming(addr: std::net::SocketAddr, body: Value) -> tokio::net::TcpStream {
-    let mut sock = send(addr, &body).await;
+    let mut sock = send_query(addr, &body).await;
     let mut got = String::new();
     let mut buf = vec![0u8; 4096];
     while !got.contains("event: token") {
@@ -134,7 +122,7 @@ async fn a_client_that_leaves_mid_batch_frees_its_place() {
     let third = tokio::spawn(async move {
         let q = json!({"question": "How long is the Meridian Railway?", "top_k": 1,
                        "max_tokens": 4, "stream": false});
-        let mut sock = send(addr, &q).await;
+        let mut sock = send_query(addr, &q).await;
         let mut out = String::new();
         sock.read_to_string(&mut out).await.unwrap();
         out

@@ -77,6 +77,20 @@ pub async fn call(
     (status, json, text)
 }
 
+/// Sends `POST /v1/query` with `body` to a real server at `addr` over a new connection
+/// (closed after the response) and returns the socket to read the answer from.
+pub async fn send_query(addr: std::net::SocketAddr, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
+    let req = format!(
+        "POST /v1/query HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(req.as_bytes()).await.unwrap();
+    sock
+}
+
 /// Drops the router and the pipeline, then waits for the engine to be released.
 pub async fn teardown(app: axum::Router, rag: Arc<Rag>, f: Fixture) {
     drop(app);
