@@ -78,7 +78,8 @@ pub fn open_with(
 }
 
 /// [`open_with`] in `work`, indexing the first `docs` corpus documents (vectors only) unless
-/// `work` already holds an index. `tag` prefixes the progress lines.
+/// `work` already holds their whole index (an interrupted indexing goes on: ingest skips what
+/// it has). `tag` prefixes the progress lines.
 pub fn open_indexed(
     work: &Path,
     llm: &ModelArgs,
@@ -88,17 +89,25 @@ pub fn open_indexed(
     docs: usize,
     tag: &str,
 ) -> Result<ingest::Engine, Error> {
-    let fresh = !work.join("vectors").exists();
+    let marker = work.join(format!("indexed-{docs}"));
     let engine = open_with(work, llm, chunk_tokens, chunk_preamble)?;
-    if fresh {
+    if !marker.exists() {
         let corpus = crate::dataset::documents(dataset, docs)?;
         eprintln!("[{tag}] indexing {} documents (vectors only)", corpus.len());
-        let r = ingest(
-            &engine,
-            ingest::Source::Docs(self::docs(&corpus)),
-            ingest::Materialize::None,
-        )?;
+        let progress = ingest::Progress::start(ingest::ProgressMode::Auto);
+        let r = engine
+            .ingest(
+                &[ingest::Source::Docs(self::docs(&corpus))],
+                &ingest::RunOptions {
+                    materialize: ingest::Materialize::None,
+                    prune: false,
+                },
+                &progress.counters,
+            )
+            .map_err(|x| e("ingest")(x.to_string()))?;
+        drop(progress);
         eprintln!("[{tag}] {}", r.summary());
+        std::fs::write(&marker, r.summary()).map_err(crate::io("index marker"))?;
     }
     Ok(engine)
 }

@@ -14,8 +14,10 @@ pub mod kvstore;
 pub mod llama;
 pub mod load;
 pub mod model;
+mod progress;
 pub mod qa;
 pub mod retrieval;
+pub mod score;
 pub mod ttft;
 
 use serde::Serialize;

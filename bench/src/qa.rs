@@ -1,47 +1,84 @@
 //! `ragkv eval qa`: answer quality of each assembly strategy against full prefill of the same
 //! assembled prompt, on LongBench-HotpotQA.
 //!
-//! The corpus is indexed once (vectors only); for each question the top-k chunks are
-//! retrieved once, their KV is materialized if missing (lazily: only chunks some question
-//! uses are ever prefilled), and the same chunks are answered with every strategy and with
-//! `full` (no stored KV: the chunks are prefilled together with the question). Greedy
-//! decoding; the first line of each answer is scored against the gold answer with the usual
-//! SQuAD/HotpotQA normalization (lower case, punctuation and articles removed) as token F1
-//! and exact match. Agreement: the share of questions whose answer is identical to full
-//! prefill's. Time to first token is measured from submission (retrieval excluded) and
-//! includes loading the stored KV.
+//! The corpus is indexed once (vectors only; by default every document); for each question the
+//! top-k chunks are retrieved once, their KV is materialized if missing (lazily: only chunks
+//! some question uses are ever prefilled), and the same chunks are answered with every
+//! strategy. Per question:
+//! - **Reference** ([`serve::Rag::reference`]): `full` (the chunks prefilled with the question
+//!   after the system prompt), greedy, keeping the logits behind every answer token. Its time
+//!   to first token is measured in the same call (reading, assembly, prompt prefill; on the
+//!   caller's thread, the pipeline idle).
+//! - **Each strategy through the pipeline**: its greedy answer (F1, EM, identical to the
+//!   reference's or not) and its time to first token from submission (retrieval excluded;
+//!   includes loading the stored KV and the repair).
+//! - **Teacher-forced** ([`serve::Rag::forced`]): the reference's answer tokens (and its stop
+//!   token) fed after the strategy's context: the share of those token decisions whose argmax
+//!   agrees with the reference, and the mean KL(full ‖ strategy) of the next-token
+//!   distributions. Hundreds of decisions per run instead of one per question: what the
+//!   strategies are steered by.
+//!
+//! The first line of each answer is scored against the gold answer with the SQuAD/HotpotQA
+//! normalization. Each strategy's F1 difference from full comes with a 95 % bootstrap interval
+//! over questions (paired).
+//!
+//! **Resumable**: with `--dir`, every finished question appends one JSON line to
+//! `<dir>/qa-log.jsonl` (after a header line naming the run's settings); a run with the same
+//! settings goes on after the last logged question, and the figures are computed from the log.
+//! A line cut short by a crash is dropped and its question redone.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use retrieval::SearchFilter;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 
+use crate::score::{self, exact_match, f1, first_line};
 use crate::{dataset, Error};
 
 /// The LongBench prompt for HotpotQA, as a system prompt.
 const SYSTEM: &str = "Answer the question based on the given passages. Only give me the answer \
                       and do not output any other words.";
 
+/// The strategies compared when none is named: every one, links and query-aware at three
+/// settings.
+const DEFAULT_STRATEGIES: &[&str] = &[
+    "naive",
+    "reposition",
+    "reposition+recompute",
+    "link:2",
+    "link:8",
+    "link:32",
+    "query-aware:0.05",
+    "query-aware:0.1",
+    "query-aware:0.2",
+];
+
 /// Arguments of `ragkv eval qa`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     #[arg(long)]
     pub dataset: Option<PathBuf>,
-    /// Dev questions (the first N).
-    #[arg(long, default_value_t = 20)]
+    /// Dev questions (the first N; the dataset has 100).
+    #[arg(long, default_value_t = 100)]
     pub questions: usize,
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
-    /// Strategies to compare with full prefill (repeat the flag); default: all three.
+    /// Strategies to compare with full prefill, with their parameter if any (`link:8`,
+    /// `query-aware:0.1`; repeat the flag); default: naive, reposition,
+    /// reposition+recompute, link:2/8/32, query-aware:0.05/0.1/0.2.
     #[arg(long = "strategy")]
     pub strategies: Vec<Assembly>,
-    /// Share of chunk tokens `reposition+recompute` recomputes.
+    /// Share of chunk tokens `reposition+recompute` (and `query-aware` without a share)
+    /// recomputes.
     #[arg(long, default_value_t = 0.15)]
     pub recompute_share: f64,
+    /// Tokens per chunk `link` without a parameter recomputes.
+    #[arg(long, default_value_t = 16)]
+    pub link_tokens: usize,
     /// Corpus documents indexed (default: all).
     #[arg(long, default_value_t = 100_000)]
     pub docs: usize,
@@ -55,7 +92,8 @@ pub struct Args {
     pub chunk_preamble: String,
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
-    /// Working directory, reused across runs (index and KV of one model); default: a fresh
+    /// Working directory, reused across runs (index, KV and the question log of one model):
+    /// a run goes on where the last one with the same settings stopped. Default: a fresh
     /// temporary directory.
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -69,84 +107,181 @@ pub struct QaLine {
     pub questions: usize,
     pub f1: f64,
     pub em: f64,
-    pub ttft_ms_mean: f64,
-    /// Share of answers identical to full prefill's.
-    pub agreement_with_full: f64,
-    /// `f1 - f1(full)`, in F1 points (×100).
+    /// `f1 - f1(full)` in F1 points (×100), and its paired 95 % bootstrap interval.
     pub f1_points_vs_full: f64,
+    pub f1_points_ci95: (f64, f64),
+    /// Share of answers identical to full prefill's.
+    pub agreement_answers: f64,
+    /// Teacher-forced: share of full prefill's answer tokens this strategy also predicts,
+    /// over how many tokens, and the mean KL(full ‖ strategy) per token in nats.
+    pub agreement_tokens: f64,
+    pub forced_tokens: usize,
+    pub kl_mean: f64,
+    pub ttft_ms_mean: f64,
+    pub recomputed_tokens_mean: f64,
     pub top_k: usize,
     pub model: String,
     pub chunk_preamble: String,
 }
 
-/// SQuAD normalization: lower case, no punctuation, no articles, single spaces.
-pub fn normalize(s: &str) -> String {
-    let lower: String = s
-        .to_lowercase()
-        .chars()
-        .filter(|c| !c.is_ascii_punctuation())
-        .collect();
-    lower
-        .split_whitespace()
-        .filter(|w| !matches!(*w, "a" | "an" | "the"))
-        .collect::<Vec<_>>()
-        .join(" ")
+/// The settings a log belongs to (its first line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct RunHeader {
+    model: String,
+    quantized: bool,
+    docs: usize,
+    top_k: usize,
+    chunk_tokens: usize,
+    max_tokens: usize,
+    chunk_preamble: String,
+    recompute_share: f64,
+    link_tokens: usize,
+    strategies: Vec<String>,
 }
 
-/// Token-level F1 of normalized answers (HotpotQA: yes/no/noanswer must match exactly).
-pub fn f1(prediction: &str, gold: &str) -> f64 {
-    let (p, g) = (normalize(prediction), normalize(gold));
-    let special = ["yes", "no", "noanswer"];
-    if (special.contains(&p.as_str()) || special.contains(&g.as_str())) && p != g {
-        return 0.0;
-    }
-    let mut counts: HashMap<&str, i64> = HashMap::new();
-    for w in g.split_whitespace() {
-        *counts.entry(w).or_default() += 1;
-    }
-    let mut same = 0;
-    for w in p.split_whitespace() {
-        if let Some(c) = counts.get_mut(w) {
-            if *c > 0 {
-                *c -= 1;
-                same += 1;
+/// One answer's scores.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Answer {
+    strategy: String,
+    answer: String,
+    f1: f64,
+    em: bool,
+    ttft_ms: f64,
+    identical: bool,
+    recomputed: usize,
+    forced_tokens: usize,
+    forced_agree: usize,
+    kl_sum: f64,
+}
+
+/// One question's line in the log: the reference (`full`) first, then each strategy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Logged {
+    q: usize,
+    id: u64,
+    gold: String,
+    answers: Vec<Answer>,
+}
+
+/// The question log: its lines so far, appended to as questions finish.
+struct Log {
+    file: Option<std::fs::File>,
+    done: Vec<Logged>,
+}
+
+impl Log {
+    /// Opens `<dir>/qa-log.jsonl` for `header` (a log of other settings is refused), keeping
+    /// its complete lines; `None`: no log (a temporary run).
+    fn open(dir: Option<&Path>, header: &RunHeader) -> Result<Log, Error> {
+        let Some(dir) = dir else {
+            return Ok(Log {
+                file: None,
+                done: Vec::new(),
+            });
+        };
+        let io = |source| Error::Io {
+            what: "qa log".into(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let path = dir.join("qa-log.jsonl");
+        let mut done = Vec::new();
+        let mut keep = 0u64;
+        if path.exists() {
+            let f = std::fs::File::open(&path).map_err(io)?;
+            let mut lines = std::io::BufReader::new(f).split(b'\n');
+            let first = lines.next().transpose().map_err(io)?.unwrap_or_default();
+            match serde_json::from_slice::<RunHeader>(&first) {
+                Ok(h) if h == *header => keep = first.len() as u64 + 1,
+                Ok(h) => {
+                    return Err(Error::Invalid {
+                        what: "--dir",
+                        why: format!(
+                            "{} holds a run with other settings ({h:?}); use another --dir",
+                            path.display()
+                        ),
+                    })
+                }
+                Err(_) => {} // cut short before the header was whole: start over
+            }
+            if keep > 0 {
+                for line in lines {
+                    let line = line.map_err(io)?;
+                    match serde_json::from_slice::<Logged>(&line) {
+                        Ok(l) => {
+                            keep += line.len() as u64 + 1;
+                            done.push(l);
+                        }
+                        Err(_) => break, // a crash cut this line: redo its question
+                    }
+                }
             }
         }
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io)?;
+        file.set_len(keep).map_err(io)?;
+        if keep == 0 {
+            let mut line = serde_json::to_vec(header).map_err(|e| Error::Check(e.to_string()))?;
+            line.push(b'\n');
+            file.write_all(&line).map_err(io)?;
+            file.sync_data().map_err(io)?;
+        }
+        Ok(Log {
+            file: Some(file),
+            done,
+        })
     }
-    if same == 0 {
-        return 0.0;
+
+    fn append(&mut self, l: Logged) -> Result<(), Error> {
+        if let Some(f) = &mut self.file {
+            let io = |source| Error::Io {
+                what: "qa log".into(),
+                source,
+            };
+            let mut line = serde_json::to_vec(&l).map_err(|e| Error::Check(e.to_string()))?;
+            line.push(b'\n');
+            f.write_all(&line).map_err(io)?;
+            f.sync_data().map_err(io)?;
+        }
+        self.done.push(l);
+        Ok(())
     }
-    let precision = same as f64 / p.split_whitespace().count() as f64;
-    let recall = same as f64 / g.split_whitespace().count() as f64;
-    2.0 * precision * recall / (precision + recall)
 }
 
-pub fn exact_match(prediction: &str, gold: &str) -> bool {
-    normalize(prediction) == normalize(gold)
-}
-
-/// The scored part of a generated answer: its first non-empty line.
-pub fn first_line(answer: &str) -> &str {
-    answer
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("")
+/// The strategies to run, each once, `full` left out (it is the reference).
+fn strategies(args: &Args) -> Vec<Assembly> {
+    let requested: Vec<Assembly> = if args.strategies.is_empty() {
+        DEFAULT_STRATEGIES
+            .iter()
+            .map(|s| s.parse().expect("a valid default strategy"))
+            .collect()
+    } else {
+        args.strategies.clone()
+    };
+    let mut out: Vec<Assembly> = Vec::new();
+    for s in requested {
+        if s != Assembly::Full && !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
 }
 
 fn check(what: &'static str) -> impl Fn(String) -> Error {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
-#[derive(Default)]
-struct Tally {
-    f1: f64,
-    em: f64,
-    ttft: f64,
-    agree: usize,
+/// The rows of a `(n, vocab)` logits tensor.
+fn rows(t: &model::Tensor) -> Result<Vec<Vec<f32>>, Error> {
+    t.to_dtype(model::DType::F32)
+        .and_then(|t| t.to_vec2::<f32>())
+        .map_err(|e| Error::Check(format!("logits: {e}")))
 }
 
-/// Runs the evaluation; the last line is `full`.
+/// Runs the evaluation (resuming a logged run); the last line is `full`.
 pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     if args.questions == 0 || args.top_k == 0 {
         return Err(Error::Invalid {
@@ -154,150 +289,205 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             why: "must be positive".into(),
         });
     }
-    let requested = if args.strategies.is_empty() {
-        vec![Assembly::Naive, Assembly::Reposition, Assembly::Recompute]
-    } else {
-        args.strategies.clone()
-    };
-    // `full` is always run, last; each strategy once.
-    let mut strategies: Vec<Assembly> = Vec::new();
-    for s in requested {
-        if s != Assembly::Full && !strategies.contains(&s) {
-            strategies.push(s);
-        }
-    }
+    let strategies = strategies(args);
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
     let work = work_dir.path().to_path_buf();
-    let engine = Arc::new(crate::engine::open_indexed(
-        &work,
-        &args.llm,
-        args.chunk_tokens,
-        &args.chunk_preamble.replace("\\n", "\n"),
-        &ds,
-        args.docs,
-        "qa",
-    )?);
-    let model_name = args.llm.name();
+    let header = RunHeader {
+        model: args.llm.name(),
+        quantized: args.llm.quantized,
+        docs: args.docs,
+        top_k: args.top_k,
+        chunk_tokens: args.chunk_tokens,
+        max_tokens: args.max_tokens,
+        chunk_preamble: args.chunk_preamble.clone(),
+        recompute_share: args.recompute_share,
+        link_tokens: args.link_tokens,
+        strategies: strategies.iter().map(Assembly::to_string).collect(),
+    };
+    let mut log = Log::open(args.dir.as_deref(), &header)?;
     let questions = dataset::questions(&ds, args.questions)?;
-    let rag = Rag::start(
-        engine.clone(),
-        ServeConfig {
-            system_prompt: SYSTEM.into(),
-            recompute_share: args.recompute_share,
-            max_tokens_limit: args.max_tokens.max(1),
-            default_max_tokens: args.max_tokens.max(1),
-            ..ServeConfig::default()
-        },
-    )
-    .map_err(check("server pipeline"))?;
-
-    let mut all = strategies.clone();
-    all.push(Assembly::Full);
-    let mut tally: Vec<Tally> = all.iter().map(|_| Tally::default()).collect();
-    let t0 = Instant::now();
-    for (i, q) in questions.iter().enumerate() {
-        let query = |assembly| Query {
-            question: q.question.clone(),
-            top_k: args.top_k,
-            filter: SearchFilter::default(),
-            params: model::GenerateParams {
-                max_tokens: args.max_tokens,
-                ..model::GenerateParams::default()
+    if log.done.len() < questions.len() {
+        let engine = Arc::new(crate::engine::open_indexed(
+            &work,
+            &args.llm,
+            args.chunk_tokens,
+            &args.chunk_preamble.replace("\\n", "\n"),
+            &ds,
+            args.docs,
+            "qa",
+        )?);
+        let rag = Rag::start(
+            engine.clone(),
+            ServeConfig {
+                system_prompt: SYSTEM.into(),
+                recompute_share: args.recompute_share,
+                link_tokens: args.link_tokens,
+                max_tokens_limit: args.max_tokens.max(1),
+                default_max_tokens: args.max_tokens.max(1),
+                ..ServeConfig::default()
             },
-            kv: KvMode::On,
-            assembly,
-        };
-        let hits = rag
-            .retrieve(&query(Assembly::Full))
-            .map_err(check("retrieve"))?;
-        crate::engine::materialize(&engine, &hits)?;
-        let mut answers = Vec::with_capacity(all.len());
-        for &a in &all {
-            let rx = crate::engine::submit(&rag, query(a), hits.clone(), Instant::now())?;
-            let f = crate::engine::wait(rx)?;
-            if a.uses_stored_kv() && f.kv_hits != hits.len() {
-                return Err(Error::Check(format!(
-                    "{a}: expected stored KV for every chunk: {:?}",
-                    f.citations
-                )));
-            }
-            answers.push(f);
+        )
+        .map_err(check("server pipeline"))?;
+        let progress = crate::progress::bar(questions.len() as u64, "qa");
+        progress.set_position(log.done.len() as u64);
+        let t0 = Instant::now();
+        for (i, q) in questions.iter().enumerate().skip(log.done.len()) {
+            let line = question(&engine, &rag, args, &strategies, i, q)?;
+            progress.println(format!(
+                "[qa] {}/{} ({:.0} s) gold {:?} | {}",
+                i + 1,
+                questions.len(),
+                t0.elapsed().as_secs_f64(),
+                q.answer,
+                line.answers
+                    .iter()
+                    .map(|a| format!("{}: {:?}", a.strategy, first_line(&a.answer)))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            ));
+            log.append(line)?;
+            progress.inc(1);
         }
-        let full = answers.last().map(|f| f.answer.clone()).unwrap_or_default();
-        for (t, f) in tally.iter_mut().zip(&answers) {
-            let pred = first_line(&f.answer);
-            t.f1 += f1(pred, &q.answer);
-            t.em += f64::from(u8::from(exact_match(pred, &q.answer)));
-            t.ttft += f.timings.first_token_ms;
-            t.agree += usize::from(f.answer == full);
-        }
-        let n = (i + 1) as f64;
-        eprintln!(
-            "[qa] {}/{} ({:.0} s) gold {:?} | {}",
-            i + 1,
-            questions.len(),
-            t0.elapsed().as_secs_f64(),
-            q.answer,
-            all.iter()
-                .zip(&answers)
-                .zip(&tally)
-                .map(|((a, f), t)| format!("{a}: {:?} (F1 {:.3})", first_line(&f.answer), t.f1 / n))
-                .collect::<Vec<_>>()
-                .join(" | ")
-        );
+        progress.finish_and_clear();
+        drop(rag);
+        crate::engine::close(engine);
     }
-    drop(rag);
-    crate::engine::close(engine);
-    let n = questions.len() as f64;
-    let full_f1 = tally.last().map_or(0.0, |t| t.f1 / n);
-    Ok(all
-        .iter()
-        .zip(&tally)
-        .map(|(a, t)| QaLine {
-            eval: "qa",
-            strategy: a.name().into(),
-            questions: questions.len(),
-            f1: t.f1 / n,
-            em: t.em / n,
-            ttft_ms_mean: t.ttft / n,
-            agreement_with_full: t.agree as f64 / n,
-            f1_points_vs_full: (t.f1 / n - full_f1) * 100.0,
-            top_k: args.top_k,
-            model: model_name.clone(),
-            chunk_preamble: args.chunk_preamble.clone(),
-        })
-        .collect())
+    Ok(summarize(&log.done[..questions.len()], &header))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn squad_normalization_and_scores() {
-        assert_eq!(
-            normalize("The  Eiffel-Tower, in Paris!"),
-            "eiffeltower in paris"
-        );
-        assert_eq!(normalize("An apple a day"), "apple day");
-        assert!(exact_match("the Beatles.", "Beatles"));
-        assert!(!exact_match("Beatles band", "Beatles"));
-        assert_eq!(f1("Paris", "Paris"), 1.0);
-        assert_eq!(f1("London", "Paris"), 0.0);
-        // 1 shared of 2 predicted and 1 gold: P 0.5, R 1, F1 2/3.
-        assert!((f1("in Paris", "Paris") - 2.0 / 3.0).abs() < 1e-12);
-        // Repeated tokens count once per gold occurrence.
-        assert!((f1("paris paris", "paris") - 2.0 / 3.0).abs() < 1e-12);
-        assert_eq!(f1("yes", "no"), 0.0);
-        assert_eq!(f1("no", "no"), 1.0);
-        assert_eq!(f1("yes it is", "yes"), 0.0);
-        assert_eq!(f1("", "Paris"), 0.0);
+/// One question: the reference, then every strategy through the pipeline and teacher-forced.
+fn question(
+    engine: &Arc<ingest::Engine>,
+    rag: &Rag,
+    args: &Args,
+    strategies: &[Assembly],
+    i: usize,
+    q: &dataset::Question,
+) -> Result<Logged, Error> {
+    let query = |assembly| Query {
+        question: q.question.clone(),
+        top_k: args.top_k,
+        filter: SearchFilter::default(),
+        params: model::GenerateParams {
+            max_tokens: args.max_tokens,
+            ..model::GenerateParams::default()
+        },
+        kv: KvMode::On,
+        assembly,
+    };
+    let hits = rag
+        .retrieve(&query(Assembly::Full))
+        .map_err(check("retrieve"))?;
+    crate::engine::materialize(engine, &hits)?;
+    let reference = rag
+        .reference(&query(Assembly::Full), hits.clone())
+        .map_err(check("full prefill"))?;
+    let full_rows = rows(&reference.logits)?;
+    let full_text = reference.generation.text.clone();
+    let scored = |strategy: String, answer: String, ttft_ms, recomputed, f: score::Forced| {
+        let pred = first_line(&answer);
+        Answer {
+            strategy,
+            f1: f1(pred, &q.answer),
+            em: exact_match(pred, &q.answer),
+            identical: answer == full_text,
+            answer,
+            ttft_ms,
+            recomputed,
+            forced_tokens: f.tokens,
+            forced_agree: f.agree,
+            kl_sum: f.kl_sum,
+        }
+    };
+    let n = reference.targets.len();
+    let mut answers = vec![scored(
+        Assembly::Full.to_string(),
+        full_text.clone(),
+        reference.first_token_ms,
+        0,
+        score::Forced {
+            tokens: n,
+            agree: n,
+            kl_sum: 0.0,
+        },
+    )];
+    for &a in strategies {
+        let rx = crate::engine::submit(rag, query(a), hits.clone(), Instant::now())?;
+        let f = crate::engine::wait(rx)?;
+        if f.kv_hits != hits.len() {
+            return Err(Error::Check(format!(
+                "{a}: expected stored KV for every chunk: {:?}",
+                f.citations
+            )));
+        }
+        let forced = if n == 0 {
+            score::Forced::default()
+        } else {
+            let logits = rag
+                .forced(&query(a), hits.clone(), &reference.targets)
+                .map_err(check("teacher forcing"))?;
+            score::forced(&full_rows, &rows(&logits)?, &reference.targets)
+        };
+        answers.push(scored(
+            a.to_string(),
+            f.answer,
+            f.timings.first_token_ms,
+            f.recomputed_tokens,
+            forced,
+        ));
     }
+    Ok(Logged {
+        q: i,
+        id: q.id,
+        gold: q.answer.clone(),
+        answers,
+    })
+}
 
-    #[test]
-    fn the_first_non_empty_line_is_scored() {
-        assert_eq!(first_line("\n  Paris \nThe capital."), "Paris");
-        assert_eq!(first_line(""), "");
-    }
+/// The figures of each strategy over `done` (one line per question); `full` last.
+fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
+    let n = done.len().max(1) as f64;
+    let names: Vec<String> = header
+        .strategies
+        .iter()
+        .cloned()
+        .chain([Assembly::Full.to_string()])
+        .collect();
+    let of = |name: &str| -> Vec<&Answer> {
+        done.iter()
+            .filter_map(|l| l.answers.iter().find(|a| a.strategy == name))
+            .collect()
+    };
+    let full = of(Assembly::Full.name());
+    let full_f1 = full.iter().map(|a| a.f1).sum::<f64>() / n;
+    names
+        .iter()
+        .map(|name| {
+            let xs = of(name);
+            let sum = |f: &dyn Fn(&Answer) -> f64| xs.iter().map(|a| f(a)).sum::<f64>();
+            let diffs: Vec<f64> = xs.iter().zip(&full).map(|(a, r)| a.f1 - r.f1).collect();
+            let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
+            let tokens = xs.iter().map(|a| a.forced_tokens).sum::<usize>();
+            let agree = xs.iter().map(|a| a.forced_agree).sum::<usize>();
+            QaLine {
+                eval: "qa",
+                strategy: name.clone(),
+                questions: xs.len(),
+                f1: sum(&|a| a.f1) / n,
+                em: sum(&|a| f64::from(u8::from(a.em))) / n,
+                f1_points_vs_full: (sum(&|a| a.f1) / n - full_f1) * 100.0,
+                f1_points_ci95: (lo * 100.0, hi * 100.0),
+                agreement_answers: sum(&|a| f64::from(u8::from(a.identical))) / n,
+                agreement_tokens: agree as f64 / tokens.max(1) as f64,
+                forced_tokens: tokens,
+                kl_mean: sum(&|a| a.kl_sum) / tokens.max(1) as f64,
+                ttft_ms_mean: sum(&|a| a.ttft_ms) / n,
+                recomputed_tokens_mean: sum(&|a| a.recomputed as f64) / n,
+                top_k: header.top_k,
+                model: header.model.clone(),
+                chunk_preamble: header.chunk_preamble.clone(),
+            }
+        })
+        .collect()
 }

@@ -14,6 +14,10 @@ use crate::linear::{Embedding, Proj};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
+mod repair;
+
+pub use repair::{link_positions, top_share};
+
 #[derive(Debug)]
 struct Layer {
     attn_norm: Tensor,
@@ -449,34 +453,48 @@ impl Decoder {
         v: &Tensor,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let (nh, hd) = (self.cfg.heads, self.cfg.head_dim);
         let (b, _, s, _) = q.dims4().ctx("q dims")?;
         let (k, v) = (k.contiguous().ctx("k")?, v.contiguous().ctx("v")?);
-        let t = k.dim(2).ctx("k len")?;
-        // Grouped-query attention without materializing repeated K/V: the `rep` query heads
-        // that share a KV head are stacked along the sequence axis.
-        let rep = nh / nkv;
-        let q = q
-            .contiguous()
-            .and_then(|q| q.reshape((b, nkv, rep * s, hd)))
-            .ctx("q groups")?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let att = (q.matmul(&k.t().ctx("k t")?).ctx("qk")? * scale).ctx("scale")?;
-        let att = match mask {
-            Some(m) => att
-                .reshape((b, nkv, rep, s, t))
-                .and_then(|a| a.broadcast_add(m))
-                .and_then(|a| a.reshape((b, nkv, rep * s, t)))
-                .ctx("mask")?,
-            None => att,
-        };
-        let att = candle_nn::ops::softmax_last_dim(&att).ctx("softmax")?;
+        let q = self.grouped(q)?;
+        let att = self.probs(&q, &k, mask)?;
         let y = att.matmul(&v).ctx("av")?; // (b, nkv, rep * s, hd)
         y.reshape((b, nh, s, hd))
             .and_then(|y| y.transpose(1, 2))
             .and_then(|y| y.reshape((b, s, nh * hd)))
             .ctx("attn out")
+    }
+
+    /// Grouped-query attention without materializing repeated K/V: the `rep` query heads
+    /// that share a KV head are stacked along the sequence axis, `(b, kv_heads, rep * s, d)`.
+    fn grouped(&self, q: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, _, s, _) = q.dims4().ctx("q dims")?;
+        let rep = cfg.heads / cfg.kv_heads;
+        q.contiguous()
+            .and_then(|q| q.reshape((b, cfg.kv_heads, rep * s, cfg.head_dim)))
+            .ctx("q groups")
+    }
+
+    /// Attention probabilities of grouped queries `q` ([`Decoder::grouped`]) over contiguous
+    /// keys `(b, kv_heads, t, d)` with an optional additive mask `(s, t)`:
+    /// `(b, kv_heads, rep * s, t)`.
+    fn probs(&self, q: &Tensor, k: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (b, nkv, rs, _) = q.dims4().ctx("q dims")?;
+        let t = k.dim(2).ctx("k len")?;
+        let scale = 1.0 / (self.cfg.head_dim as f64).sqrt();
+        let att = (q.matmul(&k.t().ctx("k t")?).ctx("qk")? * scale).ctx("scale")?;
+        let att = match mask {
+            Some(m) => {
+                let s = m.dim(0).ctx("mask rows")?;
+                att.reshape((b, nkv, rs / s, s, t))
+                    .and_then(|a| a.broadcast_add(m))
+                    .and_then(|a| a.reshape((b, nkv, rs, t)))
+                    .ctx("mask")?
+            }
+            None => att,
+        };
+        candle_nn::ops::softmax_last_dim(&att).ctx("softmax")
     }
 
     /// KV of `tokens` computed alone, as if they sat at positions `start_pos..`.
@@ -495,136 +513,6 @@ impl Decoder {
             .map(|(k, v)| Ok((self.rope.shift(k, delta)?, v.clone())))
             .collect::<Result<_>>()?;
         Kv::new(layers)
-    }
-
-    /// Selective recompute over an assembled context (CacheBlend's idea): brings the KV of
-    /// independently computed chunks closer to what a full prefill of the whole context
-    /// computes, by recomputing a share of the tokens with full attention.
-    ///
-    /// `kv` holds `tokens` at positions `0..n` (each chunk already rotated to its place); the
-    /// first `exact` tokens (the system prefix) are already what full prefill computes.
-    /// Layer 0's keys and values depend on the token and its position only, so the stored
-    /// ones are exact; its output, which attention over the whole context changes, is
-    /// computed for every token. At layer 1 the keys and values of every token are computed
-    /// from that output and compared with the stored ones; the `share` of tokens that deviate
-    /// most are recomputed through every later layer, attending to the whole context (their
-    /// own rows replaced), and the rest keep their stored KV. Cost: about one layer of full
-    /// prefill plus `share` of the others.
-    ///
-    /// Returns the blended KV and the positions recomputed (ascending).
-    pub fn blend(
-        &self,
-        kv: &Kv,
-        tokens: &[u32],
-        exact: usize,
-        share: f64,
-    ) -> Result<(Kv, Vec<usize>)> {
-        let n = kv.len();
-        if tokens.len() != n {
-            return Err(Error::Input {
-                why: format!("blend: {} tokens for a KV of {n}", tokens.len()),
-            });
-        }
-        if !(0.0..=1.0).contains(&share) {
-            return Err(Error::Input {
-                why: format!("blend: share {share} is not in 0..=1"),
-            });
-        }
-        if exact >= n || share == 0.0 || self.layers.len() < 2 {
-            return Ok((kv.clone(), Vec::new()));
-        }
-        let m = n - exact;
-        let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
-        let x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
-
-        // Layer 0 for every token, over the stored (exact) keys and values.
-        let (k0, v0) = &kv.layers[0];
-        let l0 = &self.layers[0];
-        let h = self.rms(&x, &l0.attn_norm)?;
-        let (q, _, _) = self.qkv(l0, &h)?;
-        let q = self.rope.forward(&q, exact)?;
-        let a = self.attend(l0, &q, k0, v0, Some(&self.mask(m, n)?))?;
-        let x = self.mlp(l0, (x + a).ctx("residual")?)?;
-
-        // Layer 1: every token's fresh keys and values against the stored ones.
-        let l1 = &self.layers[1];
-        let (k1, v1) = &kv.layers[1];
-        let h = self.rms(&x, &l1.attn_norm)?;
-        let (q, k, v) = self.qkv(l1, &h)?;
-        let k = self.rope.forward(&k, exact)?;
-        let dev = |fresh: &Tensor, stored: &Tensor| -> Result<Tensor> {
-            let stored = stored.narrow(2, exact, m).ctx("stored rows")?;
-            (fresh - stored)
-                .and_then(|d| d.to_dtype(DType::F32))
-                .and_then(|d| d.sqr())
-                .and_then(|d| d.sum((0, 1, 3)))
-                .ctx("deviation")
-        };
-        let score: Vec<f32> = (dev(&k, k1)? + dev(&v, v1)?)
-            .and_then(|d| d.to_vec1())
-            .ctx("deviation")?;
-        let r = ((m as f64 * share).ceil() as usize).clamp(1, m);
-        let mut order: Vec<usize> = (0..m).collect();
-        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-        let mut sel = order[..r].to_vec();
-        sel.sort_unstable();
-        let positions: Vec<usize> = sel.iter().map(|&i| exact + i).collect();
-        let rel = Tensor::new(
-            sel.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-            &self.device,
-        )
-        .ctx("selection")?;
-        let abs = Tensor::new(
-            positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
-            &self.device,
-        )
-        .ctx("selection")?;
-        let mut replaced = vec![0u8; n];
-        for &p in &positions {
-            replaced[p] = 1;
-        }
-        let replaced = Tensor::from_vec(replaced, (1, 1, n, 1), &self.device).ctx("row mask")?;
-        // Query j (at position p_j) sees keys 0..=p_j.
-        let mask = self.mask_at(positions.iter().copied(), n)?;
-        debug_assert_eq!(mask.dims(), [r, n]);
-        let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
-            let rows = rows.contiguous().ctx("rows")?;
-            let scattered = base
-                .zeros_like()
-                .and_then(|z| z.index_add(&abs, &rows, 2))
-                .ctx("scatter rows")?;
-            replaced
-                .broadcast_as(base.shape())
-                .and_then(|c| c.where_cond(&scattered, base))
-                .ctx("replace rows")
-        };
-
-        // The selected tokens through layer 1 and every later layer.
-        let sel_rows = |t: &Tensor| {
-            t.contiguous()
-                .and_then(|t| t.index_select(&rel, 2))
-                .ctx("select rows")
-        };
-        let mut x = x
-            .contiguous()
-            .and_then(|x| x.index_select(&rel, 1))
-            .ctx("select")?;
-        let q = self.rope.at(&sel_rows(&q)?, &positions)?;
-        let (k, v) = (put(k1, &sel_rows(&k)?)?, put(v1, &sel_rows(&v)?)?);
-        let a = self.attend(l1, &q, &k, &v, Some(&mask))?;
-        x = self.mlp(l1, (x + a).ctx("residual")?)?;
-        let mut layers = vec![(k0.clone(), v0.clone()), (k, v)];
-        for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers).skip(2) {
-            let h = self.rms(&x, &layer.attn_norm)?;
-            let (q, k, v) = self.qkv(layer, &h)?;
-            let q = self.rope.at(&q, &positions)?;
-            let k = self.rope.at(&k, &positions)?;
-            let (k, v) = (put(ks, &k)?, put(vs, &v)?);
-            let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
-            x = self.mlp(layer, (x + a).ctx("residual")?)?;
-            layers.push((k, v));
-        }
-        Ok((Kv::new(layers)?, positions))
     }
 
     /// Greedy argmax of logits.

@@ -7,9 +7,11 @@
 //!   safetensors, `tokenizer.json`).
 //! - [`Model::prefill`] computes a chunk's [`Kv`] at any start position; [`Kv::to_bytes`] /
 //!   [`Kv::from_bytes`] convert to the store's layer-major layout; [`Model::reposition`] moves
-//!   stored keys to new positions; [`Model::blend`] recomputes the tokens of an assembled
-//!   context whose KV deviates most from full attention; [`KvCache::from_kv`] resumes decoding
-//!   from stored KV.
+//!   stored keys to new positions; [`Model::recompute`] repairs an assembled context by
+//!   recomputing chosen tokens with full attention, chosen by [`Model::blend`] (layer-1
+//!   deviation), [`link_positions`] (every chunk's first tokens) or
+//!   [`Model::question_attention`] ([`top_share`] of what the question attends to);
+//!   [`KvCache::from_kv`] resumes decoding from stored KV.
 //! - [`generate`] decodes with greedy / temperature / top-k / top-p sampling, stop tokens and
 //!   stop strings, streaming text incrementally. For many sequences at once,
 //!   [`Decoder::step`] runs one batched step (each sequence over its own [`KvCache`]) and a
@@ -36,9 +38,9 @@ mod weights;
 use std::collections::HashMap;
 use std::path::Path;
 
-pub use candle_core::{DType, Device, Tensor};
+pub use candle_core::{DType, Device, Tensor, D};
 pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
-pub use decoder::{Decoder, Logits};
+pub use decoder::{link_positions, top_share, Decoder, Logits};
 pub use error::{Error, Result};
 pub use generate::{
     generate, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
@@ -281,6 +283,18 @@ impl Model {
         share: f64,
     ) -> Result<(Kv, Vec<usize>)> {
         self.decoder.blend(kv, tokens, exact, share)
+    }
+
+    /// Recomputes the tokens at `positions` of an assembled context with full attention; see
+    /// [`Decoder::recompute`].
+    pub fn recompute(&self, kv: &Kv, tokens: &[u32], positions: &[usize]) -> Result<Kv> {
+        self.decoder.recompute(kv, tokens, positions)
+    }
+
+    /// Attention of a question to each position of an assembled context on the first
+    /// `layers` layers; see [`Decoder::question_attention`].
+    pub fn question_attention(&self, kv: &Kv, question: &[u32], layers: usize) -> Result<Vec<f32>> {
+        self.decoder.question_attention(kv, question, layers)
     }
 
     /// An empty decoding cache.

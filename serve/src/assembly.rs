@@ -2,14 +2,22 @@
 //!
 //! Every chunk's KV is computed alone at positions `0..n` (ingest stores it so), so an
 //! assembled prompt is not what a full prefill computes: no chunk attends to the chunks before
-//! it, and, unless moved, every chunk claims the positions `0..n`. The strategies:
+//! it, and, unless moved, every chunk claims the positions `0..n`. The strategies (a request
+//! names one, optionally with its parameter after a colon: `link:8`, `query-aware:0.2`):
 //!
 //! | strategy | chunk positions | cross-chunk attention | cost at query time |
 //! |---|---|---|---|
 //! | `naive` (MatKV) | `0..n` each, as stored | none | load only |
 //! | `reposition` (default) | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
-//! | `reposition+recompute` | consecutive | the `recompute_share` of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Model::blend`], CacheBlend's selection) | about one layer of prefill plus `share` of the rest |
+//! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Model::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
+//! | `link[:k]` (EPIC) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
+//! | `query-aware[:share]` (ProphetKV, QCFuse) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most, summed over heads on the first quarter of the layers (at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
+//!
+//! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
+//! their own rows replaced layer by layer ([`model::Model::recompute`]); `link` with `k` at
+//! least the longest chunk recomputes every chunk token, which is full prefill of the context.
+//! Measured quality and time to first token of each: docs/BENCHMARKS.md, quality.
 //!
 //! The question always follows the last chunk's position in the cache. Chunk boundaries:
 //! chunks are tokenized alone, without leading special tokens, and follow each other
@@ -19,37 +27,73 @@
 //! so the default is none.
 
 use model::{Kv, Model};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// An assembly strategy (see the module table).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// A share of the chunk tokens, in thousandths (`0.001..=1`): exact to compare and to name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Share(u16);
+
+impl Share {
+    /// `f` in `(0, 1]`, rounded to thousandths (at least one).
+    pub fn new(f: f64) -> Result<Share, String> {
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(format!("share {f} is outside (0, 1]"));
+        }
+        Ok(Share(((f * 1000.0).round() as u16).max(1)))
+    }
+
+    pub fn get(self) -> f64 {
+        f64::from(self.0) / 1000.0
+    }
+}
+
+/// The repair parameters a strategy's name leaves out (`[serve]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Repair {
+    /// `serve.recompute_share`: for `reposition+recompute` and `query-aware`.
+    pub recompute_share: f64,
+    /// `serve.link_tokens`: for `link`.
+    pub link_tokens: usize,
+}
+
+/// An assembly strategy (see the module table); a parameter left out comes from [`Repair`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Assembly {
-    #[serde(rename = "naive")]
     Naive,
     #[default]
-    #[serde(rename = "reposition")]
     Reposition,
-    #[serde(rename = "reposition+recompute")]
-    Recompute,
-    #[serde(rename = "full")]
+    Recompute(Option<Share>),
+    Link(Option<u32>),
+    QueryAware(Option<Share>),
     Full,
 }
 
 impl Assembly {
-    pub const ALL: [Assembly; 4] = [
+    /// Every strategy, with its configured parameter.
+    pub const ALL: [Assembly; 6] = [
         Assembly::Naive,
         Assembly::Reposition,
-        Assembly::Recompute,
+        Assembly::Recompute(None),
+        Assembly::Link(None),
+        Assembly::QueryAware(None),
         Assembly::Full,
     ];
 
+    /// The strategy's name, without its parameter.
     pub fn name(self) -> &'static str {
         match self {
             Assembly::Naive => "naive",
             Assembly::Reposition => "reposition",
-            Assembly::Recompute => "reposition+recompute",
+            Assembly::Recompute(_) => "reposition+recompute",
+            Assembly::Link(_) => "link",
+            Assembly::QueryAware(_) => "query-aware",
             Assembly::Full => "full",
         }
+    }
+
+    /// The same strategy, whatever its parameter.
+    pub fn same_kind(self, other: Assembly) -> bool {
+        self.name() == other.name()
     }
 
     /// Whether stored chunk KV is used at all.
@@ -70,11 +114,15 @@ impl Assembly {
 impl std::str::FromStr for Assembly {
     type Err = String;
 
-    /// A name from the table; a space stands for `+` (an unescaped `+` in a URL query
-    /// string arrives as a space).
+    /// A name from the table, optionally `:parameter`; a space stands for `+` (an unescaped
+    /// `+` in a URL query string arrives as a space).
     fn from_str(s: &str) -> Result<Assembly, String> {
-        let name = s.trim().replace(' ', "+");
-        Assembly::ALL
+        let text = s.trim().replace(' ', "+");
+        let (name, param) = match text.split_once(':') {
+            Some((n, p)) => (n, Some(p)),
+            None => (text.as_str(), None),
+        };
+        let base = Assembly::ALL
             .into_iter()
             .find(|a| a.name() == name)
             .ok_or_else(|| {
@@ -82,37 +130,99 @@ impl std::str::FromStr for Assembly {
                     "assembly: {s:?} is not one of {}",
                     Assembly::ALL.map(Assembly::name).join(", ")
                 )
-            })
+            })?;
+        let Some(p) = param else { return Ok(base) };
+        let share = || {
+            p.parse::<f64>()
+                .map_err(|e| e.to_string())
+                .and_then(Share::new)
+                .map(Some)
+                .map_err(|e| format!("assembly: {s:?}: the share {p:?}: {e}"))
+        };
+        match base {
+            Assembly::Recompute(_) => Ok(Assembly::Recompute(share()?)),
+            Assembly::QueryAware(_) => Ok(Assembly::QueryAware(share()?)),
+            Assembly::Link(_) => match p.parse::<u32>() {
+                Ok(k) if k > 0 => Ok(Assembly::Link(Some(k))),
+                _ => Err(format!(
+                    "assembly: {s:?}: the tokens per chunk {p:?} must be a positive integer"
+                )),
+            },
+            _ => Err(format!("assembly: {name} takes no parameter ({s:?})")),
+        }
     }
 }
 
 impl std::fmt::Display for Assembly {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        f.write_str(self.name())?;
+        match self {
+            Assembly::Recompute(Some(s)) | Assembly::QueryAware(Some(s)) => {
+                write!(f, ":{}", s.get())
+            }
+            Assembly::Link(Some(k)) => write!(f, ":{k}"),
+            _ => Ok(()),
+        }
     }
 }
 
+impl Serialize for Assembly {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Assembly {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Assembly, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Layers on which `query-aware` measures the question's attention: the first quarter (at
+/// least 2).
+fn score_layers(model: &Model) -> usize {
+    (model.config().layers / 4).max(2)
+}
+
 /// The prompt's KV: `prefix` (exact, at `0..`), then the chunks' KV, each already
-/// [placed](Assembly::place); with `reposition+recompute`, blended over the whole context.
-/// `tokens` are the prefix's and the chunks' tokens in order. Returns the KV and how many
-/// tokens were recomputed.
+/// [placed](Assembly::place), repaired as the strategy says. `tokens` are the prefix's and the
+/// chunks' tokens in order; `question` the tokens that will follow them (for `query-aware`).
+/// Returns the KV and how many tokens were recomputed.
 pub fn assemble(
     model: &Model,
     assembly: Assembly,
-    recompute_share: f64,
+    repair: &Repair,
     prefix: &Kv,
     chunks: Vec<Kv>,
     tokens: &[u32],
+    question: &[u32],
 ) -> model::Result<(Kv, usize)> {
+    let exact = prefix.len();
+    let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
     let mut parts = Vec::with_capacity(chunks.len() + 1);
     parts.push(prefix.clone());
     parts.extend(chunks);
     let all = Kv::concat(&parts)?;
-    if assembly != Assembly::Recompute {
-        return Ok((all, 0));
-    }
-    let (kv, recomputed) = model.blend(&all, tokens, prefix.len(), recompute_share)?;
-    Ok((kv, recomputed.len()))
+    let share = |s: Option<Share>| s.map_or(repair.recompute_share, Share::get);
+    let positions = match assembly {
+        Assembly::Naive | Assembly::Reposition | Assembly::Full => return Ok((all, 0)),
+        Assembly::Recompute(s) => {
+            let (kv, recomputed) = model.blend(&all, tokens, exact, share(s))?;
+            return Ok((kv, recomputed.len()));
+        }
+        Assembly::Link(k) => {
+            let k = k.map_or(repair.link_tokens, |k| k as usize);
+            model::link_positions(exact, &lens, k)
+        }
+        Assembly::QueryAware(s) => {
+            let scores = model.question_attention(&all, question, score_layers(model))?;
+            model::top_share(&scores[exact..], exact, share(s))
+        }
+    };
+    let kv = model.recompute(&all, tokens, &positions)?;
+    Ok((kv, positions.len()))
 }
 
 #[cfg(test)]
@@ -121,18 +231,46 @@ mod tests {
 
     #[test]
     fn names_round_trip_in_text_and_json() {
-        for a in Assembly::ALL {
-            assert_eq!(a.name().parse::<Assembly>().unwrap(), a);
+        let with = [
+            Assembly::Recompute(Some(Share::new(0.15).unwrap())),
+            Assembly::Link(Some(8)),
+            Assembly::QueryAware(Some(Share::new(0.2).unwrap())),
+        ];
+        for a in Assembly::ALL.into_iter().chain(with) {
+            let text = a.to_string();
+            assert_eq!(text.parse::<Assembly>().unwrap(), a, "{text}");
             let j = serde_json::to_string(&a).unwrap();
-            assert_eq!(j, format!("\"{}\"", a.name()));
+            assert_eq!(j, format!("\"{text}\""));
             assert_eq!(serde_json::from_str::<Assembly>(&j).unwrap(), a);
         }
         assert_eq!(
-            "reposition recompute".parse::<Assembly>().unwrap(),
-            Assembly::Recompute
+            with.map(|a| a.to_string()),
+            ["reposition+recompute:0.15", "link:8", "query-aware:0.2"]
         );
+        assert_eq!(
+            "reposition recompute".parse::<Assembly>().unwrap(),
+            Assembly::Recompute(None)
+        );
+        assert!(Assembly::Link(Some(2)).same_kind(Assembly::Link(None)));
         let e = "blend".parse::<Assembly>().unwrap_err();
-        assert!(e.contains("reposition+recompute"), "{e}");
+        assert!(
+            e.contains("reposition+recompute") && e.contains("query-aware"),
+            "{e}"
+        );
+        for bad in [
+            "link:0",
+            "link:x",
+            "link:-1",
+            "query-aware:0",
+            "query-aware:1.5",
+            "reposition:2",
+            "full:1",
+            "reposition+recompute:nan",
+        ] {
+            assert!(bad.parse::<Assembly>().is_err(), "{bad}");
+        }
+        assert!(serde_json::from_str::<Assembly>("\"link:0\"").is_err());
         assert_eq!(Assembly::default(), Assembly::Reposition);
+        assert_eq!(Share::new(0.0004).unwrap().get(), 0.001);
     }
 }

@@ -33,14 +33,12 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use model::{Decoding, KvCache};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-use crate::assembly::{assemble, Assembly};
-use crate::events::{Citation, Event, FailKind, Final, KvSource, Timings};
+use crate::assembly::Repair;
+use crate::context::{assemble_query, Writeback};
+use crate::events::{Event, FailKind, Final, Timings};
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
-use crate::rag::{
-    finish_err, import, internal, ms, ComputeJob, Failure, KvMode, LoadJob, Prefix, Worker,
-    Writeback,
-};
+use crate::rag::{finish_err, internal, ms, ComputeJob, Failure, LoadJob, Prefix, Worker};
 use crate::supervise::{contain, Faults, Ticket};
 
 /// How long, at shutdown, final events wait for clients whose channels are full.
@@ -53,7 +51,7 @@ pub(crate) struct Limits {
     /// Bytes of KV cache the admitted queries may reserve together.
     pub kv_budget: u64,
     pub prefill_chunk: usize,
-    pub recompute_share: f64,
+    pub repair: Repair,
 }
 
 /// A query in the batch.
@@ -179,7 +177,7 @@ pub(crate) fn run(
                 if Faults::take(&w.faults.panic_model) {
                     panic!("injected model fault");
                 }
-                join(w, prefix, limits.recompute_share, cj, &wb)
+                join(w, prefix, &limits.repair, cj, &wb)
             });
             match r.map_err(internal).and_then(|r| r) {
                 Ok(mut a) => {
@@ -245,7 +243,7 @@ pub(crate) fn run(
 fn join<'m>(
     w: &'m Worker,
     prefix: &Prefix,
-    recompute_share: f64,
+    repair: &Repair,
     cj: ComputeJob,
     wb: &Sender<Writeback>,
 ) -> Result<Active<'m>, Failure> {
@@ -254,7 +252,7 @@ fn join<'m>(
     let ComputeJob {
         job,
         chunks,
-        mut question,
+        question,
         prompt_tokens,
         queued_at,
     } = cj;
@@ -267,81 +265,22 @@ fn join<'m>(
         ..
     } = job;
     timings.queue_ms += ms(queued_at.elapsed());
-    let model = &engine.model;
-    let s = internal;
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
-    let full = query.assembly == Assembly::Full;
-    let mut parts = Vec::with_capacity(chunks.len());
-    let mut context = prefix.tokens.clone();
-    let mut citations = Vec::with_capacity(chunks.len());
-    let (mut hits, mut misses) = (0, 0);
-    for c in chunks {
-        let pos = context.len();
-        context.extend_from_slice(&c.tokens);
-        let citation = |kv| Citation {
-            doc_id: c.hit.payload.doc_id.clone(),
-            chunk: c.hit.payload.ordinal,
-            score: c.hit.score,
-            tokens: c.tokens.len(),
-            kv,
-        };
-        if full {
-            citations.push(citation(KvSource::Full));
-            continue;
+    let a = assemble_query(engine, prefix, repair, &query, chunks, question)?;
+    m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
+    m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
+    for wbm in a.writebacks {
+        if wb.try_send(wbm).is_err() {
+            tracing::warn!("write-back queue full; chunk stays unmaterialized");
         }
-        let (kv, source) = match c.kv {
-            Some(kv) => {
-                hits += 1;
-                (kv, KvSource::Stored)
-            }
-            None => {
-                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
-                let kv = import(engine, &bytes, query.assembly, pos).map_err(s)?;
-                if query.kv == KvMode::On {
-                    misses += 1;
-                    let wbm = Writeback {
-                        doc: c.hit.payload.doc_id.clone(),
-                        hash: c.hit.payload.doc_hash.clone(),
-                        tokens: c.tokens.clone(),
-                        bytes,
-                        replace: c.corrupt,
-                    };
-                    if wb.try_send(wbm).is_err() {
-                        tracing::warn!("write-back queue full; chunk stays unmaterialized");
-                    }
-                    (kv, KvSource::Recomputed)
-                } else {
-                    (kv, KvSource::Off)
-                }
-            }
-        };
-        citations.push(citation(source));
-        parts.push(kv);
     }
-    m.kv_hits.fetch_add(hits as u64, Ordering::Relaxed);
-    m.kv_misses.fetch_add(misses as u64, Ordering::Relaxed);
-    debug_assert_eq!(prompt_tokens, context.len() + question.len());
-    let (all, recomputed) = if full {
-        // The reference: the chunks are prefilled with the question, after the exact prefix.
-        question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
-        (prefix.kv.clone(), 0)
-    } else {
-        assemble(
-            model,
-            query.assembly,
-            recompute_share,
-            &prefix.kv,
-            parts,
-            &context,
-        )
-        .map_err(s)?
-    };
-    let cache = KvCache::from_kv(&all, question.len() + query.params.max_tokens + 1).map_err(s)?;
+    debug_assert_eq!(prompt_tokens, a.kv.len() + a.pending.len());
+    let cache =
+        KvCache::from_kv(&a.kv, a.pending.len() + query.params.max_tokens + 1).map_err(internal)?;
     timings.assemble_ms = ms(t.elapsed());
-    let decoding = Decoding::new(model.tokenizer(), &query.params)
+    let decoding = Decoding::new(engine.model.tokenizer(), &query.params)
         .map_err(|e| (FailKind::Invalid, e.to_string()))?;
     Ok(Active {
         ticket,
@@ -350,11 +289,11 @@ fn join<'m>(
         timings,
         report: Final {
             answer: String::new(),
-            citations,
-            kv_hits: hits,
-            kv_misses: misses,
+            citations: a.citations,
+            kv_hits: a.hits,
+            kv_misses: a.misses,
             assembly: query.assembly,
-            recomputed_tokens: recomputed,
+            recomputed_tokens: a.recomputed,
             prompt_tokens,
             completion_tokens: 0,
             finish_reason: String::new(),
@@ -362,7 +301,7 @@ fn join<'m>(
         },
         cache,
         decoding,
-        pending: question,
+        pending: a.pending,
         reserved: 0,
         started: None,
         first: None,

@@ -38,8 +38,10 @@ pub struct ServeConfig {
     pub system_prompt: String,
     /// How chunk KV is assembled when a request does not say (see [`crate::assembly`]).
     pub assembly: Assembly,
-    /// Share of chunk tokens `reposition+recompute` recomputes, in (0, 1].
+    /// Share of chunk tokens `reposition+recompute` and `query-aware` recompute, in (0, 1].
     pub recompute_share: f64,
+    /// Tokens at the start of every chunk `link` recomputes (1..=4096).
+    pub link_tokens: usize,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
@@ -81,6 +83,7 @@ impl Default for ServeConfig {
             system_prompt: "Answer the question using the context. Be brief.".into(),
             assembly: Assembly::default(),
             recompute_share: 0.15,
+            link_tokens: 16,
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
@@ -144,6 +147,12 @@ impl ServeConfig {
                 self.recompute_share
             ));
         }
+        if self.link_tokens == 0 || self.link_tokens > 4096 {
+            return Err(format!(
+                "serve.link_tokens: {} is outside 1..=4096",
+                self.link_tokens
+            ));
+        }
         for h in &self.allowed_hosts {
             let h = h.trim();
             if h.is_empty() || (h.contains([':', '/', '@', ' ']) && !h.starts_with('[')) {
@@ -162,7 +171,15 @@ impl ServeConfig {
             max_batch: self.max_batch,
             kv_budget: (self.kv_budget_mb as u64) << 20,
             prefill_chunk: self.prefill_chunk,
+            repair: self.repair(),
+        }
+    }
+
+    /// The repair parameters of strategies named without one.
+    pub fn repair(&self) -> crate::assembly::Repair {
+        crate::assembly::Repair {
             recompute_share: self.recompute_share,
+            link_tokens: self.link_tokens,
         }
     }
 

@@ -39,6 +39,7 @@ use tokio::sync::mpsc;
 
 use crate::assembly::Assembly;
 use crate::config::ServeConfig;
+use crate::context::{read_chunks, Loaded, Writeback};
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
 use crate::supervise::{contain, Faults, Health, Ticket};
@@ -83,15 +84,6 @@ pub(crate) struct LoadJob {
     pub timings: Timings,
 }
 
-pub(crate) struct Loaded {
-    pub hit: Hit,
-    pub tokens: Vec<u32>,
-    /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
-    pub kv: Option<Kv>,
-    /// The stored copy failed verification: write the recomputed KV over it.
-    pub corrupt: bool,
-}
-
 /// A loaded query, ready to join the model's batch.
 pub(crate) struct ComputeJob {
     pub job: LoadJob,
@@ -110,20 +102,22 @@ impl ComputeJob {
     }
 }
 
-pub(crate) struct Writeback {
-    pub doc: String,
-    pub hash: String,
-    pub tokens: Vec<u32>,
-    pub bytes: Vec<u8>,
-    pub replace: bool,
-}
-
 /// The system prompt's KV, computed once, and where the model's chat template puts the
 /// question.
 pub(crate) struct Prefix {
     pub tokens: Vec<u32>,
     pub kv: Kv,
     pub prompt: model::RagPrompt,
+}
+
+impl Prefix {
+    /// The question's tokens, in the chat template after the chunks.
+    pub fn question(&self, engine: &Engine, text: &str) -> model::Result<Vec<u32>> {
+        engine
+            .model
+            .tokenizer()
+            .encode_pieces(&self.prompt.question(text))
+    }
 }
 
 /// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
@@ -140,8 +134,8 @@ pub struct Rag {
     /// the CLI can tell the server that wrote `server.json` from whatever listens there now.
     pub instance: String,
     health: Arc<Health>,
-    /// Tokens of the system prefix.
-    prefix_tokens: usize,
+    /// The system prefix's tokens and KV.
+    pub(crate) prefix: Arc<Prefix>,
     /// `max_inflight` permits; see [`Rag::admit`].
     admission: Arc<tokio::sync::Semaphore>,
     /// `None` once shut down.
@@ -259,7 +253,7 @@ impl Rag {
             faults,
             instance: uuid::Uuid::new_v4().simple().to_string(),
             health,
-            prefix_tokens,
+            prefix,
             admission,
             load_tx: Mutex::new(Some(load_tx)),
             workers: Mutex::new(workers),
@@ -354,7 +348,7 @@ impl Rag {
     /// bound, before the question is tokenized; the exact count is checked on the model
     /// thread).
     pub fn fits_context(&self, top_k: usize, max_tokens: usize) -> Result<(), String> {
-        fits_context(&self.engine, self.prefix_tokens, top_k, max_tokens)
+        fits_context(&self.engine, self.prefix.tokens.len(), top_k, max_tokens)
     }
 }
 
@@ -386,21 +380,6 @@ pub(crate) struct Worker {
 
 pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype on the
-/// model's device (the host-to-device copy happens here, on the loader thread, overlapping
-/// the decoder's work), placed for a prompt where the chunk starts at `pos`.
-pub(crate) fn import(
-    engine: &Engine,
-    bytes: &[u8],
-    assembly: Assembly,
-    pos: usize,
-) -> model::Result<Kv> {
-    let model = &engine.model;
-    Kv::from_bytes(bytes, &engine.layout(), model.device())
-        .and_then(|kv| kv.to(model.device(), model.dtype()))
-        .and_then(|kv| assembly.place(model, kv, pos))
 }
 
 fn loader(
@@ -452,61 +431,14 @@ fn load(
     }
     let t = Instant::now();
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
-    let mut chunks = Vec::with_capacity(job.hits.len());
-    let mut pos = prefix.tokens.len();
-    for hit in std::mem::take(&mut job.hits) {
-        let tokens = match engine.chunk_tokens(&hit.payload.text) {
-            Ok(t) if !t.is_empty() => t,
-            Ok(_) => continue,
-            Err(e) => {
-                finish_err(m, &job.events, internal(format!("loading chunks: {e}")));
-                return None;
-            }
-        };
-        let mut corrupt = false;
-        let kv = if job.query.kv == KvMode::On && job.query.assembly.uses_stored_kv() {
-            match engine
-                .store
-                .get_batch_into(engine.namespace(), &tokens, tokens.len(), buf)
-            {
-                Ok(_) => {
-                    m.kv_bytes_loaded
-                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    match import(engine, buf, job.query.assembly, pos) {
-                        Ok(kv) => Some(kv),
-                        Err(e) => {
-                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
-                            corrupt = true;
-                            None
-                        }
-                    }
-                }
-                Err(e) if e.is_damage() => {
-                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
-                    corrupt = true;
-                    None
-                }
-                Err(e) => {
-                    if !e.is_miss() {
-                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
-                    }
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        if corrupt {
-            m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
+    let hits = std::mem::take(&mut job.hits);
+    let chunks = match read_chunks(engine, m, &job.query, hits, prefix.tokens.len(), buf) {
+        Ok(c) => c,
+        Err(e) => {
+            finish_err(m, &job.events, internal(e));
+            return None;
         }
-        pos += tokens.len();
-        chunks.push(Loaded {
-            hit,
-            tokens,
-            kv,
-            corrupt,
-        });
-    }
+    };
     let end = Instant::now();
     let (took, hidden) = (end - t, timeline.overlap(t, end));
     job.timings.load_ms = ms(took);
@@ -515,18 +447,15 @@ fn load(
         .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
     m.kv_load_hidden_us
         .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
-    let question = match engine
-        .model
-        .tokenizer()
-        .encode_pieces(&prefix.prompt.question(&job.query.question))
-    {
+    let question = match prefix.question(engine, &job.query.question) {
         Ok(q) => q,
         Err(e) => {
             finish_err(m, &job.events, internal(e));
             return None;
         }
     };
-    let prompt_tokens = pos + question.len();
+    let context: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+    let prompt_tokens = prefix.tokens.len() + context + question.len();
     let limit = engine.model.max_positions();
     if prompt_tokens + job.query.params.max_tokens > limit {
         let e = format!(

@@ -7,8 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use model::{Kv, Tensor};
-use serve::assembly::assemble;
+use serve::assembly::{assemble, Repair};
 use serve::{Assembly, Event, KvMode, Query, Rag, ServeConfig};
+
+const REPAIR: Repair = Repair {
+    recompute_share: 0.15,
+    link_tokens: 4,
+};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
@@ -57,7 +62,7 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
             asm.place(&m, a0.clone(), pa).unwrap(),
             asm.place(&m, b0.clone(), pb).unwrap(),
         ];
-        let (kv, recomputed) = assemble(&m, asm, 0.15, &pkv, chunks, &tokens).unwrap();
+        let (kv, recomputed) = assemble(&m, asm, &REPAIR, &pkv, chunks, &tokens, &[1]).unwrap();
         assert_eq!((kv.len(), recomputed), (tokens.len(), 0));
         assert_eq!(key_diff(&kv, 0, &pkv), 0.0, "{asm}: the prefix moved");
         let (da0, db0) = (key_diff(&kv, pa, &a0), key_diff(&kv, pb, &b0));
@@ -78,13 +83,85 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     }
 
     // With recompute, the recomputed rows move toward full prefill; the prefix stays exact.
+    let half = Repair {
+        recompute_share: 0.5,
+        ..REPAIR
+    };
+    let asm = Assembly::Recompute(None);
     let chunks = vec![
-        Assembly::Recompute.place(&m, a0.clone(), pa).unwrap(),
-        Assembly::Recompute.place(&m, b0.clone(), pb).unwrap(),
+        asm.place(&m, a0.clone(), pa).unwrap(),
+        asm.place(&m, b0.clone(), pb).unwrap(),
     ];
-    let (kv, recomputed) = assemble(&m, Assembly::Recompute, 0.5, &pkv, chunks, &tokens).unwrap();
+    let (kv, recomputed) = assemble(&m, asm, &half, &pkv, chunks, &tokens, &[1]).unwrap();
     assert_eq!(recomputed, (a.len() + b.len()).div_ceil(2));
     assert_eq!(key_diff(&kv, 0, &pkv), 0.0);
+}
+
+/// The repairs that recompute every chunk token (`link` with k past the longest chunk,
+/// `query-aware` and `reposition+recompute` at share 1) give full prefill's next-token
+/// logits after the question; the partial ones recompute what they say, and land between
+/// plain assembly and full prefill.
+#[test]
+fn whole_repairs_reproduce_full_prefill() {
+    let m = common::model();
+    let t = m.tokenizer();
+    let prefix = t
+        .encode_markup("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
+        .unwrap();
+    let a = t
+        .encode("The access code for the Orion vault is 4817. Only the archivist may open it.\n")
+        .unwrap();
+    let b = t
+        .encode("Captain Ines Valbuena commands the research ship Calder Wren.\n")
+        .unwrap();
+    let question = t
+        .encode_markup("Question: What is the access code?<|im_end|>\n<|im_start|>assistant\n")
+        .unwrap();
+    let tokens: Vec<u32> = [&prefix[..], &a, &b].concat();
+    let (pkv, _) = m.prefill(&prefix, 0).unwrap();
+    let (a0, b0) = (m.prefill(&a, 0).unwrap().0, m.prefill(&b, 0).unwrap().0);
+    let (pa, pb) = (prefix.len(), prefix.len() + a.len());
+    let next = |kv: &Kv| {
+        let mut cache = model::KvCache::from_kv(kv, question.len() + 1).unwrap();
+        m.decoder()
+            .forward(&mut cache, &question, model::Logits::Last)
+            .unwrap()
+    };
+    let (full_kv, _) = m.prefill(&tokens, 0).unwrap();
+    let full = next(&full_kv);
+    let run = |asm: Assembly| {
+        let chunks = vec![
+            asm.place(&m, a0.clone(), pa).unwrap(),
+            asm.place(&m, b0.clone(), pb).unwrap(),
+        ];
+        let (kv, n) = assemble(&m, asm, &REPAIR, &pkv, chunks, &tokens, &question).unwrap();
+        (max_abs_diff(&next(&kv), &full), n)
+    };
+    let (plain, none) = run(Assembly::Reposition);
+    assert_eq!(none, 0);
+    let every = a.len() + b.len();
+    assert!(
+        plain > 1e-2,
+        "plain assembly is already full prefill? {plain}"
+    );
+    let whole: [Assembly; 3] = [
+        Assembly::Link(Some(1000)),
+        "query-aware:1".parse().unwrap(),
+        "reposition+recompute:1".parse().unwrap(),
+    ];
+    for asm in whole {
+        let (d, n) = run(asm);
+        eprintln!("{asm}: logits vs full {d:e} (plain assembly {plain:e})");
+        assert_eq!(n, every, "{asm}");
+        assert!(d < 1e-3, "{asm}: {d} vs plain {plain}");
+    }
+    // Partial repairs: k tokens of each chunk; the share of the chunk tokens.
+    let (d_link, n) = run(Assembly::Link(Some(2)));
+    assert_eq!(n, 4);
+    let (d_qa, n) = run("query-aware:0.25".parse().unwrap());
+    assert_eq!(n, (every as f64 * 0.25).ceil() as usize);
+    eprintln!("link:2 {d_link:e}, query-aware:0.25 {d_qa:e}, plain {plain:e}");
+    assert!(d_link < plain && d_qa < plain, "{d_link} {d_qa} vs {plain}");
 }
 
 const PLANTED: &[(&str, &str, &str, &str)] = &[
@@ -177,7 +254,11 @@ fn every_strategy_answers_planted_questions() {
             } else {
                 assert_eq!(stored, PLANTED.len(), "{:?}", f.citations);
             }
-            assert_eq!(f.recomputed_tokens > 0, asm == Assembly::Recompute, "{f:?}");
+            let repairs = matches!(
+                asm,
+                Assembly::Recompute(_) | Assembly::Link(_) | Assembly::QueryAware(_)
+            );
+            assert_eq!(f.recomputed_tokens > 0, repairs, "{f:?}");
             assert!(
                 f.answer.to_lowercase().contains(&want.to_lowercase()),
                 "{asm}: {question} -> {:?}",
@@ -185,6 +266,86 @@ fn every_strategy_answers_planted_questions() {
             );
         }
     }
+    drop(rag);
+    let start = Instant::now();
+    while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Teacher forcing: the reference answers as the pipeline does, and feeding its answer back
+/// through the same strategy reproduces its decisions; another strategy's rows line up with it.
+#[test]
+fn teacher_forcing_reproduces_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = planted_engine(dir.path(), "");
+    let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
+    let (_, _, question, want) = PLANTED[0];
+    let query = |assembly| Query {
+        question: question.to_string(),
+        top_k: PLANTED.len(),
+        filter: Default::default(),
+        params: model::GenerateParams {
+            max_tokens: 20,
+            ..Default::default()
+        },
+        kv: KvMode::On,
+        assembly,
+    };
+    let hits = rag.retrieve(&query(Assembly::Full)).unwrap();
+    let r = rag.reference(&query(Assembly::Full), hits.clone()).unwrap();
+    eprintln!("reference: {:?} {:?}", r.generation.text, r.targets);
+    assert!(r.generation.text.contains(want), "{:?}", r.generation.text);
+    let vocab = engine.model.config().vocab_size;
+    assert_eq!(r.logits.dims(), [r.targets.len(), vocab]);
+    assert!(r.targets.len() >= r.generation.tokens.len());
+    assert!(r.first_token_ms > 0.0);
+
+    // The pipeline's own `full` answer is the reference's.
+    let rx = {
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        let ticket = rag.admit().unwrap();
+        rag.submit(
+            ticket,
+            query(Assembly::Full),
+            hits.clone(),
+            tx,
+            Instant::now(),
+            Duration::ZERO,
+        )
+        .unwrap();
+        rx
+    };
+    let mut rx = rx;
+    let piped = loop {
+        match rx.blocking_recv().expect("query ended") {
+            Event::Token(_) => {}
+            Event::Done(f) => break f,
+            Event::Error(_, e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(piped.answer, r.generation.text);
+
+    let argmaxes =
+        |t: &Tensor| -> Vec<u32> { t.argmax(model::D::Minus1).unwrap().to_vec1().unwrap() };
+    let f = rag
+        .forced(&query(Assembly::Full), hits.clone(), &r.targets)
+        .unwrap();
+    assert_eq!(argmaxes(&f), r.targets);
+    let d = max_abs_diff(&f, &r.logits);
+    eprintln!("forced full vs reference logits: {d:e}");
+    assert!(d < 1e-2, "{d}");
+    for asm in [Assembly::Reposition, Assembly::Link(Some(2))] {
+        let f = rag.forced(&query(asm), hits.clone(), &r.targets).unwrap();
+        assert_eq!(f.dims(), r.logits.dims(), "{asm}");
+        let agree = argmaxes(&f)
+            .iter()
+            .zip(&r.targets)
+            .filter(|(a, b)| a == b)
+            .count();
+        eprintln!("{asm}: {agree}/{} token decisions agree", r.targets.len());
+    }
+    assert!(rag.forced(&query(Assembly::Full), hits, &[]).is_err());
     drop(rag);
     let start = Instant::now();
     while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {

@@ -1,0 +1,243 @@
+//! Repairing an assembled context: chunks computed alone never attended to each other, so
+//! some of their tokens are recomputed with full attention over the whole context.
+//!
+//! [`Decoder::recompute`] does the recomputing; what differs between the published repairs is
+//! which tokens it is given:
+//!
+//! | selection | recomputes | cost beyond loading |
+//! |---|---|---|
+//! | [`Decoder::blend`] (CacheBlend) | the `share` of chunk tokens whose layer-1 KV deviates most from what full attention gives | layer 0 of every chunk token, then `share` of the tokens through every layer |
+//! | [`link_positions`] (EPIC's LegoLink) | the first `k` tokens of every chunk (a chunk computed alone makes its first tokens an attention sink) | `k` tokens per chunk through every layer |
+//! | [`Decoder::question_attention`] + [`top_share`] (ProphetKV, QCFuse) | the `share` of chunk tokens the question attends to most on the first layers | the question through those layers, then `share` of the tokens through every layer |
+//!
+//! Recomputing every chunk token reproduces full prefill of the context (up to float rounding).
+
+use candle_core::{DType, Tensor};
+
+use super::Decoder;
+use crate::error::{Ctx, Error, Result};
+use crate::kv::Kv;
+
+/// The first `k` positions of every chunk, for chunks of `lens` tokens that follow each other
+/// from position `exact`: EPIC's selection. Ascending.
+pub fn link_positions(exact: usize, lens: &[usize], k: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(lens.len() * k);
+    let mut start = exact;
+    for &n in lens {
+        out.extend(start..start + k.min(n));
+        start += n;
+    }
+    out
+}
+
+/// The `share` (`0..=1`) of positions `exact..exact + scores.len()` whose scores are highest:
+/// at least one unless `share` is 0; ties go to the earlier position. Ascending.
+pub fn top_share(scores: &[f32], exact: usize, share: f64) -> Vec<usize> {
+    let m = scores.len();
+    if m == 0 || share <= 0.0 {
+        return Vec::new();
+    }
+    let r = ((m as f64 * share).ceil() as usize).clamp(1, m);
+    let mut order: Vec<usize> = (0..m).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut sel: Vec<usize> = order[..r].iter().map(|&i| exact + i).collect();
+    sel.sort_unstable();
+    sel
+}
+
+impl Decoder {
+    /// Recomputes the tokens at `positions` (ascending) of an assembled context: `kv` holds
+    /// `tokens` at positions `0..n`. The chosen tokens run through every layer, attending to
+    /// the whole context causally, with their own rows replaced by what they compute at each
+    /// layer before the layer's attention; the other rows keep their KV.
+    pub fn recompute(&self, kv: &Kv, tokens: &[u32], positions: &[usize]) -> Result<Kv> {
+        let n = kv.len();
+        if tokens.len() != n {
+            return Err(Error::Input {
+                why: format!("recompute: {} tokens for a KV of {n}", tokens.len()),
+            });
+        }
+        if positions.is_empty() {
+            return Ok(kv.clone());
+        }
+        if !positions.windows(2).all(|w| w[0] < w[1]) || positions[positions.len() - 1] >= n {
+            return Err(Error::Input {
+                why: format!("recompute: positions must ascend within 0..{n}"),
+            });
+        }
+        let sel: Vec<u32> = positions.iter().map(|&p| tokens[p]).collect();
+        self.check_tokens(&sel)?;
+        let ids = Tensor::new(sel.as_slice(), &self.device).ctx("token ids")?;
+        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+        let abs = Tensor::new(
+            positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+            &self.device,
+        )
+        .ctx("selection")?;
+        let mut replaced = vec![0u8; n];
+        for &p in positions {
+            replaced[p] = 1;
+        }
+        let replaced = Tensor::from_vec(replaced, (1, 1, n, 1), &self.device).ctx("row mask")?;
+        // Query j (at position p_j) sees keys 0..=p_j.
+        let mask = self.mask_at(positions.iter().copied(), n)?;
+        let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
+            let rows = rows
+                .contiguous()
+                .and_then(|r| r.to_dtype(base.dtype()))
+                .ctx("rows")?;
+            let scattered = base
+                .zeros_like()
+                .and_then(|z| z.index_add(&abs, &rows, 2))
+                .ctx("scatter rows")?;
+            replaced
+                .broadcast_as(base.shape())
+                .and_then(|c| c.where_cond(&scattered, base))
+                .ctx("replace rows")
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers) {
+            let h = self.rms(&x, &layer.attn_norm)?;
+            let (q, k, v) = self.qkv(layer, &h)?;
+            let q = self.rope.at(&q, positions)?;
+            let k = self.rope.at(&k, positions)?;
+            let (k, v) = (put(ks, &k)?, put(vs, &v)?);
+            let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
+            x = self.mlp(layer, (x + a).ctx("residual")?)?;
+            layers.push((k, v));
+        }
+        Kv::new(layers)
+    }
+
+    /// Selective recompute with CacheBlend's selection: brings the KV of independently
+    /// computed chunks closer to what a full prefill of the whole context computes.
+    ///
+    /// `kv` holds `tokens` at positions `0..n` (each chunk already rotated to its place); the
+    /// first `exact` tokens (the system prefix) are already what full prefill computes.
+    /// Layer 0's keys and values depend on the token and its position only, so the stored
+    /// ones are exact; its output, which attention over the whole context changes, is
+    /// computed for every token. At layer 1 the keys and values of every token are computed
+    /// from that output and compared with the stored ones; the `share` of tokens that deviate
+    /// most are [recomputed](Decoder::recompute), and the rest keep their stored KV.
+    ///
+    /// Returns the blended KV and the positions recomputed (ascending).
+    pub fn blend(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        exact: usize,
+        share: f64,
+    ) -> Result<(Kv, Vec<usize>)> {
+        let n = kv.len();
+        if tokens.len() != n {
+            return Err(Error::Input {
+                why: format!("blend: {} tokens for a KV of {n}", tokens.len()),
+            });
+        }
+        if !(0.0..=1.0).contains(&share) {
+            return Err(Error::Input {
+                why: format!("blend: share {share} is not in 0..=1"),
+            });
+        }
+        if exact >= n || share == 0.0 || self.layers.len() < 2 {
+            return Ok((kv.clone(), Vec::new()));
+        }
+        let m = n - exact;
+        let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
+        let x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+
+        // Layer 0 for every token, over the stored (exact) keys and values.
+        let (k0, v0) = &kv.layers[0];
+        let l0 = &self.layers[0];
+        let h = self.rms(&x, &l0.attn_norm)?;
+        let (q, _, _) = self.qkv(l0, &h)?;
+        let q = self.rope.forward(&q, exact)?;
+        let a = self.attend(l0, &q, k0, v0, Some(&self.mask(m, n)?))?;
+        let x = self.mlp(l0, (x + a).ctx("residual")?)?;
+
+        // Layer 1: every token's fresh keys and values against the stored ones.
+        let l1 = &self.layers[1];
+        let (k1, v1) = &kv.layers[1];
+        let h = self.rms(&x, &l1.attn_norm)?;
+        let (_, k, v) = self.qkv(l1, &h)?;
+        let k = self.rope.forward(&k, exact)?;
+        let dev = |fresh: &Tensor, stored: &Tensor| -> Result<Tensor> {
+            let stored = stored.narrow(2, exact, m).ctx("stored rows")?;
+            (fresh - stored)
+                .and_then(|d| d.to_dtype(DType::F32))
+                .and_then(|d| d.sqr())
+                .and_then(|d| d.sum((0, 1, 3)))
+                .ctx("deviation")
+        };
+        let score: Vec<f32> = (dev(&k, k1)? + dev(&v, v1)?)
+            .and_then(|d| d.to_vec1())
+            .ctx("deviation")?;
+        let positions = top_share(&score, exact, share);
+        Ok((self.recompute(kv, tokens, &positions)?, positions))
+    }
+
+    /// How much a question attends to each position of an assembled context on the model's
+    /// first `layers` layers: `question` runs after `kv` (at positions `kv.len()..`, its own
+    /// KV discarded), and the attention probabilities of every head and question token are
+    /// summed per cached position. Returns `kv.len()` scores.
+    pub fn question_attention(&self, kv: &Kv, question: &[u32], layers: usize) -> Result<Vec<f32>> {
+        self.check_tokens(question)?;
+        let (n, s) = (kv.len(), question.len());
+        let layers = layers.clamp(1, self.layers.len());
+        let ids = Tensor::new(question, &self.device).ctx("token ids")?;
+        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+        let mask = self.mask(s, n + s)?;
+        let mut score = Tensor::zeros(n, DType::F32, &self.device).ctx("scores")?;
+        for (i, (layer, (ks, vs))) in self.layers.iter().zip(&kv.layers).enumerate() {
+            if i == layers {
+                break;
+            }
+            let h = self.rms(&x, &layer.attn_norm)?;
+            let (q, k, v) = self.qkv(layer, &h)?;
+            let q = self.rope.forward(&q, n)?;
+            let k = self.rope.forward(&k, n)?;
+            let k = Tensor::cat(&[ks, &k], 2).ctx("keys")?;
+            let p = self.probs(&self.grouped(&q)?, &k, Some(&mask))?;
+            let attended = p
+                .narrow(3, 0, n)
+                .and_then(|p| p.to_dtype(DType::F32))
+                .and_then(|p| p.sum((0, 1, 2)))
+                .ctx("attention per key")?;
+            score = (score + attended).ctx("scores")?;
+            if i + 1 < layers {
+                let v = Tensor::cat(&[vs, &v], 2).ctx("values")?;
+                let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
+                x = self.mlp(layer, (x + a).ctx("residual")?)?;
+            }
+        }
+        score.to_vec1().ctx("scores")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_takes_the_first_tokens_of_every_chunk() {
+        assert_eq!(link_positions(3, &[4, 2, 5], 2), vec![3, 4, 7, 8, 9, 10]);
+        // A chunk shorter than k is recomputed whole; k = 0 recomputes nothing.
+        assert_eq!(link_positions(0, &[1, 3], 2), vec![0, 1, 2]);
+        assert!(link_positions(5, &[4, 4], 0).is_empty());
+        // k covering every chunk: every chunk token.
+        assert_eq!(link_positions(2, &[3, 2], 9), (2..7).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn top_share_picks_the_highest_scores_in_order() {
+        let s = [0.1, 0.9, 0.5, 0.9, 0.0];
+        assert_eq!(top_share(&s, 10, 0.4), vec![11, 13]);
+        // ceil(5 * 0.5) = 3; ties at 0.9 both in, then 0.5.
+        assert_eq!(top_share(&s, 0, 0.5), vec![1, 2, 3]);
+        // At least one; none at share 0; all at share 1.
+        assert_eq!(top_share(&s, 0, 0.01), vec![1]);
+        assert!(top_share(&s, 0, 0.0).is_empty());
+        assert_eq!(top_share(&s, 0, 1.0), vec![0, 1, 2, 3, 4]);
+        assert!(top_share(&[], 0, 0.5).is_empty());
+    }
+}

@@ -1,0 +1,215 @@
+//! A query's context, the two halves of building it: reading its chunks' stored KV (on the
+//! loader thread, [`read_chunks`]) and assembling the prompt cache from the system prefix and
+//! those chunks by the query's strategy (on the model thread, [`assemble_query`]). Teacher
+//! forcing ([`crate::teacher`]) builds its context with the same two functions.
+
+use std::sync::atomic::Ordering;
+
+use ingest::Engine;
+use model::Kv;
+use retrieval::Hit;
+
+use crate::assembly::{assemble, Assembly, Repair};
+use crate::events::{Citation, KvSource};
+use crate::metrics::Metrics;
+use crate::rag::{internal, Failure, KvMode, Prefix, Query};
+
+/// A retrieved chunk, read for assembly.
+pub(crate) struct Loaded {
+    pub hit: Hit,
+    pub tokens: Vec<u32>,
+    /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
+    pub kv: Option<Kv>,
+    /// The stored copy failed verification: write the recomputed KV over it.
+    pub corrupt: bool,
+}
+
+/// A chunk's KV to store, computed because it was missing or damaged.
+pub(crate) struct Writeback {
+    pub doc: String,
+    pub hash: String,
+    pub tokens: Vec<u32>,
+    pub bytes: Vec<u8>,
+    pub replace: bool,
+}
+
+/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype on the
+/// model's device (the host-to-device copy happens here, on the loader thread, overlapping
+/// the decoder's work), placed for a prompt where the chunk starts at `pos`.
+pub(crate) fn import(
+    engine: &Engine,
+    bytes: &[u8],
+    assembly: Assembly,
+    pos: usize,
+) -> model::Result<Kv> {
+    let model = &engine.model;
+    Kv::from_bytes(bytes, &engine.layout(), model.device())
+        .and_then(|kv| kv.to(model.device(), model.dtype()))
+        .and_then(|kv| assembly.place(model, kv, pos))
+}
+
+/// Reads the stored KV of a query's chunks (verified, imported, placed from position `pos`
+/// on); a chunk whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without
+/// it. Chunks whose text tokenizes to nothing are left out.
+pub(crate) fn read_chunks(
+    engine: &Engine,
+    m: &Metrics,
+    query: &Query,
+    hits: Vec<Hit>,
+    mut pos: usize,
+    buf: &mut Vec<u8>,
+) -> Result<Vec<Loaded>, String> {
+    let mut chunks = Vec::with_capacity(hits.len());
+    for hit in hits {
+        let tokens = match engine.chunk_tokens(&hit.payload.text) {
+            Ok(t) if !t.is_empty() => t,
+            Ok(_) => continue,
+            Err(e) => return Err(format!("loading chunks: {e}")),
+        };
+        let mut corrupt = false;
+        let kv = if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
+            match engine
+                .store
+                .get_batch_into(engine.namespace(), &tokens, tokens.len(), buf)
+            {
+                Ok(_) => {
+                    m.kv_bytes_loaded
+                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    match import(engine, buf, query.assembly, pos) {
+                        Ok(kv) => Some(kv),
+                        Err(e) => {
+                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
+                            corrupt = true;
+                            None
+                        }
+                    }
+                }
+                Err(e) if e.is_damage() => {
+                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
+                    corrupt = true;
+                    None
+                }
+                Err(e) => {
+                    if !e.is_miss() {
+                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
+                    }
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        if corrupt {
+            m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
+        }
+        pos += tokens.len();
+        chunks.push(Loaded {
+            hit,
+            tokens,
+            kv,
+            corrupt,
+        });
+    }
+    Ok(chunks)
+}
+
+/// A query's assembled prompt cache.
+pub(crate) struct Assembled {
+    pub kv: Kv,
+    /// What to feed after `kv`: the question's tokens; with `full`, the chunks' and the
+    /// question's.
+    pub pending: Vec<u32>,
+    pub citations: Vec<Citation>,
+    /// Chunks served from stored KV, and chunks prefilled now to be written back.
+    pub hits: usize,
+    pub misses: usize,
+    pub recomputed: usize,
+    /// The KV of chunks prefilled now (missing or damaged), for the store.
+    pub writebacks: Vec<Writeback>,
+}
+
+/// The prompt cache of `query`: the exact system prefix, then each chunk at its place (stored
+/// KV as read, or prefilled now exactly as ingest stores it), repaired as the strategy says;
+/// with `full`, just the prefix, the chunks to be prefilled with the question.
+pub(crate) fn assemble_query(
+    engine: &Engine,
+    prefix: &Prefix,
+    repair: &Repair,
+    query: &Query,
+    chunks: Vec<Loaded>,
+    mut question: Vec<u32>,
+) -> Result<Assembled, Failure> {
+    let model = &engine.model;
+    let full = query.assembly == Assembly::Full;
+    let mut parts = Vec::with_capacity(chunks.len());
+    let mut context = prefix.tokens.clone();
+    let mut citations = Vec::with_capacity(chunks.len());
+    let mut writebacks = Vec::new();
+    let (mut hits, mut misses) = (0, 0);
+    for c in chunks {
+        let pos = context.len();
+        context.extend_from_slice(&c.tokens);
+        let citation = |kv| Citation {
+            doc_id: c.hit.payload.doc_id.clone(),
+            chunk: c.hit.payload.ordinal,
+            score: c.hit.score,
+            tokens: c.tokens.len(),
+            kv,
+        };
+        if full {
+            citations.push(citation(KvSource::Full));
+            continue;
+        }
+        let (kv, source) = match c.kv {
+            Some(kv) => {
+                hits += 1;
+                (kv, KvSource::Stored)
+            }
+            None => {
+                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
+                let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
+                let kv = import(engine, &bytes, query.assembly, pos).map_err(internal)?;
+                if query.kv == KvMode::On {
+                    misses += 1;
+                    writebacks.push(Writeback {
+                        doc: c.hit.payload.doc_id.clone(),
+                        hash: c.hit.payload.doc_hash.clone(),
+                        tokens: c.tokens.clone(),
+                        bytes,
+                        replace: c.corrupt,
+                    });
+                    (kv, KvSource::Recomputed)
+                } else {
+                    (kv, KvSource::Off)
+                }
+            }
+        };
+        citations.push(citation(source));
+        parts.push(kv);
+    }
+    let (kv, recomputed) = if full {
+        // The reference: the chunks are prefilled with the question, after the exact prefix.
+        question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
+        (prefix.kv.clone(), 0)
+    } else {
+        assemble(
+            model,
+            query.assembly,
+            repair,
+            &prefix.kv,
+            parts,
+            &context,
+            &question,
+        )
+        .map_err(internal)?
+    };
+    Ok(Assembled {
+        kv,
+        pending: question,
+        citations,
+        hits,
+        misses,
+        recomputed,
+        writebacks,
+    })
+}

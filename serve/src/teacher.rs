@@ -1,0 +1,135 @@
+//! Teacher forcing, for evaluation (`ragkv eval qa`): how closely a strategy's assembled
+//! context predicts a reference answer, one token decision at a time.
+//!
+//! [`Rag::reference`] answers a query greedily (usually with `full`) and keeps the logits
+//! behind every answer token; [`Rag::forced`] feeds that answer after another strategy's
+//! context and returns the logits at the same positions, so every answer token is one
+//! comparison (agreement of the argmax, divergence of the distribution) instead of one per
+//! question. Both build the context with the pipeline's own functions ([`crate::context`]:
+//! the same chunk reads, assembly and repair) and feed the prompt `serve.prefill_chunk`
+//! tokens at a time, as the batch does. Both block the calling thread (never call them from an
+//! async worker) and store nothing: KV prefilled for missing chunks is not written back.
+
+use std::time::Instant;
+
+use model::{Decoder, Decoding, Generation, KvCache, Logits, Tensor};
+use retrieval::Hit;
+
+use crate::context::{assemble_query, read_chunks};
+use crate::rag::{ms, Query, Rag};
+
+/// A reference answer and what predicted it.
+#[derive(Debug)]
+pub struct Reference {
+    pub generation: Generation,
+    /// The answer's tokens, then the stop token if it stopped on one (greedy: the argmax of
+    /// the last row).
+    pub targets: Vec<u32>,
+    /// Logits before each target, `(targets.len(), vocab)`: row `i` predicts `targets[i]`.
+    pub logits: Tensor,
+    /// From the call to the first token's logits (reading, assembly, prompt prefill).
+    pub first_token_ms: f64,
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Rag {
+    /// Answers `query` over `hits` with its own parameters on the calling thread, keeping the
+    /// logits behind every token (see the module docs).
+    pub fn reference(&self, query: &Query, hits: Vec<Hit>) -> Result<Reference, String> {
+        let t = Instant::now();
+        let decoder = self.engine.model.decoder();
+        let (mut cache, pending) = self.context(query, hits, query.params.max_tokens + 1)?;
+        let mut logits = self.feed(decoder, &mut cache, &pending)?;
+        let first_token_ms = ms(t.elapsed());
+        let mut decoding =
+            Decoding::new(self.engine.model.tokenizer(), &query.params).map_err(err)?;
+        let mut rows = Vec::new();
+        loop {
+            rows.push(logits.clone());
+            match decoding.advance(&logits).map_err(err)?.next {
+                Some(next) => {
+                    logits = decoder
+                        .forward(&mut cache, &[next], Logits::Last)
+                        .map_err(err)?
+                }
+                None => break,
+            }
+        }
+        let generation = decoding.finish();
+        let mut targets = generation.tokens.clone();
+        // One row more than tokens: the last sampled the stop token.
+        if rows.len() > targets.len() {
+            rows.truncate(targets.len() + 1);
+            let stop = Decoder::argmax(&rows[targets.len()]).map_err(err)?;
+            targets.push(stop);
+        }
+        rows.truncate(targets.len());
+        let logits = Tensor::stack(&rows, 0).map_err(err)?;
+        Ok(Reference {
+            generation,
+            targets,
+            logits,
+            first_token_ms,
+        })
+    }
+
+    /// Feeds `answer` after `query`'s context over `hits` (its strategy, on the calling
+    /// thread) and returns the logits before each answer token, `(answer.len(), vocab)`.
+    pub fn forced(&self, query: &Query, hits: Vec<Hit>, answer: &[u32]) -> Result<Tensor, String> {
+        let Some((_, head)) = answer.split_last() else {
+            return Err("forced: an empty answer".into());
+        };
+        let decoder = self.engine.model.decoder();
+        let (mut cache, pending) = self.context(query, hits, answer.len())?;
+        let (last, prompt) = pending.split_last().ok_or("forced: an empty prompt")?;
+        if !prompt.is_empty() {
+            self.feed(decoder, &mut cache, prompt)?;
+        }
+        let mut tail = Vec::with_capacity(answer.len());
+        tail.push(*last);
+        tail.extend_from_slice(head);
+        decoder.forward(&mut cache, &tail, Logits::All).map_err(err)
+    }
+
+    /// The query's assembled cache, with room for what follows, and the tokens to feed.
+    fn context(
+        &self,
+        query: &Query,
+        hits: Vec<Hit>,
+        room: usize,
+    ) -> Result<(KvCache, Vec<u32>), String> {
+        let engine = &*self.engine;
+        let mut buf = Vec::new();
+        let start = self.prefix.tokens.len();
+        let chunks = read_chunks(engine, &self.metrics, query, hits, start, &mut buf)?;
+        let question = self.prefix.question(engine, &query.question).map_err(err)?;
+        let a = assemble_query(
+            engine,
+            &self.prefix,
+            &self.config.repair(),
+            query,
+            chunks,
+            question,
+        )
+        .map_err(|(_, e)| e)?;
+        let cache = KvCache::from_kv(&a.kv, a.pending.len() + room).map_err(err)?;
+        Ok((cache, a.pending))
+    }
+
+    /// Feeds `tokens` in `serve.prefill_chunk` pieces; the logits after the last.
+    fn feed(
+        &self,
+        decoder: &Decoder,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<Tensor, String> {
+        let mut logits = None;
+        for piece in tokens.chunks(self.config.prefill_chunk.max(1)) {
+            logits = Some(decoder.forward(cache, piece, Logits::Last).map_err(err)?);
+        }
+        logits.ok_or_else(|| "nothing to feed".into())
+    }
+}
