@@ -74,26 +74,18 @@ impl Decoder {
             &self.device,
         )
         .ctx("selection")?;
-        let mut replaced = vec![0u8; n];
-        for &p in positions {
-            replaced[p] = 1;
-        }
-        let replaced = Tensor::from_vec(replaced, (1, 1, n, 1), &self.device).ctx("row mask")?;
         // Query j (at position p_j) sees keys 0..=p_j.
         let mask = self.mask_at(positions.iter().copied(), n)?;
+        // The chosen rows of `base` replaced by `rows`: one copy of `base` plus the
+        // difference at those rows (exact up to one rounding of `base + (rows - base)`).
         let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
             let rows = rows
                 .contiguous()
                 .and_then(|r| r.to_dtype(base.dtype()))
                 .ctx("rows")?;
-            let scattered = base
-                .zeros_like()
-                .and_then(|z| z.index_add(&abs, &rows, 2))
-                .ctx("scatter rows")?;
-            replaced
-                .broadcast_as(base.shape())
-                .and_then(|c| c.where_cond(&scattered, base))
-                .ctx("replace rows")
+            let old = base.index_select(&abs, 2).ctx("old rows")?;
+            let delta = (rows - old).ctx("row difference")?;
+            base.index_add(&abs, &delta, 2).ctx("replace rows")
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers) {
