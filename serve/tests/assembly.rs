@@ -37,15 +37,26 @@ fn key_diff(kv: &Kv, start: usize, want: &Kv) -> f32 {
         .fold(0.0, f32::max)
 }
 
-#[test]
-fn naive_and_reposition_put_chunks_where_they_claim() {
-    let m = common::model();
+/// A system prefix and two chunks: the prefix's KV, and each chunk's computed alone at
+/// `0..` (as ingest stores it); the chunks sit at `pa` and `pb` in the prompt.
+struct TwoChunks {
+    a: Vec<u32>,
+    b: Vec<u32>,
+    tokens: Vec<u32>,
+    pkv: Kv,
+    a0: Kv,
+    b0: Kv,
+    pa: usize,
+    pb: usize,
+}
+
+fn two_chunks(m: &model::Model) -> TwoChunks {
     let t = m.tokenizer();
     let prefix = t
         .encode_markup("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
         .unwrap();
     let a = t
-        .encode("The access code for the Orion vault is 4817.\n")
+        .encode("The access code for the Orion vault is 4817. Only the archivist may open it.\n")
         .unwrap();
     let b = t
         .encode("Captain Ines Valbuena commands the research ship Calder Wren.\n")
@@ -53,8 +64,33 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     let (pkv, _) = m.prefill(&prefix, 0).unwrap();
     let tokens: Vec<u32> = [&prefix[..], &a, &b].concat();
     let (pa, pb) = (prefix.len(), prefix.len() + a.len());
-    // Each chunk computed alone at 0.., as stored; and computed alone at its prompt place.
     let (a0, b0) = (m.prefill(&a, 0).unwrap().0, m.prefill(&b, 0).unwrap().0);
+    TwoChunks {
+        a,
+        b,
+        tokens,
+        pkv,
+        a0,
+        b0,
+        pa,
+        pb,
+    }
+}
+
+#[test]
+fn naive_and_reposition_put_chunks_where_they_claim() {
+    let m = common::model();
+    let TwoChunks {
+        a,
+        b,
+        tokens,
+        pkv,
+        a0,
+        b0,
+        pa,
+        pb,
+    } = two_chunks(&m);
+    // Each chunk computed alone at its prompt place.
     let (a_at, b_at) = (m.prefill(&a, pa).unwrap().0, m.prefill(&b, pb).unwrap().0);
 
     for asm in [Assembly::Naive, Assembly::Reposition] {
@@ -104,23 +140,20 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
 #[test]
 fn whole_repairs_reproduce_full_prefill() {
     let m = common::model();
-    let t = m.tokenizer();
-    let prefix = t
-        .encode_markup("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContext:\n")
-        .unwrap();
-    let a = t
-        .encode("The access code for the Orion vault is 4817. Only the archivist may open it.\n")
-        .unwrap();
-    let b = t
-        .encode("Captain Ines Valbuena commands the research ship Calder Wren.\n")
-        .unwrap();
-    let question = t
+    let TwoChunks {
+        a,
+        b,
+        tokens,
+        pkv,
+        a0,
+        b0,
+        pa,
+        pb,
+    } = two_chunks(&m);
+    let question = m
+        .tokenizer()
         .encode_markup("Question: What is the access code?<|im_end|>\n<|im_start|>assistant\n")
         .unwrap();
-    let tokens: Vec<u32> = [&prefix[..], &a, &b].concat();
-    let (pkv, _) = m.prefill(&prefix, 0).unwrap();
-    let (a0, b0) = (m.prefill(&a, 0).unwrap().0, m.prefill(&b, 0).unwrap().0);
-    let (pa, pb) = (prefix.len(), prefix.len() + a.len());
     let next = |kv: &Kv| {
         let mut cache = model::KvCache::from_kv(kv, question.len() + 1).unwrap();
         m.decoder()
