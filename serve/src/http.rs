@@ -180,7 +180,8 @@ pub struct QueryBody {
     pub seed: Option<u64>,
     /// `on` (default) or `off` (recompute every chunk's KV).
     pub kv: Option<String>,
-    /// `naive`, `reposition`, `reposition+recompute` or `full` (default: `serve.assembly`).
+    /// `naive`, `reposition`, `reposition+recompute[:share]`, `link[:k]`, `query-aware[:share]`
+    /// or `full` (default: `serve.assembly`; see [`crate::assembly`]).
     pub assembly: Option<String>,
     /// Only retrieve from these documents.
     pub documents: Option<Vec<String>>,
