@@ -33,6 +33,14 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         (json!({"question": "x", "temperature": -1.0}), "temperature"),
         (json!({"question": "x", "kv": "maybe"}), "kv"),
         (json!({"question": "x", "assembly": "blend"}), "assembly"),
+        (
+            json!({"question": "x", "assembly": "link:0"}),
+            "tokens per chunk",
+        ),
+        (
+            json!({"question": "x", "assembly": "query-aware:2"}),
+            "share",
+        ),
         (json!({"question": "x".repeat(5000)}), "question"),
         (json!({"question": "x", "colour": "blue"}), "colour"),
     ] {
