@@ -50,6 +50,16 @@ struct TwoChunks {
     pb: usize,
 }
 
+impl TwoChunks {
+    /// Both chunks' stored KV, placed by `asm` for the prompt.
+    fn placed(&self, m: &model::Model, asm: Assembly) -> Vec<Kv> {
+        vec![
+            asm.place(m, self.a0.clone(), self.pa).unwrap(),
+            asm.place(m, self.b0.clone(), self.pb).unwrap(),
+        ]
+    }
+}
+
 fn two_chunks(m: &model::Model) -> TwoChunks {
     let t = m.tokenizer();
     let prefix = t
@@ -80,28 +90,20 @@ fn two_chunks(m: &model::Model) -> TwoChunks {
 #[test]
 fn naive_and_reposition_put_chunks_where_they_claim() {
     let m = common::model();
-    let TwoChunks {
-        a,
-        b,
-        tokens,
-        pkv,
-        a0,
-        b0,
-        pa,
-        pb,
-    } = two_chunks(&m);
+    let c = two_chunks(&m);
+    let (tokens, pkv, pa, pb) = (&c.tokens, &c.pkv, c.pa, c.pb);
     // Each chunk computed alone at its prompt place.
-    let (a_at, b_at) = (m.prefill(&a, pa).unwrap().0, m.prefill(&b, pb).unwrap().0);
+    let (a_at, b_at) = (
+        m.prefill(&c.a, pa).unwrap().0,
+        m.prefill(&c.b, pb).unwrap().0,
+    );
 
     for asm in [Assembly::Naive, Assembly::Reposition] {
-        let chunks = vec![
-            asm.place(&m, a0.clone(), pa).unwrap(),
-            asm.place(&m, b0.clone(), pb).unwrap(),
-        ];
-        let (kv, recomputed) = assemble(&m, asm, &REPAIR, &pkv, chunks, &tokens, &[1]).unwrap();
+        let chunks = c.placed(&m, asm);
+        let (kv, recomputed) = assemble(&m, asm, &REPAIR, pkv, chunks, tokens, &[1]).unwrap();
         assert_eq!((kv.len(), recomputed), (tokens.len(), 0));
-        assert_eq!(key_diff(&kv, 0, &pkv), 0.0, "{asm}: the prefix moved");
-        let (da0, db0) = (key_diff(&kv, pa, &a0), key_diff(&kv, pb, &b0));
+        assert_eq!(key_diff(&kv, 0, pkv), 0.0, "{asm}: the prefix moved");
+        let (da0, db0) = (key_diff(&kv, pa, &c.a0), key_diff(&kv, pb, &c.b0));
         let (da, db) = (key_diff(&kv, pa, &a_at), key_diff(&kv, pb, &b_at));
         eprintln!("{asm}: keys vs at-0 {da0:e} {db0:e}, vs at-place {da:e} {db:e}");
         match asm {
@@ -124,13 +126,10 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
         ..REPAIR
     };
     let asm = Assembly::Recompute(None);
-    let chunks = vec![
-        asm.place(&m, a0.clone(), pa).unwrap(),
-        asm.place(&m, b0.clone(), pb).unwrap(),
-    ];
-    let (kv, recomputed) = assemble(&m, asm, &half, &pkv, chunks, &tokens, &[1]).unwrap();
-    assert_eq!(recomputed, (a.len() + b.len()).div_ceil(2));
-    assert_eq!(key_diff(&kv, 0, &pkv), 0.0);
+    let chunks = c.placed(&m, asm);
+    let (kv, recomputed) = assemble(&m, asm, &half, pkv, chunks, tokens, &[1]).unwrap();
+    assert_eq!(recomputed, (c.a.len() + c.b.len()).div_ceil(2));
+    assert_eq!(key_diff(&kv, 0, pkv), 0.0);
 }
 
 /// The repairs that recompute every chunk token (`link` with k past the longest chunk,
@@ -140,16 +139,7 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
 #[test]
 fn whole_repairs_reproduce_full_prefill() {
     let m = common::model();
-    let TwoChunks {
-        a,
-        b,
-        tokens,
-        pkv,
-        a0,
-        b0,
-        pa,
-        pb,
-    } = two_chunks(&m);
+    let c = two_chunks(&m);
     let question = m
         .tokenizer()
         .encode_markup("Question: What is the access code?<|im_end|>\n<|im_start|>assistant\n")
@@ -160,19 +150,16 @@ fn whole_repairs_reproduce_full_prefill() {
             .forward(&mut cache, &question, model::Logits::Last)
             .unwrap()
     };
-    let (full_kv, _) = m.prefill(&tokens, 0).unwrap();
+    let (full_kv, _) = m.prefill(&c.tokens, 0).unwrap();
     let full = next(&full_kv);
     let run = |asm: Assembly| {
-        let chunks = vec![
-            asm.place(&m, a0.clone(), pa).unwrap(),
-            asm.place(&m, b0.clone(), pb).unwrap(),
-        ];
-        let (kv, n) = assemble(&m, asm, &REPAIR, &pkv, chunks, &tokens, &question).unwrap();
+        let chunks = c.placed(&m, asm);
+        let (kv, n) = assemble(&m, asm, &REPAIR, &c.pkv, chunks, &c.tokens, &question).unwrap();
         (max_abs_diff(&next(&kv), &full), n)
     };
     let (plain, none) = run(Assembly::Reposition);
     assert_eq!(none, 0);
-    let every = a.len() + b.len();
+    let every = c.a.len() + c.b.len();
     assert!(
         plain > 1e-2,
         "plain assembly is already full prefill? {plain}"
@@ -246,6 +233,32 @@ fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::En
     ))
 }
 
+/// A query's final record through the pipeline (its text pieces skipped).
+fn answer(rag: &Rag, q: Query, hits: Vec<retrieval::Hit>) -> Box<serve::Final> {
+    let asm = q.assembly;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+    let ticket = rag.admit().unwrap();
+    rag.submit(ticket, q, hits, tx, Instant::now(), Duration::ZERO)
+        .unwrap();
+    loop {
+        match rx.blocking_recv().expect("query ended") {
+            Event::Token(_) => {}
+            Event::Done(f) => return f,
+            Event::Error(_, e) => panic!("{asm}: {e}"),
+        }
+    }
+}
+
+/// Stops the pipeline and waits until its threads have let go of the engine (which closes
+/// its index before the directory goes).
+fn close(rag: Arc<Rag>, engine: Arc<ingest::Engine>) {
+    drop(rag);
+    let start = Instant::now();
+    while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn every_strategy_answers_planted_questions() {
     let dir = tempfile::tempdir().unwrap();
@@ -268,17 +281,7 @@ fn every_strategy_answers_planted_questions() {
             };
             let hits = rag.retrieve(&q).unwrap();
             assert_eq!(hits[0].payload.doc_id, *id);
-            let (tx, mut rx) = tokio::sync::mpsc::channel(256);
-            let ticket = rag.admit().unwrap();
-            rag.submit(ticket, q, hits, tx, Instant::now(), Duration::ZERO)
-                .unwrap();
-            let f = loop {
-                match rx.blocking_recv().expect("query ended") {
-                    Event::Token(_) => {}
-                    Event::Done(f) => break f,
-                    Event::Error(_, e) => panic!("{asm}: {e}"),
-                }
-            };
+            let f = answer(&rag, q, hits);
             eprintln!("{asm} | {question} -> {:?}", f.answer);
             assert_eq!(f.assembly, asm);
             let stored = f.citations.iter().filter(|c| c.kv.is_stored()).count();
@@ -299,11 +302,7 @@ fn every_strategy_answers_planted_questions() {
             );
         }
     }
-    drop(rag);
-    let start = Instant::now();
-    while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    close(rag, engine);
 }
 
 /// Teacher forcing: the reference answers as the pipeline does, and feeding its answer back
@@ -335,28 +334,7 @@ fn teacher_forcing_reproduces_the_reference() {
     assert!(r.first_token_ms > 0.0);
 
     // The pipeline's own `full` answer is the reference's.
-    let rx = {
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let ticket = rag.admit().unwrap();
-        rag.submit(
-            ticket,
-            query(Assembly::Full),
-            hits.clone(),
-            tx,
-            Instant::now(),
-            Duration::ZERO,
-        )
-        .unwrap();
-        rx
-    };
-    let mut rx = rx;
-    let piped = loop {
-        match rx.blocking_recv().expect("query ended") {
-            Event::Token(_) => {}
-            Event::Done(f) => break f,
-            Event::Error(_, e) => panic!("{e}"),
-        }
-    };
+    let piped = answer(&rag, query(Assembly::Full), hits.clone());
     assert_eq!(piped.answer, r.generation.text);
 
     let argmaxes =
@@ -379,11 +357,7 @@ fn teacher_forcing_reproduces_the_reference() {
         eprintln!("{asm}: {agree}/{} token decisions agree", r.targets.len());
     }
     assert!(rag.forced(&query(Assembly::Full), hits, &[]).is_err());
-    drop(rag);
-    let start = Instant::now();
-    while Arc::strong_count(&engine) > 1 && start.elapsed() < Duration::from_secs(30) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    close(rag, engine);
 }
 
 #[test]
