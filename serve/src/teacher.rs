@@ -60,13 +60,10 @@ impl Rag {
         }
         let generation = decoding.finish();
         let mut targets = generation.tokens.clone();
-        // One row more than tokens: the last sampled the stop token.
-        if rows.len() > targets.len() {
-            rows.truncate(targets.len() + 1);
-            let stop = Decoder::argmax(&rows[targets.len()]).map_err(err)?;
-            targets.push(stop);
+        // One row more than tokens: the last one sampled the stop token.
+        if let Some(last) = rows.get(targets.len()) {
+            targets.push(Decoder::argmax(last).map_err(err)?);
         }
-        rows.truncate(targets.len());
         let logits = Tensor::stack(&rows, 0).map_err(err)?;
         Ok(Reference {
             generation,
