@@ -16,7 +16,7 @@ use crate::weights::Weights;
 
 mod repair;
 
-pub use repair::{link_positions, top_share};
+pub use repair::{link_positions, top_share, Repaired};
 
 #[derive(Debug)]
 struct Layer {

@@ -40,7 +40,7 @@ use std::path::Path;
 
 pub use candle_core::{DType, Device, Tensor, D};
 pub use config::{Arch, ModelConfig, RopeScaling, RopeStyle};
-pub use decoder::{link_positions, top_share, Decoder, Logits};
+pub use decoder::{link_positions, top_share, Decoder, Logits, Repaired};
 pub use error::{Error, Result};
 pub use generate::{
     generate, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
@@ -274,21 +274,28 @@ impl Model {
     }
 
     /// Recomputes the `share` of an assembled context's tokens whose KV deviates most from
-    /// full attention; see [`Decoder::blend`].
+    /// full attention, then runs `question`; see [`Decoder::blend`].
     pub fn blend(
         &self,
         kv: &Kv,
         tokens: &[u32],
         exact: usize,
         share: f64,
-    ) -> Result<(Kv, Vec<usize>)> {
-        self.decoder.blend(kv, tokens, exact, share)
+        question: &[u32],
+    ) -> Result<Repaired> {
+        self.decoder.blend(kv, tokens, exact, share, question)
     }
 
-    /// Recomputes the tokens at `positions` of an assembled context with full attention; see
-    /// [`Decoder::recompute`].
-    pub fn recompute(&self, kv: &Kv, tokens: &[u32], positions: &[usize]) -> Result<Kv> {
-        self.decoder.recompute(kv, tokens, positions)
+    /// Recomputes the tokens at `positions` of an assembled context with full attention and
+    /// runs `question` after it, in one pass; see [`Decoder::recompute`].
+    pub fn recompute(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        positions: &[usize],
+        question: &[u32],
+    ) -> Result<Repaired> {
+        self.decoder.recompute(kv, tokens, positions, question)
     }
 
     /// Attention of a question to each position of an assembled context on the first

@@ -347,27 +347,53 @@ fn blend_recomputes_toward_full_prefill() {
     let before = kv_mean_abs_diff(&assembled, &full);
 
     // Nothing to recompute: unchanged.
-    let (same, none) = m.blend(&assembled, &all, prefix.len(), 0.0).unwrap();
-    assert!(none.is_empty());
-    assert_eq!(kv_mean_abs_diff(&same, &assembled), 0.0);
+    let r = m.blend(&assembled, &all, prefix.len(), 0.0, &[]).unwrap();
+    assert!(r.positions.is_empty() && r.logits.is_none());
+    assert_eq!(kv_mean_abs_diff(&r.kv, &assembled), 0.0);
 
     // Everything recomputed: full prefill.
-    let (whole, every) = m.blend(&assembled, &all, prefix.len(), 1.0).unwrap();
-    assert_eq!(every, (prefix.len()..all.len()).collect::<Vec<_>>());
-    let d = kv_mean_abs_diff(&whole, &full);
+    let r = m.blend(&assembled, &all, prefix.len(), 1.0, &[]).unwrap();
+    assert_eq!(r.positions, (prefix.len()..all.len()).collect::<Vec<_>>());
+    let d = kv_mean_abs_diff(&r.kv, &full);
     eprintln!("assembled vs full: {before:e}; blend(1.0) vs full: {d:e}");
     assert!(d <= 1e-5, "blend(1.0) differs from full prefill by {d}");
 
     // A quarter: the chosen tokens, and closer to full prefill than plain assembly.
-    let (part, some) = m.blend(&assembled, &all, prefix.len(), 0.25).unwrap();
+    let part = m.blend(&assembled, &all, prefix.len(), 0.25, &[]).unwrap();
+    let some = &part.positions;
     let want = ((all.len() - prefix.len()) as f64 * 0.25).ceil() as usize;
     assert_eq!(some.len(), want);
     assert!(some.windows(2).all(|w| w[0] < w[1]) && some[0] >= prefix.len());
-    let d = kv_mean_abs_diff(&part, &full);
+    let d = kv_mean_abs_diff(&part.kv, &full);
     eprintln!("blend(0.25) vs full: {d:e}");
     assert!(d < before * 0.9, "blend(0.25) {d} vs assembled {before}");
 
+    // The question in the same pass: what prefilling it after the repaired context gives
+    // (its KV rows appended, the same next-token logits), for the same recomputed tokens.
+    let question = m.tokenizer().encode(" Which colour was the ball?").unwrap();
+    let one = m
+        .blend(&assembled, &all, prefix.len(), 0.25, &question)
+        .unwrap();
+    assert_eq!(&one.positions, some);
+    assert_eq!(one.kv.len(), all.len() + question.len());
+    let mut cache = KvCache::from_kv(&part.kv, question.len()).unwrap();
+    let two = m
+        .decoder()
+        .forward(&mut cache, &question, Logits::Last)
+        .unwrap();
+    let d = max_abs_diff(one.logits.as_ref().unwrap(), &two);
+    let dkv = kv_mean_abs_diff(&one.kv, &cache.to_kv().unwrap());
+    eprintln!("one pass vs two: logits {d:e}, kv {dkv:e}");
+    assert!(d < 1e-4 && dkv < 1e-6, "one pass {d} {dkv}");
+    // Nothing to recompute: the question alone, as a plain prefill after the context.
+    let q = m.recompute(&assembled, &all, &[], &question).unwrap();
+    assert!(q.positions.is_empty() && q.kv.len() == all.len() + question.len());
+
     // Bad input.
-    assert!(m.blend(&assembled, &all[1..], prefix.len(), 0.5).is_err());
-    assert!(m.blend(&assembled, &all, prefix.len(), 1.5).is_err());
+    assert!(m
+        .blend(&assembled, &all[1..], prefix.len(), 0.5, &[])
+        .is_err());
+    assert!(m.blend(&assembled, &all, prefix.len(), 1.5, &[]).is_err());
+    assert!(m.recompute(&assembled, &all, &[3, 2], &[]).is_err());
+    assert!(m.recompute(&assembled, &all, &[all.len()], &[]).is_err());
 }

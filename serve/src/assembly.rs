@@ -26,7 +26,7 @@
 //! comparison of none, `\n` and `Passage:\n` with SmolLM2 was inconclusive (docs/BENCHMARKS.md),
 //! so the default is none.
 
-use model::{Kv, Model};
+use model::{Kv, Model, Repaired};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A share of the chunk tokens, in thousandths (`0.001..=1`): exact to compare and to name.
@@ -188,8 +188,13 @@ fn score_layers(model: &Model) -> usize {
 
 /// The prompt's KV: `prefix` (exact, at `0..`), then the chunks' KV, each already
 /// [placed](Assembly::place), repaired as the strategy says. `tokens` are the prefix's and the
-/// chunks' tokens in order; `question` the tokens that will follow them (for `query-aware`).
-/// Returns the KV and how many tokens were recomputed.
+/// chunks' tokens in order; `question` the tokens that follow them.
+///
+/// A repair runs the question in the same pass as the recomputed tokens (one pass's fixed
+/// cost instead of two): its KV is then appended and the logits after it returned. Without
+/// a repair (`naive`, `reposition`) nothing runs: `logits` is `None` and the question is
+/// still to be fed (by the batch, which shares that prefill's steps with other queries'
+/// decoding).
 pub fn assemble(
     model: &Model,
     assembly: Assembly,
@@ -198,7 +203,7 @@ pub fn assemble(
     chunks: Vec<Kv>,
     tokens: &[u32],
     question: &[u32],
-) -> model::Result<(Kv, usize)> {
+) -> model::Result<Repaired> {
     let exact = prefix.len();
     let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
     let mut parts = Vec::with_capacity(chunks.len() + 1);
@@ -207,11 +212,14 @@ pub fn assemble(
     let all = Kv::concat(&parts)?;
     let share = |s: Option<Share>| s.map_or(repair.recompute_share, Share::get);
     let positions = match assembly {
-        Assembly::Naive | Assembly::Reposition | Assembly::Full => return Ok((all, 0)),
-        Assembly::Recompute(s) => {
-            let (kv, recomputed) = model.blend(&all, tokens, exact, share(s))?;
-            return Ok((kv, recomputed.len()));
+        Assembly::Naive | Assembly::Reposition | Assembly::Full => {
+            return Ok(Repaired {
+                kv: all,
+                positions: Vec::new(),
+                logits: None,
+            })
         }
+        Assembly::Recompute(s) => return model.blend(&all, tokens, exact, share(s), question),
         Assembly::Link(k) => {
             let k = k.map_or(repair.link_tokens, |k| k as usize);
             model::link_positions(exact, &lens, k)
@@ -221,8 +229,7 @@ pub fn assemble(
             model::top_share(&scores[exact..], exact, share(s))
         }
     };
-    let kv = model.recompute(&all, tokens, &positions)?;
-    Ok((kv, positions.len()))
+    model.recompute(&all, tokens, &positions, question)
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use model::{Decoding, KvCache};
+use model::{Decoding, KvCache, Tensor};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
 use crate::assembly::Repair;
@@ -66,6 +66,9 @@ struct Active<'m> {
     decoding: Decoding<'m>,
     /// Tokens for the next steps: the question, then the token sampled last.
     pending: Vec<u32>,
+    /// Logits its assembly already computed (a repair runs the question in its own pass):
+    /// its first step samples from them instead of feeding anything.
+    ready: Option<Tensor>,
     /// Budget bytes held.
     reserved: u64,
     /// When its first step began; when its first and latest text came.
@@ -302,6 +305,7 @@ fn join<'m>(
         cache,
         decoding,
         pending: a.pending,
+        ready: a.logits,
         reserved: 0,
         started: None,
         first: None,
@@ -319,18 +323,38 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
     let mut fed = Vec::with_capacity(active.len());
     for a in active.iter_mut() {
         a.started.get_or_insert(now);
-        let n = a.pending.len().min(prefill_chunk.max(1));
+        // A query whose assembly left logits ready feeds nothing this step.
+        let n = if a.ready.is_some() {
+            0
+        } else {
+            a.pending.len().min(prefill_chunk.max(1))
+        };
         fed.push(n);
-        seqs.push((&mut a.cache, &a.pending[..n]));
-    }
-    let logits = w.engine.model.decoder().step(&mut seqs).map_err(internal)?;
-    drop(seqs);
-    for (row, (a, n)) in active.iter_mut().zip(fed).enumerate() {
-        a.pending.drain(..n);
-        if !a.pending.is_empty() {
-            continue; // the rest of its prompt runs in the next steps
+        if n > 0 {
+            seqs.push((&mut a.cache, &a.pending[..n]));
         }
-        let l = logits.get(row).map_err(internal)?;
+    }
+    let logits = if seqs.is_empty() {
+        None
+    } else {
+        Some(w.engine.model.decoder().step(&mut seqs).map_err(internal)?)
+    };
+    drop(seqs);
+    let mut row = 0;
+    for (a, n) in active.iter_mut().zip(fed) {
+        let l = if n == 0 {
+            a.ready
+                .take()
+                .ok_or_else(|| internal("a query with nothing to feed"))?
+        } else {
+            a.pending.drain(..n);
+            row += 1;
+            if !a.pending.is_empty() {
+                continue; // the rest of its prompt runs in the next steps
+            }
+            let logits = logits.as_ref().ok_or_else(|| internal("no step logits"))?;
+            logits.get(row - 1).map_err(internal)?
+        };
         let adv = a.decoding.advance(&l).map_err(internal)?;
         let now = Instant::now();
         match a.first {

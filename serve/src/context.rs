@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use ingest::Engine;
-use model::Kv;
+use model::{Kv, Tensor};
 use retrieval::Hit;
 
 use crate::assembly::{assemble, Assembly, Repair};
@@ -117,8 +117,10 @@ pub(crate) fn read_chunks(
 pub(crate) struct Assembled {
     pub kv: Kv,
     /// What to feed after `kv`: the question's tokens; with `full`, the chunks' and the
-    /// question's.
+    /// question's; none after a repair, which ran the question in its pass.
     pub pending: Vec<u32>,
+    /// The logits after the question when the repair ran it (`pending` is then empty).
+    pub logits: Option<Tensor>,
     pub citations: Vec<Citation>,
     /// Chunks served from stored KV, and chunks prefilled now to be written back.
     pub hits: usize,
@@ -187,12 +189,12 @@ pub(crate) fn assemble_query(
         citations.push(citation(source));
         parts.push(kv);
     }
-    let (kv, recomputed) = if full {
+    let (kv, recomputed, logits) = if full {
         // The reference: the chunks are prefilled with the question, after the exact prefix.
         question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
-        (prefix.kv.clone(), 0)
+        (prefix.kv.clone(), 0, None)
     } else {
-        assemble(
+        let r = assemble(
             model,
             query.assembly,
             repair,
@@ -201,11 +203,16 @@ pub(crate) fn assemble_query(
             &context,
             &question,
         )
-        .map_err(internal)?
+        .map_err(internal)?;
+        if r.logits.is_some() {
+            question.clear();
+        }
+        (r.kv, r.positions.len(), r.logits)
     };
     Ok(Assembled {
         kv,
         pending: question,
+        logits,
         citations,
         hits,
         misses,

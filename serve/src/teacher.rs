@@ -41,8 +41,11 @@ impl Rag {
     pub fn reference(&self, query: &Query, hits: Vec<Hit>) -> Result<Reference, String> {
         let t = Instant::now();
         let decoder = self.engine.model.decoder();
-        let (mut cache, pending) = self.context(query, hits, query.params.max_tokens + 1)?;
-        let mut logits = self.feed(decoder, &mut cache, &pending)?;
+        let (mut cache, pending, ready) = self.context(query, hits, query.params.max_tokens + 1)?;
+        let mut logits = match ready {
+            Some(l) => l,
+            None => self.feed(decoder, &mut cache, &pending)?,
+        };
         let first_token_ms = ms(t.elapsed());
         let mut decoding =
             Decoding::new(self.engine.model.tokenizer(), &query.params).map_err(err)?;
@@ -80,7 +83,18 @@ impl Rag {
             return Err("forced: an empty answer".into());
         };
         let decoder = self.engine.model.decoder();
-        let (mut cache, pending) = self.context(query, hits, answer.len())?;
+        let (mut cache, pending, ready) = self.context(query, hits, answer.len())?;
+        if let Some(first) = ready {
+            // The repair ran the question: its logits predict the first answer token.
+            let first = first.unsqueeze(0).map_err(err)?;
+            if head.is_empty() {
+                return Ok(first);
+            }
+            let rest = decoder
+                .forward(&mut cache, head, Logits::All)
+                .map_err(err)?;
+            return Tensor::cat(&[&first, &rest], 0).map_err(err);
+        }
         let (last, prompt) = pending.split_last().ok_or("forced: an empty prompt")?;
         if !prompt.is_empty() {
             self.feed(decoder, &mut cache, prompt)?;
@@ -91,13 +105,14 @@ impl Rag {
         decoder.forward(&mut cache, &tail, Logits::All).map_err(err)
     }
 
-    /// The query's assembled cache, with room for what follows, and the tokens to feed.
+    /// The query's assembled cache, with room for what follows, the tokens to feed, and the
+    /// logits after the question when the repair ran it.
     fn context(
         &self,
         query: &Query,
         hits: Vec<Hit>,
         room: usize,
-    ) -> Result<(KvCache, Vec<u32>), String> {
+    ) -> Result<(KvCache, Vec<u32>, Option<Tensor>), String> {
         let engine = &*self.engine;
         let mut buf = Vec::new();
         let start = self.prefix.tokens.len();
@@ -113,7 +128,7 @@ impl Rag {
         )
         .map_err(|(_, e)| e)?;
         let cache = KvCache::from_kv(&a.kv, a.pending.len() + room).map_err(err)?;
-        Ok((cache, a.pending))
+        Ok((cache, a.pending, a.logits))
     }
 
     /// Feeds `tokens` in `serve.prefill_chunk` pieces; the logits after the last.

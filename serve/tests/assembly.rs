@@ -100,7 +100,10 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
 
     for asm in [Assembly::Naive, Assembly::Reposition] {
         let chunks = c.placed(&m, asm);
-        let (kv, recomputed) = assemble(&m, asm, &REPAIR, pkv, chunks, tokens, &[1]).unwrap();
+        let r = assemble(&m, asm, &REPAIR, pkv, chunks, tokens, &[1]).unwrap();
+        // No repair: the question is left to feed.
+        assert!(r.logits.is_none());
+        let (kv, recomputed) = (r.kv, r.positions.len());
         assert_eq!((kv.len(), recomputed), (tokens.len(), 0));
         assert_eq!(key_diff(&kv, 0, pkv), 0.0, "{asm}: the prefix moved");
         let (da0, db0) = (key_diff(&kv, pa, &c.a0), key_diff(&kv, pb, &c.b0));
@@ -127,9 +130,12 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     };
     let asm = Assembly::Recompute(None);
     let chunks = c.placed(&m, asm);
-    let (kv, recomputed) = assemble(&m, asm, &half, pkv, chunks, tokens, &[1]).unwrap();
-    assert_eq!(recomputed, (c.a.len() + c.b.len()).div_ceil(2));
-    assert_eq!(key_diff(&kv, 0, pkv), 0.0);
+    let r = assemble(&m, asm, &half, pkv, chunks, tokens, &[1]).unwrap();
+    assert_eq!(r.positions.len(), (c.a.len() + c.b.len()).div_ceil(2));
+    assert_eq!(key_diff(&r.kv, 0, pkv), 0.0);
+    // The question ran in the repair's pass: its row appended, its logits returned.
+    assert_eq!(r.kv.len(), tokens.len() + 1);
+    assert!(r.logits.is_some());
 }
 
 /// The repairs that recompute every chunk token (`link` with k past the longest chunk,
@@ -154,8 +160,16 @@ fn whole_repairs_reproduce_full_prefill() {
     let full = next(&full_kv);
     let run = |asm: Assembly| {
         let chunks = c.placed(&m, asm);
-        let (kv, n) = assemble(&m, asm, &REPAIR, &c.pkv, chunks, &c.tokens, &question).unwrap();
-        (max_abs_diff(&next(&kv), &full), n)
+        let r = assemble(&m, asm, &REPAIR, &c.pkv, chunks, &c.tokens, &question).unwrap();
+        // A repair runs the question in its own pass; plain assembly leaves it to feed.
+        let logits = match &r.logits {
+            Some(l) => {
+                assert_eq!(r.kv.len(), c.tokens.len() + question.len(), "{asm}");
+                l.clone()
+            }
+            None => next(&r.kv),
+        };
+        (max_abs_diff(&logits, &full), r.positions.len())
     };
     let (plain, none) = run(Assembly::Reposition);
     assert_eq!(none, 0);
@@ -346,6 +360,16 @@ fn teacher_forcing_reproduces_the_reference() {
     let d = max_abs_diff(&f, &r.logits);
     eprintln!("forced full vs reference logits: {d:e}");
     assert!(d < 1e-2, "{d}");
+    // A repair of every chunk token is full prefill; it runs the question in its own pass,
+    // whose logits start both the forced rows and the pipeline's answer.
+    let whole = Assembly::Link(Some(4096));
+    let f = rag.forced(&query(whole), hits.clone(), &r.targets).unwrap();
+    assert_eq!(argmaxes(&f), r.targets);
+    let d = max_abs_diff(&f, &r.logits);
+    eprintln!("forced {whole} vs reference logits: {d:e}");
+    assert!(d < 1e-2, "{d}");
+    let piped = answer(&rag, query(whole), hits.clone());
+    assert_eq!(piped.answer, r.generation.text);
     for asm in [Assembly::Reposition, Assembly::Link(Some(2))] {
         let f = rag.forced(&query(asm), hits.clone(), &r.targets).unwrap();
         assert_eq!(f.dims(), r.logits.dims(), "{asm}");

@@ -45,60 +45,111 @@ pub fn top_share(scores: &[f32], exact: usize, share: f64) -> Vec<usize> {
     sel
 }
 
+/// A repaired context, with the question run after it in the same pass.
+#[derive(Debug, Clone)]
+pub struct Repaired {
+    /// The context's KV, the recomputed rows replaced, then the question's rows.
+    pub kv: Kv,
+    /// The context positions recomputed, ascending.
+    pub positions: Vec<usize>,
+    /// Logits `(vocab,)` after the question's last token; `None` when no question ran.
+    pub logits: Option<Tensor>,
+}
+
 impl Decoder {
-    /// Recomputes the tokens at `positions` (ascending) of an assembled context: `kv` holds
-    /// `tokens` at positions `0..n`. The chosen tokens run through every layer, attending to
-    /// the whole context causally, with their own rows replaced by what they compute at each
-    /// layer before the layer's attention; the other rows keep their KV.
-    pub fn recompute(&self, kv: &Kv, tokens: &[u32], positions: &[usize]) -> Result<Kv> {
+    /// Recomputes the tokens at `positions` (ascending) of an assembled context, then runs
+    /// `question` after it, in one pass: `kv` holds `tokens` at positions `0..n`. The chosen
+    /// tokens run through every layer, attending to the whole context causally, with their
+    /// own rows replaced by what they compute at each layer before the layer's attention; the
+    /// other rows keep their KV. The question's tokens (positions `n..`) run in the same pass
+    /// and attend to the repaired rows, so the result is what recomputing first and then
+    /// prefilling the question gives, with one pass's fixed cost instead of two (on the CPU
+    /// each pass reads every weight at least once).
+    pub fn recompute(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        positions: &[usize],
+        question: &[u32],
+    ) -> Result<Repaired> {
         let n = kv.len();
         if tokens.len() != n {
             return Err(Error::Input {
                 why: format!("recompute: {} tokens for a KV of {n}", tokens.len()),
             });
         }
-        if positions.is_empty() {
-            return Ok(kv.clone());
+        if positions.is_empty() && question.is_empty() {
+            return Ok(Repaired {
+                kv: kv.clone(),
+                positions: Vec::new(),
+                logits: None,
+            });
         }
-        if !positions.windows(2).all(|w| w[0] < w[1]) || positions[positions.len() - 1] >= n {
+        if !positions.windows(2).all(|w| w[0] < w[1]) || positions.last().is_some_and(|&p| p >= n) {
             return Err(Error::Input {
                 why: format!("recompute: positions must ascend within 0..{n}"),
             });
         }
-        let sel: Vec<u32> = positions.iter().map(|&p| tokens[p]).collect();
-        self.check_tokens(&sel)?;
-        let ids = Tensor::new(sel.as_slice(), &self.device).ctx("token ids")?;
+        let (r, s) = (positions.len(), question.len());
+        let mut ids: Vec<u32> = positions.iter().map(|&p| tokens[p]).collect();
+        ids.extend_from_slice(question);
+        self.check_tokens(&ids)?;
+        let ids = Tensor::new(ids.as_slice(), &self.device).ctx("token ids")?;
         let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+        let at: Vec<usize> = positions.iter().copied().chain(n..n + s).collect();
         let abs = Tensor::new(
             positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
             &self.device,
         )
         .ctx("selection")?;
-        // Query j (at position p_j) sees keys 0..=p_j.
-        let mask = self.mask_at(positions.iter().copied(), n)?;
-        // The chosen rows of `base` replaced by `rows`: one copy of `base` plus the
-        // difference at those rows (exact up to one rounding of `base + (rows - base)`).
-        let put = |base: &Tensor, rows: &Tensor| -> Result<Tensor> {
-            let rows = rows
+        // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i.
+        let mask = self.mask_at(at.iter().copied(), n + s)?;
+        // `base` with the chosen rows replaced by the first `r` fresh rows (one copy of
+        // `base` plus the difference at those rows: exact up to one rounding of
+        // `base + (rows - base)`), then the question's fresh rows appended.
+        let splice = |base: &Tensor, fresh: &Tensor| -> Result<Tensor> {
+            let fresh = fresh
                 .contiguous()
-                .and_then(|r| r.to_dtype(base.dtype()))
-                .ctx("rows")?;
-            let old = base.index_select(&abs, 2).ctx("old rows")?;
-            let delta = (rows - old).ctx("row difference")?;
-            base.index_add(&abs, &delta, 2).ctx("replace rows")
+                .and_then(|f| f.to_dtype(base.dtype()))
+                .ctx("fresh rows")?;
+            let mut out = base.clone();
+            if r > 0 {
+                let rows = fresh.narrow(2, 0, r).ctx("recomputed rows")?;
+                let old = base.index_select(&abs, 2).ctx("old rows")?;
+                let delta = (rows - old).ctx("row difference")?;
+                out = base.index_add(&abs, &delta, 2).ctx("replace rows")?;
+            }
+            if s > 0 {
+                let q = fresh.narrow(2, r, s).ctx("question rows")?;
+                out = Tensor::cat(&[&out, &q], 2).ctx("append question")?;
+            }
+            Ok(out)
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers) {
             let h = self.rms(&x, &layer.attn_norm)?;
             let (q, k, v) = self.qkv(layer, &h)?;
-            let q = self.rope.at(&q, positions)?;
-            let k = self.rope.at(&k, positions)?;
-            let (k, v) = (put(ks, &k)?, put(vs, &v)?);
+            let q = self.rope.at(&q, &at)?;
+            let k = self.rope.at(&k, &at)?;
+            let (k, v) = (splice(ks, &k)?, splice(vs, &v)?);
             let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
             x = self.mlp(layer, (x + a).ctx("residual")?)?;
             layers.push((k, v));
         }
-        Kv::new(layers)
+        let logits = if s > 0 {
+            let last = x
+                .squeeze(0)
+                .and_then(|x| x.narrow(0, r + s - 1, 1))
+                .ctx("last row")?;
+            Some(self.logits(&last)?.squeeze(0).ctx("logits")?)
+        } else {
+            None
+        };
+        Ok(Repaired {
+            kv: Kv::new(layers)?,
+            positions: positions.to_vec(),
+            logits,
+        })
     }
 
     /// Selective recompute with CacheBlend's selection: brings the KV of independently
@@ -110,16 +161,16 @@ impl Decoder {
     /// ones are exact; its output, which attention over the whole context changes, is
     /// computed for every token. At layer 1 the keys and values of every token are computed
     /// from that output and compared with the stored ones; the `share` of tokens that deviate
-    /// most are [recomputed](Decoder::recompute), and the rest keep their stored KV.
-    ///
-    /// Returns the blended KV and the positions recomputed (ascending).
+    /// most are [recomputed](Decoder::recompute), and the rest keep their stored KV;
+    /// `question` runs after the context in the same pass.
     pub fn blend(
         &self,
         kv: &Kv,
         tokens: &[u32],
         exact: usize,
         share: f64,
-    ) -> Result<(Kv, Vec<usize>)> {
+        question: &[u32],
+    ) -> Result<Repaired> {
         let n = kv.len();
         if tokens.len() != n {
             return Err(Error::Input {
@@ -132,7 +183,7 @@ impl Decoder {
             });
         }
         if exact >= n || share == 0.0 || self.layers.len() < 2 {
-            return Ok((kv.clone(), Vec::new()));
+            return self.recompute(kv, tokens, &[], question);
         }
         let m = n - exact;
         let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
@@ -165,7 +216,7 @@ impl Decoder {
             .and_then(|d| d.to_vec1())
             .ctx("deviation")?;
         let positions = top_share(&score, exact, share);
-        Ok((self.recompute(kv, tokens, &positions)?, positions))
+        self.recompute(kv, tokens, &positions, question)
     }
 
     /// How much a question attends to each position of an assembled context on the model's
