@@ -1,0 +1,566 @@
+//! [`Remote`]: the blocking face of the tier. Its own I/O threads (`remote-io`) run the
+//! object store's async client; callers are the loader's and ingest's named threads, never
+//! an async worker (a call blocks until its requests finish or time out).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{BackoffConfig, ClientOptions, ObjectStore, PutPayload, RetryConfig};
+use schema::{KvLayout, NamespaceId, TokenDigest};
+
+use crate::config::{RemoteConfig, Target};
+use crate::error::{Error, Result};
+use crate::keys::{doc_key, hex, Keys};
+use crate::manifest::Manifest;
+use crate::object;
+
+/// One sequence's KV fetched from the tier, verified.
+#[derive(Debug, Clone)]
+pub struct Fetched {
+    pub layout: KvLayout,
+    /// Layer-major KV bytes.
+    pub kv: Vec<u8>,
+    /// Time of the request, retries included.
+    pub ms: f64,
+}
+
+/// One sequence to store: its tokens and their KV.
+#[derive(Debug, Clone, Copy)]
+pub struct Item<'a> {
+    pub tokens: &'a [u32],
+    pub layout: KvLayout,
+    pub kv: &'a [u8],
+}
+
+/// What [`Remote::delete_doc`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeleteReport {
+    pub manifests: usize,
+    pub references: usize,
+    /// KV objects no other document version referenced any more.
+    pub objects: usize,
+}
+
+/// What [`Remote::gc`] found and removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub manifests: usize,
+    pub objects: usize,
+    /// Reference markers whose document version has no manifest (older than the grace).
+    pub dead_references: usize,
+    /// KV objects nothing references (older than the grace), and their bytes.
+    pub orphans: usize,
+    pub orphan_bytes: u64,
+}
+
+/// Counters since open.
+#[derive(Debug, Default)]
+struct Counters {
+    gets: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    corrupt: AtomicU64,
+    errors: AtomicU64,
+    bytes_read: AtomicU64,
+    puts: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+/// A snapshot of the tier's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierStats {
+    pub gets: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub corrupt: u64,
+    /// Failed requests (after retries) and timeouts.
+    pub errors: u64,
+    pub bytes_read: u64,
+    pub puts: u64,
+    pub bytes_written: u64,
+}
+
+/// The shared KV tier on an object store.
+#[derive(Debug)]
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    keys: Keys,
+    rt: tokio::runtime::Runtime,
+    concurrency: usize,
+    timeout: Duration,
+    counters: Counters,
+}
+
+impl Remote {
+    /// Connects to the configured store (no request is made until the first operation).
+    pub fn open(cfg: &RemoteConfig) -> Result<Remote> {
+        cfg.validate()?;
+        let store: Arc<dyn ObjectStore> = match cfg.target()? {
+            Target::Dir(dir) => {
+                std::fs::create_dir_all(&dir).map_err(|e| Error::Config {
+                    what: "url",
+                    why: format!("{}: {e}", dir.display()),
+                })?;
+                let fs = LocalFileSystem::new_with_prefix(&dir).map_err(|e| Error::Config {
+                    what: "url",
+                    why: format!("{}: {e}", dir.display()),
+                })?;
+                Arc::new(fs)
+            }
+            Target::S3 {
+                endpoint,
+                bucket,
+                region,
+            } => {
+                let mut b = AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_region(region)
+                    .with_client_options(
+                        ClientOptions::new()
+                            .with_timeout(cfg.timeout())
+                            .with_connect_timeout(Duration::from_millis(cfg.connect_timeout_ms)),
+                    )
+                    .with_retry(RetryConfig {
+                        backoff: BackoffConfig {
+                            init_backoff: Duration::from_millis(cfg.backoff_ms),
+                            max_backoff: Duration::from_millis(cfg.backoff_ms.max(1) * 32),
+                            base: 2.0,
+                        },
+                        max_retries: cfg.retries,
+                        retry_timeout: cfg.timeout(),
+                    });
+                if let Some(e) = endpoint {
+                    // S3-compatible servers on a host of their own: path-style requests.
+                    b = b
+                        .with_allow_http(e.starts_with("http://"))
+                        .with_endpoint(e)
+                        .with_virtual_hosted_style_request(false);
+                }
+                if let Some((id, secret)) = cfg.keys()? {
+                    b = b.with_access_key_id(id).with_secret_access_key(secret);
+                }
+                Arc::new(b.build().map_err(|e| Error::Config {
+                    what: "url",
+                    why: e.to_string(),
+                })?)
+            }
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("remote-io")
+            .enable_all()
+            .build()
+            .map_err(Error::Runtime)?;
+        Ok(Remote {
+            store,
+            keys: Keys::new(&cfg.prefix),
+            rt,
+            concurrency: cfg.concurrency,
+            // The store's own timeout bounds one request; this bounds an operation with its
+            // retries and backoff.
+            timeout: cfg.timeout() * (cfg.retries as u32 + 1)
+                + Duration::from_millis(cfg.backoff_ms * 64),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Runs `f` on the I/O threads, bounded by the operation timeout.
+    fn run<T>(
+        &self,
+        op: &'static str,
+        key: &Path,
+        f: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let timeout = self.timeout;
+        let r = self
+            .rt
+            .block_on(async move { tokio::time::timeout(timeout, f).await });
+        r.unwrap_or_else(|_| {
+            Err(Error::Timeout {
+                op,
+                key: key.to_string(),
+                ms: timeout.as_millis() as u64,
+            })
+        })
+        .inspect_err(|e| {
+            if !matches!(e, Error::Corrupt { .. }) {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    }
+
+    fn store_err<'a>(
+        op: &'static str,
+        key: &'a Path,
+    ) -> impl Fn(object_store::Error) -> Error + 'a {
+        move |source| Error::Store {
+            op,
+            key: key.to_string(),
+            source,
+        }
+    }
+
+    /// Stores one sequence's KV (an immutable object named by `ns` and its tokens); returns
+    /// the object's size.
+    pub fn put(&self, ns: NamespaceId, item: Item<'_>) -> Result<u64> {
+        let key = self.keys.kv(ns, item.tokens);
+        let body = object::encode(ns, item.layout, item.tokens, item.kv)?;
+        let n = body.len() as u64;
+        self.run("put", &key, async {
+            self.store
+                .put(&key, PutPayload::from(body))
+                .await
+                .map_err(Self::store_err("put", &key))
+        })?;
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// The KV of `tokens` under `ns`: `None` when the tier has no such object; a corrupt
+    /// object is an error (the caller treats it as a miss and recomputes).
+    pub fn get(&self, ns: NamespaceId, tokens: &[u32]) -> Result<Option<Fetched>> {
+        self.get_many(ns, &[tokens]).pop().expect("one result")
+    }
+
+    /// [`Remote::get`] for several sequences, `remote.concurrency` requests in flight;
+    /// results in the order asked.
+    pub fn get_many(&self, ns: NamespaceId, seqs: &[&[u32]]) -> Vec<Result<Option<Fetched>>> {
+        let keys: Vec<Path> = seqs.iter().map(|t| self.keys.kv(ns, t)).collect();
+        let keys = &keys;
+        let fetch = |i: usize| {
+            let key = &keys[i];
+            let tokens = seqs[i];
+            let store = &self.store;
+            async move {
+                let t = Instant::now();
+                let got = match store.get(key).await {
+                    Ok(r) => r.bytes().await,
+                    Err(e) => Err(e),
+                };
+                let bytes = match got {
+                    Ok(b) => b,
+                    Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                    Err(e) => return Err(Self::store_err("get", key)(e)),
+                };
+                let d = object::decode(&bytes, ns, tokens, key.as_ref())?;
+                Ok(Some(Fetched {
+                    layout: d.layout,
+                    kv: bytes[d.kv].to_vec(),
+                    ms: t.elapsed().as_secs_f64() * 1e3,
+                }))
+            }
+        };
+        let timeout = self.timeout;
+        let fetch = &fetch;
+        let all = self.rt.block_on(async {
+            stream::iter(0..seqs.len())
+                .map(|i| async move {
+                    tokio::time::timeout(timeout, fetch(i))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Error::Timeout {
+                                op: "get",
+                                key: keys[i].to_string(),
+                                ms: timeout.as_millis() as u64,
+                            })
+                        })
+                })
+                .buffered(self.concurrency)
+                .collect::<Vec<_>>()
+                .await
+        });
+        let c = &self.counters;
+        for r in &all {
+            c.gets.fetch_add(1, Ordering::Relaxed);
+            match r {
+                Ok(Some(f)) => {
+                    c.hits.fetch_add(1, Ordering::Relaxed);
+                    c.bytes_read.fetch_add(f.kv.len() as u64, Ordering::Relaxed);
+                }
+                Ok(None) => {
+                    c.misses.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::Corrupt { .. }) => {
+                    c.corrupt.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    c.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        all
+    }
+
+    /// Stores a document version's KV: its objects (`remote.concurrency` at a time), a
+    /// reference marker per object, then its manifest, in that order, so a manifest that
+    /// exists names stored objects. Idempotent: storing the same version again rewrites the
+    /// same names. Returns the bytes written.
+    pub fn put_doc(
+        &self,
+        ns: NamespaceId,
+        doc: &str,
+        version: &str,
+        items: &[Item<'_>],
+    ) -> Result<u64> {
+        let mkey = self.keys.manifest(ns, doc, version);
+        let mut digests = Vec::with_capacity(items.len());
+        let mut bodies = Vec::with_capacity(items.len());
+        for it in items {
+            let digest = hex(&TokenDigest::of(it.tokens).0);
+            bodies.push((
+                self.keys.kv_digest(ns, &digest),
+                object::encode(ns, it.layout, it.tokens, it.kv)?,
+                self.keys.reference(ns, &digest, doc, version),
+            ));
+            digests.push(digest);
+        }
+        let bytes: u64 = bodies.iter().map(|(_, b, _)| b.len() as u64).sum();
+        let manifest = Manifest::new(ns, doc, version, digests).encode();
+        self.run("put document", &mkey, async {
+            stream::iter(bodies)
+                .map(|(key, body, reference)| async move {
+                    self.store
+                        .put(&key, PutPayload::from(body))
+                        .await
+                        .map_err(Self::store_err("put", &key))?;
+                    self.store
+                        .put(&reference, PutPayload::default())
+                        .await
+                        .map_err(Self::store_err("put", &reference))
+                })
+                .buffer_unordered(self.concurrency)
+                .try_collect::<Vec<_>>()
+                .await?;
+            self.store
+                .put(&mkey, PutPayload::from(manifest))
+                .await
+                .map_err(Self::store_err("put", &mkey))
+        })?;
+        self.counters
+            .puts
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
+        self.counters
+            .bytes_written
+            .fetch_add(bytes, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    /// The manifests of `doc` under `ns` (every stored version).
+    pub fn manifests(&self, ns: NamespaceId, doc: &str) -> Result<Vec<Manifest>> {
+        let dir = self.keys.doc_manifests(ns, doc);
+        self.run("list manifests", &dir, async {
+            let metas: Vec<_> = self
+                .store
+                .list(Some(&dir))
+                .try_collect()
+                .await
+                .map_err(Self::store_err("list", &dir))?;
+            let mut out = Vec::with_capacity(metas.len());
+            for m in metas {
+                let b = self
+                    .store
+                    .get(&m.location)
+                    .await
+                    .map_err(Self::store_err("get", &m.location))?
+                    .bytes()
+                    .await
+                    .map_err(Self::store_err("get", &m.location))?;
+                out.push(Manifest::decode(&b, ns, m.location.as_ref())?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Removes `doc` from the tier: every version's manifest (or only `version`'s), its
+    /// reference markers, and each KV object no other document version references.
+    ///
+    /// A writer storing the same chunk for another document at the same moment can lose the
+    /// object between its put and its reference (the object is then missing, never wrong: a
+    /// read misses and the chunk is recomputed, and `rematerialize` writes it again).
+    pub fn delete_doc(
+        &self,
+        ns: NamespaceId,
+        doc: &str,
+        version: Option<&str>,
+    ) -> Result<DeleteReport> {
+        let manifests: Vec<Manifest> = self
+            .manifests(ns, doc)?
+            .into_iter()
+            .filter(|m| version.is_none_or(|v| m.version == v))
+            .collect();
+        let mut report = DeleteReport::default();
+        let dir = self.keys.doc_manifests(ns, doc);
+        self.run("delete document", &dir, async {
+            let mut touched = HashSet::new();
+            for m in &manifests {
+                for d in &m.objects {
+                    let r = self.keys.reference(ns, d, doc, &m.version);
+                    delete_quiet(&*self.store, &r).await?;
+                    report.references += 1;
+                    touched.insert(d.clone());
+                }
+            }
+            for d in touched {
+                let refs = self.keys.refs(ns, &d);
+                let left = self
+                    .store
+                    .list(Some(&refs))
+                    .try_next()
+                    .await
+                    .map_err(Self::store_err("list", &refs))?;
+                if left.is_none() {
+                    delete_quiet(&*self.store, &self.keys.kv_digest(ns, &d)).await?;
+                    report.objects += 1;
+                }
+            }
+            for m in &manifests {
+                delete_quiet(&*self.store, &self.keys.manifest(ns, doc, &m.version)).await?;
+                report.manifests += 1;
+            }
+            Ok(())
+        })?;
+        Ok(report)
+    }
+
+    /// Removes what nothing references, older than `grace` (writers put objects and markers
+    /// before their manifest; the grace keeps an ingest in flight safe): reference markers
+    /// of document versions without a manifest, then KV objects without a marker.
+    pub fn gc(&self, grace: Duration) -> Result<GcReport> {
+        let root = self.keys.manifest_root();
+        self.run("gc", &root, async {
+            let mut report = GcReport::default();
+            let now = chrono_now();
+            let old = |m: &object_store::ObjectMeta| {
+                let age = now - m.last_modified.timestamp_millis();
+                age >= grace.as_millis() as i64
+            };
+            let mut alive: HashSet<(String, String)> = HashSet::new();
+            let manifests: Vec<_> = self
+                .store
+                .list(Some(&root))
+                .try_collect()
+                .await
+                .map_err(Self::store_err("list", &root))?;
+            for m in &manifests {
+                if let Some(p) = self.keys.parts(&m.location, "manifests") {
+                    if let [ns, doc, version] = &p[..] {
+                        alive.insert((ns.clone(), format!("{doc}.{version}")));
+                    }
+                }
+            }
+            report.manifests = manifests.len();
+            let refs_root = self.keys.ref_root();
+            let refs: Vec<_> = self
+                .store
+                .list(Some(&refs_root))
+                .try_collect()
+                .await
+                .map_err(Self::store_err("list", &refs_root))?;
+            let mut referenced: HashSet<(String, String)> = HashSet::new();
+            for r in &refs {
+                let Some(p) = self.keys.parts(&r.location, "refs") else {
+                    continue;
+                };
+                let [ns, digest, referrer] = &p[..] else {
+                    continue;
+                };
+                if alive.contains(&(ns.clone(), referrer.clone())) || !old(r) {
+                    referenced.insert((ns.clone(), digest.clone()));
+                } else {
+                    delete_quiet(&*self.store, &r.location).await?;
+                    report.dead_references += 1;
+                }
+            }
+            let kv_root = self.keys.kv_root();
+            let objects: Vec<_> = self
+                .store
+                .list(Some(&kv_root))
+                .try_collect()
+                .await
+                .map_err(Self::store_err("list", &kv_root))?;
+            report.objects = objects.len();
+            for o in &objects {
+                let Some(p) = self.keys.parts(&o.location, "kv") else {
+                    continue;
+                };
+                let [ns, digest] = &p[..] else {
+                    continue;
+                };
+                if !referenced.contains(&(ns.clone(), digest.clone())) && old(o) {
+                    delete_quiet(&*self.store, &o.location).await?;
+                    report.orphans += 1;
+                    report.orphan_bytes += o.size;
+                }
+            }
+            Ok(report)
+        })
+    }
+
+    /// Every stored KV object's size per namespace (hex), for reports and tests.
+    pub fn usage(&self) -> Result<HashMap<String, (usize, u64)>> {
+        let root = self.keys.kv_root();
+        self.run("list", &root, async {
+            let mut out: HashMap<String, (usize, u64)> = HashMap::new();
+            let objects: Vec<_> = self
+                .store
+                .list(Some(&root))
+                .try_collect()
+                .await
+                .map_err(Self::store_err("list", &root))?;
+            for o in objects {
+                if let Some(p) = self.keys.parts(&o.location, "kv") {
+                    let e = out.entry(p[0].clone()).or_default();
+                    e.0 += 1;
+                    e.1 += o.size;
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    pub fn stats(&self) -> TierStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TierStats {
+            gets: l(&c.gets),
+            hits: l(&c.hits),
+            misses: l(&c.misses),
+            corrupt: l(&c.corrupt),
+            errors: l(&c.errors),
+            bytes_read: l(&c.bytes_read),
+            puts: l(&c.puts),
+            bytes_written: l(&c.bytes_written),
+        }
+    }
+
+    /// The document-id form used in keys (for logs).
+    pub fn doc_key(doc: &str) -> String {
+        doc_key(doc)
+    }
+}
+
+/// Deletes `p`; one already gone is not an error (deletes are retried and raced).
+async fn delete_quiet(store: &dyn ObjectStore, p: &Path) -> Result<()> {
+    match store.delete(p).await {
+        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(source) => Err(Error::Store {
+            op: "delete",
+            key: p.to_string(),
+            source,
+        }),
+    }
+}
+
+/// Milliseconds since the epoch, in the object store's clock terms.
+fn chrono_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
