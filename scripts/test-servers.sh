@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Real servers for the remote test suites, on loopback (never mocks):
+#
+#   scripts/test-servers.sh install   builds Garage (S3-compatible object store, from crates.io)
+#                                     into ~/.cache/ragkv/servers (once; ~30 min on 2 cores)
+#   scripts/test-servers.sh start     starts it (fresh data) and writes $RAGKV_SERVERS/env with
+#                                     the variables the suites read (RAGKV_TEST_S3_*)
+#   scripts/test-servers.sh stop
+#   scripts/test-servers.sh installed exits 0 when Garage is installed
+#
+# `scripts/test.sh` starts the servers that are installed and runs the remote suites against
+# them. Qdrant's server is not on any package registry this project may use (crates.io has a
+# placeholder); a Qdrant built by hand is used when QDRANT_URL names it (README, "Tests").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+GARAGE_VERSION=2.5.0
+cache="${RAGKV_CACHE:-$HOME/.cache/ragkv}/servers"
+run="${RAGKV_SERVERS:-${TMPDIR:-/tmp}/ragkv-servers}"
+garage="$cache/garage-$GARAGE_VERSION/bin/garage"
+# S3 API on this port, RPC on the next, admin on the one after.
+port="${RAGKV_GARAGE_PORT:-39100}"
+bucket=ragkv-test
+# A test-only key pair (Garage's formats: GK + 24 hex digits, 64 hex digits).
+key_id=GK0123456789abcdef01234567
+secret=0000000000000000000000000000000000000000000000000000000000000001
+
+install() {
+  if [ -x "$garage" ]; then
+    echo "garage $GARAGE_VERSION: $garage"
+    return
+  fi
+  echo "building garage $GARAGE_VERSION into $cache (once; ~30 min on 2 cores)..."
+  # SQLite metadata only: no LMDB, no metrics exporter (fewer crates to build).
+  cargo install garage --version "$GARAGE_VERSION" --locked \
+    --no-default-features --features bundled-libs,sqlite \
+    --root "$cache/garage-$GARAGE_VERSION" --target-dir "$cache/garage-build"
+  rm -rf "$cache/garage-build"
+}
+
+stop() {
+  if [ -f "$run/garage/pid" ]; then
+    kill "$(cat "$run/garage/pid")" 2>/dev/null || true
+    rm -f "$run/garage/pid"
+  fi
+}
+
+start() {
+  if [ ! -x "$garage" ]; then
+    echo "garage is not installed: scripts/test-servers.sh install" >&2
+    exit 1
+  fi
+  stop
+  rm -rf "$run/garage"
+  mkdir -p "$run/garage"
+  chmod 700 "$run/garage"
+  cat > "$run/garage/garage.toml" <<EOF
+metadata_dir = "$run/garage/meta"
+data_dir = "$run/garage/data"
+db_engine = "sqlite"
+replication_factor = 1
+rpc_bind_addr = "127.0.0.1:$((port + 1))"
+rpc_public_addr = "127.0.0.1:$((port + 1))"
+rpc_secret = "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+
+[s3_api]
+s3_region = "garage"
+api_bind_addr = "127.0.0.1:$port"
+root_domain = ".s3.garage.localhost"
+
+[admin]
+api_bind_addr = "127.0.0.1:$((port + 2))"
+EOF
+  chmod 600 "$run/garage/garage.toml"
+  GARAGE_DEFAULT_ACCESS_KEY="$key_id" GARAGE_DEFAULT_SECRET_KEY="$secret" \
+    GARAGE_DEFAULT_BUCKET="$bucket" RUST_LOG="${RUST_LOG_GARAGE:-warn}" \
+    "$garage" -c "$run/garage/garage.toml" server --single-node --default-bucket \
+    > "$run/garage/log" 2>&1 &
+  echo $! > "$run/garage/pid"
+  # Ready when the S3 port answers and the bucket exists (an unsigned request gets 403).
+  for _ in $(seq 1 100); do
+    if ! kill -0 "$(cat "$run/garage/pid")" 2>/dev/null; then
+      echo "garage exited; its log:" >&2
+      cat "$run/garage/log" >&2
+      exit 1
+    fi
+    if grep -q "$bucket" <("$garage" -c "$run/garage/garage.toml" bucket list 2>/dev/null); then
+      break
+    fi
+    sleep 0.2
+  done
+  printf 'access_key_id = %s\nsecret_access_key = %s\n' "$key_id" "$secret" > "$run/garage/credentials"
+  cat > "$run/env" <<EOF
+export RAGKV_TEST_S3_URL=http://127.0.0.1:$port
+export RAGKV_TEST_S3_BUCKET=$bucket
+export RAGKV_TEST_S3_REGION=garage
+export RAGKV_TEST_S3_CREDENTIALS=$run/garage/credentials
+EOF
+  echo "garage on 127.0.0.1:$port (bucket $bucket); variables in $run/env"
+}
+
+case "${1:-start}" in
+  install) install ;;
+  installed) [ -x "$garage" ] ;;
+  start) start ;;
+  stop) stop ;;
+  *) echo "usage: $0 [install|installed|start|stop]" >&2; exit 2 ;;
+esac
