@@ -35,7 +35,7 @@ if scripts/test-servers.sh installed; then
   trap 'rm -f "$log" "$remote_log"; scripts/test-servers.sh stop' EXIT
   # shellcheck disable=SC1091
   source "${RAGKV_SERVERS:-${TMPDIR:-/tmp}/ragkv-servers}/env"
-  cargo test --workspace --locked --test tier -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
+  cargo test --workspace --locked --test tier --test remote_tier -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
 else
   echo "remote KV suites skipped: no S3 server (scripts/test-servers.sh install builds one)"
 fi

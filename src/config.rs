@@ -19,6 +19,8 @@ pub struct Config {
     pub index: retrieval::IndexConfig,
     pub ingest: ingest::IngestConfig,
     pub serve: serve::ServeConfig,
+    /// The shared KV tier on object storage (off unless `write` or `read` is set).
+    pub remote: remote::RemoteConfig,
 }
 
 /// What `ragkv config` prints in place of a secret.
@@ -112,6 +114,7 @@ impl Default for Config {
             index: retrieval::IndexConfig::default(),
             ingest: ingest::IngestConfig::default(),
             serve: serve::ServeConfig::default(),
+            remote: remote::RemoteConfig::default(),
         }
     }
 }
@@ -191,6 +194,7 @@ impl Config {
         self.index.validate()?;
         self.ingest.validate()?;
         self.serve.validate().map_err(anyhow::Error::msg)?;
+        self.remote.validate()?;
         Ok(())
     }
 

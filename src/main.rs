@@ -505,14 +505,19 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
     };
     let llm = model::Model::load(&source, &opts)
         .with_context(|| format!("loading {}", path.display()))?;
-    Ok(ingest::Engine::new(
+    let engine = ingest::Engine::new(
         store,
         std::sync::Arc::new(index),
         std::sync::Arc::new(embedder),
         std::sync::Arc::new(llm),
         config.ingest.clone(),
         config.kv_dtype()?,
-    )?)
+    )?;
+    if !config.remote.enabled() {
+        return Ok(engine);
+    }
+    let tier = remote::Remote::open(&config.remote).context("opening the shared KV tier")?;
+    Ok(engine.with_remote(std::sync::Arc::new(tier)))
 }
 
 fn open_store(config: &Config) -> Result<kvstore::Store> {

@@ -5,6 +5,8 @@
 pub enum Error {
     #[error("KV store: {0}")]
     Store(#[from] kvstore::Error),
+    #[error("{0}")]
+    Remote(#[from] remote::Error),
     #[error("retrieval: {0}")]
     Retrieval(#[from] retrieval::Error),
     #[error("model: {0}")]

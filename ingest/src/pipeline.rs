@@ -12,11 +12,13 @@
 //! # Commit order (crash safety)
 //! For a document `D` whose content hash is `H`:
 //! 1. every chunk's KV is stored and attached to the KV-store document `D@H` (synced per the
-//!    store's policy);
+//!    store's policy); with a shared tier (`remote.write`), each chunk's object and reference
+//!    marker too, then `D@H`'s manifest ([`remote`]);
 //! 2. all of `D`'s points are upserted in one index operation (atomic through Qdrant's WAL),
 //!    each carrying `doc_hash = H` and `doc_chunks`: from here `D` is searchable;
 //! 3. points of an older version that the new one does not overwrite are deleted, then the
-//!    older versions' KV documents `D@H0` are detached (their blocks freed unless shared).
+//!    older versions' KV documents `D@H0` are detached (their blocks freed unless shared),
+//!    and released on the shared tier.
 //!
 //! A crash before 2 leaves KV that no point references; a crash inside 3 leaves stale points or
 //! KV. The next run treats a document as unchanged only if all of its points carry `H`, their
@@ -44,6 +46,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use kvstore::{KvLayout, NamespaceId, PutItem, Store};
 use model::Model;
 use parking_lot::Mutex;
+use remote::Remote;
 use retrieval::{ChunkPayload, ChunkPoint, Embedder, SearchFilter, VectorIndex};
 use uuid::Uuid;
 
@@ -67,6 +70,8 @@ pub struct Engine {
     pub embedder: Arc<Embedder>,
     pub model: Arc<Model>,
     pub config: IngestConfig,
+    /// The shared KV tier behind the local store, when configured ([`Engine::with_remote`]).
+    pub remote: Option<Arc<Remote>>,
     ns: NamespaceId,
     layout: KvLayout,
     /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
@@ -135,6 +140,7 @@ impl Engine {
             embedder,
             model,
             config,
+            remote: None,
             ns,
             layout,
             preamble,
@@ -142,6 +148,19 @@ impl Engine {
             claims: Claims::default(),
             commit_delay_ms: Default::default(),
         })
+    }
+
+    /// Puts the shared KV tier behind the local store: with `remote.write`, ingest stores
+    /// every document's KV there too (before the document becomes searchable) and deletes
+    /// release it; with `remote.read`, the server fetches what the local store misses.
+    pub fn with_remote(mut self, remote: Arc<Remote>) -> Engine {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The tier when ingest writes to it.
+    fn remote_writes(&self) -> Option<&Remote> {
+        self.remote.as_deref().filter(|r| r.writes())
     }
 
     /// The KV namespace chunks are stored under.
@@ -183,7 +202,11 @@ impl Engine {
         for d in &versions {
             self.store.delete_document(d)?;
         }
-        Ok(points > 0 || !versions.is_empty())
+        let mut remote = 0;
+        if let Some(r) = self.remote_writes() {
+            remote = r.delete_doc(self.ns, doc, None)?.manifests;
+        }
+        Ok(points > 0 || !versions.is_empty() || remote > 0)
     }
 
     /// The KV documents (`doc@hash`) of every stored version of `doc`.
@@ -612,6 +635,10 @@ impl Engine {
                             doc: Some(&kv_doc),
                         }],
                     );
+                    let r = r.map_err(Error::from).and_then(|r| {
+                        self.store_remote(&kv_doc, &tokens, bytes.as_deref())?;
+                        Ok(r)
+                    });
                     kv_time += t.elapsed();
                     match r {
                         Ok(r) => {
@@ -622,7 +649,7 @@ impl Engine {
                                 rep.tokens_prefilled += tokens.len();
                             }
                         }
-                        Err(e) => shared.fatal(e.into()),
+                        Err(e) => shared.fatal(e),
                     }
                     shared.counters.chunks_done.fetch_add(1, Ordering::Relaxed);
                     shared
@@ -643,6 +670,36 @@ impl Engine {
         (secs(kv_time), secs(index_time))
     }
 
+    /// A chunk just stored locally, on the shared tier too (write-through): its object and
+    /// the marker that `kv_doc` references it. A chunk that was stored before (`bytes` is
+    /// `None`) is only attached when the tier has it, else read back and uploaded.
+    fn store_remote(&self, kv_doc: &str, tokens: &[u32], bytes: Option<&[u8]>) -> Result<()> {
+        let Some(r) = self.remote_writes() else {
+            return Ok(());
+        };
+        let (doc, version) = split_kv_doc(kv_doc).ok_or_else(|| Error::Invalid {
+            what: "kv document",
+            why: format!("{kv_doc:?} is not doc@hash"),
+        })?;
+        let item = |kv| remote::Item {
+            tokens,
+            layout: self.layout,
+            kv,
+        };
+        match bytes {
+            Some(kv) => {
+                r.put_object(self.ns, doc, version, item(kv))?;
+            }
+            None => {
+                if !r.attach_object(self.ns, doc, version, tokens)? {
+                    let local = self.store.get_batch(self.ns, tokens, tokens.len())?;
+                    r.put_object(self.ns, doc, version, item(&local.bytes))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Steps 2 and 3 of the commit order (the KV is stored already).
     fn commit_doc(&self, opts: &RunOptions, e: Embedded<'_>, shared: &Shared<'_>) -> Result<()> {
         let Embedded { planned, vectors } = e;
@@ -655,6 +712,11 @@ impl Engine {
         } = planned;
         let n = chunks.len() as u32;
         let eager = opts.materialize == Materialize::Eager;
+        if let Some(r) = self.remote_writes().filter(|_| eager) {
+            // Step 1 on the shared tier: every object is stored; the manifest says so.
+            let tokens: Vec<&[u32]> = chunks.iter().map(|c| c.tokens.as_slice()).collect();
+            r.put_manifest(self.ns, &doc.id, &hash, &tokens)?;
+        }
         let delay = self.commit_delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
             std::thread::sleep(Duration::from_millis(delay));
@@ -697,6 +759,9 @@ impl Engine {
             .collect();
         for h in &old_hashes {
             self.store.delete_document(&kv_doc(&doc.id, h))?;
+            if let Some(r) = self.remote_writes() {
+                r.delete_doc(self.ns, &doc.id, Some(h))?;
+            }
         }
         let mut rep = shared.report.lock();
         if old.is_empty() {

@@ -116,6 +116,15 @@ pub struct GcReport {
     pub orphans_detached: usize,
     pub segments_rewritten: usize,
     pub bytes_reclaimed: u64,
+    /// On the shared tier (when ingest writes there): reference markers of document versions
+    /// without a manifest, and KV objects nothing references, both older than
+    /// `remote.gc_grace_minutes`, removed.
+    #[serde(default)]
+    pub remote_dead_references: usize,
+    #[serde(default)]
+    pub remote_orphans: usize,
+    #[serde(default)]
+    pub remote_orphan_bytes: u64,
 }
 
 struct Candidate {
@@ -351,7 +360,9 @@ impl Engine {
 
     /// Garbage collection: drops every namespace other than the current one that no process
     /// has registered for `ingest.namespace_grace_hours`, detaches KV documents whose
-    /// document no point references any more, then rewrites segments holding dead bytes.
+    /// document no point references any more, then rewrites segments holding dead bytes; on
+    /// the shared tier (when ingest writes there), removes what no manifest references
+    /// ([`remote::Remote::gc`]).
     pub fn gc(&self) -> Result<GcReport> {
         let mut report = GcReport::default();
         let grace = Duration::from_secs_f64(self.config.namespace_grace_hours * 3600.0);
@@ -373,6 +384,12 @@ impl Engine {
         let m = self.store.compact_all()?;
         report.segments_rewritten = m.segments_rewritten;
         report.bytes_reclaimed = m.bytes_reclaimed;
+        if let Some(r) = self.remote.as_deref().filter(|r| r.writes()) {
+            let g = r.gc(r.gc_grace())?;
+            report.remote_dead_references = g.dead_references;
+            report.remote_orphans = g.orphans;
+            report.remote_orphan_bytes = g.orphan_bytes;
+        }
         Ok(report)
     }
 }

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 pub enum WriteMode {
     /// Ingest stores each document's objects before it counts the document as done.
     Through,
-    /// Objects are queued to a background uploader (bounded; a full queue writes inline).
+    /// Objects queued to a background uploader: not built yet (refused at start-up).
     Back,
     /// Never written.
     #[default]
@@ -54,8 +54,11 @@ pub struct RemoteConfig {
     pub backoff_ms: u64,
     /// Requests in flight at once.
     pub concurrency: usize,
-    /// Objects waiting for the background uploader (`write = "back"`).
+    /// Objects waiting for the background uploader (`write = "back"`, not built yet).
     pub upload_queue: usize,
+    /// `ragkv gc` removes only what has been unreferenced this long (an ingest in flight
+    /// stores objects before its manifest).
+    pub gc_grace_minutes: u64,
 }
 
 impl Default for RemoteConfig {
@@ -74,6 +77,7 @@ impl Default for RemoteConfig {
             backoff_ms: 100,
             concurrency: 16,
             upload_queue: 256,
+            gc_grace_minutes: 60,
         }
     }
 }
@@ -105,6 +109,12 @@ impl RemoteConfig {
             return Ok(());
         }
         self.target()?;
+        if self.write == WriteMode::Back {
+            return Err(Error::Config {
+                what: "write",
+                why: "\"back\" (a background uploader) is not built yet; use \"through\"".into(),
+            });
+        }
         let positive = [
             ("timeout_ms", self.timeout_ms),
             ("connect_timeout_ms", self.connect_timeout_ms),

@@ -15,7 +15,7 @@ pub enum Error {
         op: &'static str,
         key: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     /// An object or manifest that does not verify.
     #[error("remote tier: {key} is corrupt: {why}")]

@@ -14,7 +14,7 @@ use object_store::path::Path;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, PutPayload, RetryConfig};
 use schema::{KvLayout, NamespaceId, TokenDigest};
 
-use crate::config::{RemoteConfig, Target};
+use crate::config::{ReadMode, RemoteConfig, Target, WriteMode};
 use crate::error::{Error, Result};
 use crate::keys::{doc_key, hex, Keys};
 use crate::manifest::Manifest;
@@ -95,6 +95,9 @@ pub struct Remote {
     concurrency: usize,
     timeout: Duration,
     counters: Counters,
+    write: WriteMode,
+    read: ReadMode,
+    gc_grace: Duration,
 }
 
 impl Remote {
@@ -167,7 +170,25 @@ impl Remote {
             timeout: cfg.timeout() * (cfg.retries as u32 + 1)
                 + Duration::from_millis(cfg.backoff_ms * 64),
             counters: Counters::default(),
+            write: cfg.write,
+            read: cfg.read,
+            gc_grace: Duration::from_secs(cfg.gc_grace_minutes * 60),
         })
+    }
+
+    /// Whether ingest writes KV here (`remote.write`).
+    pub fn writes(&self) -> bool {
+        self.write != WriteMode::Off
+    }
+
+    /// `remote.gc_grace_minutes`.
+    pub fn gc_grace(&self) -> Duration {
+        self.gc_grace
+    }
+
+    /// Whether a local miss asks here (`remote.read`).
+    pub fn reads(&self) -> bool {
+        self.read != ReadMode::Off
     }
 
     /// Runs `f` on the I/O threads, bounded by the operation timeout.
@@ -202,7 +223,7 @@ impl Remote {
         move |source| Error::Store {
             op,
             key: key.to_string(),
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -298,10 +319,80 @@ impl Remote {
         all
     }
 
-    /// Stores a document version's KV: its objects (`remote.concurrency` at a time), a
-    /// reference marker per object, then its manifest, in that order, so a manifest that
-    /// exists names stored objects. Idempotent: storing the same version again rewrites the
-    /// same names. Returns the bytes written.
+    /// Stores one chunk of a document version: its KV object, then the marker saying that
+    /// version references it. Returns the object's size.
+    pub fn put_object(
+        &self,
+        ns: NamespaceId,
+        doc: &str,
+        version: &str,
+        item: Item<'_>,
+    ) -> Result<u64> {
+        let n = self.put(ns, item)?;
+        self.reference(ns, doc, version, item.tokens)?;
+        Ok(n)
+    }
+
+    /// Marks `tokens`' object as referenced by the document version, if the tier holds the
+    /// object (a chunk shared with a document stored before); returns whether it does.
+    pub fn attach_object(
+        &self,
+        ns: NamespaceId,
+        doc: &str,
+        version: &str,
+        tokens: &[u32],
+    ) -> Result<bool> {
+        let key = self.keys.kv(ns, tokens);
+        let found = self.run("head", &key, async {
+            match self.store.head(&key).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(Self::store_err("head", &key)(e)),
+            }
+        })?;
+        if found {
+            self.reference(ns, doc, version, tokens)?;
+        }
+        Ok(found)
+    }
+
+    fn reference(&self, ns: NamespaceId, doc: &str, version: &str, tokens: &[u32]) -> Result<()> {
+        let digest = hex(&TokenDigest::of(tokens).0);
+        let r = self.keys.reference(ns, &digest, doc, version);
+        self.run("put", &r, async {
+            self.store
+                .put(&r, PutPayload::default())
+                .await
+                .map_err(Self::store_err("put", &r))
+                .map(|_| ())
+        })
+    }
+
+    /// Writes a document version's manifest, naming its chunks' objects in order. Call it
+    /// once every object is stored ([`Remote::put_object`], [`Remote::attach_object`]): a
+    /// manifest that exists names stored objects.
+    pub fn put_manifest(
+        &self,
+        ns: NamespaceId,
+        doc: &str,
+        version: &str,
+        chunks: &[&[u32]],
+    ) -> Result<()> {
+        let key = self.keys.manifest(ns, doc, version);
+        let digests = chunks.iter().map(|t| hex(&TokenDigest::of(t).0)).collect();
+        let body = Manifest::new(ns, doc, version, digests).encode();
+        self.run("put", &key, async {
+            self.store
+                .put(&key, PutPayload::from(body))
+                .await
+                .map_err(Self::store_err("put", &key))
+                .map(|_| ())
+        })
+    }
+
+    /// A whole document version at once: its objects (`remote.concurrency` at a time), a
+    /// reference marker per object, then its manifest. Idempotent: storing the same version
+    /// again rewrites the same names. Returns the bytes written.
     pub fn put_doc(
         &self,
         ns: NamespaceId,
@@ -310,7 +401,6 @@ impl Remote {
         items: &[Item<'_>],
     ) -> Result<u64> {
         let mkey = self.keys.manifest(ns, doc, version);
-        let mut digests = Vec::with_capacity(items.len());
         let mut bodies = Vec::with_capacity(items.len());
         for it in items {
             let digest = hex(&TokenDigest::of(it.tokens).0);
@@ -319,10 +409,8 @@ impl Remote {
                 object::encode(ns, it.layout, it.tokens, it.kv)?,
                 self.keys.reference(ns, &digest, doc, version),
             ));
-            digests.push(digest);
         }
         let bytes: u64 = bodies.iter().map(|(_, b, _)| b.len() as u64).sum();
-        let manifest = Manifest::new(ns, doc, version, digests).encode();
         self.run("put document", &mkey, async {
             stream::iter(bodies)
                 .map(|(key, body, reference)| async move {
@@ -337,11 +425,8 @@ impl Remote {
                 })
                 .buffer_unordered(self.concurrency)
                 .try_collect::<Vec<_>>()
-                .await?;
-            self.store
-                .put(&mkey, PutPayload::from(manifest))
                 .await
-                .map_err(Self::store_err("put", &mkey))
+                .map(|_| ())
         })?;
         self.counters
             .puts
@@ -349,6 +434,8 @@ impl Remote {
         self.counters
             .bytes_written
             .fetch_add(bytes, Ordering::Relaxed);
+        let chunks: Vec<&[u32]> = items.iter().map(|i| i.tokens).collect();
+        self.put_manifest(ns, doc, version, &chunks)?;
         Ok(bytes)
     }
 
@@ -553,7 +640,7 @@ async fn delete_quiet(store: &dyn ObjectStore, p: &Path) -> Result<()> {
         Err(source) => Err(Error::Store {
             op: "delete",
             key: p.to_string(),
-            source,
+            source: Box::new(source),
         }),
     }
 }

@@ -86,6 +86,21 @@ fn documents_share_release_and_collect(tier: &Remote) {
     assert_eq!(m[0].doc, "doc a");
     assert_eq!(m[0].objects.len(), 2);
 
+    // Piecewise, as ingest writes: a new chunk stored, a shared one attached (the tier holds
+    // it), an unknown one not; then the manifest.
+    let c_only = vec![40u32, 41];
+    let kc = kv(&c_only);
+    tier.put_object(ns, "doc c", "v1", item(&c_only, &kc))
+        .unwrap();
+    assert!(tier.attach_object(ns, "doc c", "v1", &shared).unwrap());
+    assert!(!tier.attach_object(ns, "doc c", "v1", &[77, 78]).unwrap());
+    tier.put_manifest(ns, "doc c", "v1", &[&c_only, &shared])
+        .unwrap();
+    assert_eq!(tier.manifests(ns, "doc c").unwrap()[0].objects.len(), 2);
+    let r = tier.delete_doc(ns, "doc c", None).unwrap();
+    assert_eq!((r.manifests, r.references, r.objects), (1, 2, 1), "{r:?}");
+    assert!(tier.get(ns, &c_only).unwrap().is_none());
+
     // Deleting a: its own chunk goes, the shared one stays for b.
     let r = tier.delete_doc(ns, "doc a", None).unwrap();
     assert_eq!((r.manifests, r.references, r.objects), (1, 2, 1));
@@ -119,7 +134,7 @@ fn documents_share_release_and_collect(tier: &Remote) {
     assert!(tier.usage().unwrap().is_empty());
 
     let s = tier.stats();
-    assert!(s.hits >= 4 && s.misses >= 5 && s.puts >= 6, "{s:?}");
+    assert!(s.hits >= 4 && s.misses >= 6 && s.puts >= 7, "{s:?}");
     assert_eq!(s.errors, 0);
 }
 

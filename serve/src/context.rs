@@ -102,15 +102,92 @@ pub(crate) fn read_chunks(
         if corrupt {
             m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
         }
-        pos += tokens.len();
-        chunks.push(Loaded {
-            hit,
-            tokens,
-            kv,
-            corrupt,
-        });
+        chunks.push((
+            pos,
+            Loaded {
+                hit,
+                tokens,
+                kv,
+                corrupt,
+            },
+        ));
+        pos += chunks.last().map_or(0, |(_, c)| c.tokens.len());
     }
-    Ok(chunks)
+    if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
+        fetch_remote(engine, m, query.assembly, &mut chunks);
+    }
+    Ok(chunks.into_iter().map(|(_, c)| c).collect())
+}
+
+/// The chunks the local store missed, from the shared tier (`remote.read`), all requests in
+/// flight at once: each one found is verified, kept in the local store (a cache of the tier,
+/// under its quota) and placed at its prompt position `pos`. Whatever the tier misses or
+/// fails to give stays missing, to be recomputed: a remote failure is never a query's error.
+fn fetch_remote(engine: &Engine, m: &Metrics, assembly: Assembly, chunks: &mut [(usize, Loaded)]) {
+    let Some(tier) = engine.remote.as_deref().filter(|r| r.reads()) else {
+        return;
+    };
+    let missing: Vec<usize> = (0..chunks.len())
+        .filter(|&i| chunks[i].1.kv.is_none())
+        .collect();
+    if missing.is_empty() {
+        return;
+    }
+    let seqs: Vec<&[u32]> = missing
+        .iter()
+        .map(|&i| chunks[i].1.tokens.as_slice())
+        .collect();
+    let got = tier.get_many(engine.namespace(), &seqs);
+    for (&i, r) in missing.iter().zip(got) {
+        let (pos, c) = &mut chunks[i];
+        let doc = &c.hit.payload.doc_id;
+        let f = match r {
+            Ok(Some(f)) if f.layout == engine.layout() => f,
+            Ok(Some(f)) => {
+                tracing::warn!(%doc, layout = ?f.layout, "shared-tier KV has another layout; recomputing");
+                m.remote_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Ok(None) => {
+                m.remote_misses.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %doc, "shared-tier fetch failed; recomputing");
+                m.remote_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        m.remote_fetch.observe(f.ms / 1e3);
+        m.remote_bytes
+            .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
+        let kv = match import(engine, &f.kv, assembly, *pos) {
+            Ok(kv) => kv,
+            Err(e) => {
+                tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
+                m.remote_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        m.remote_hits.fetch_add(1, Ordering::Relaxed);
+        // Kept locally under the document version's KV id, as ingest would have stored it
+        // (a failure here costs only the next fetch).
+        let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
+        let put = engine.store.put_batch(
+            engine.namespace(),
+            engine.layout(),
+            &[kvstore::PutItem {
+                tokens: &c.tokens,
+                kv: &f.kv,
+                doc: Some(&kv_doc),
+            }],
+        );
+        if let Err(e) = put {
+            tracing::warn!(error = %e, %doc, "keeping shared-tier KV locally failed");
+        }
+        c.kv = Some(kv);
+        c.corrupt = false;
+    }
 }
 
 /// A query's assembled prompt cache.

@@ -55,6 +55,7 @@ impl Histogram {
 
 const TTFT_BOUNDS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 const ITL_BOUNDS: &[f64] = &[0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0];
+const REMOTE_BOUNDS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
 
 /// Every metric the server exports.
 #[derive(Debug)]
@@ -72,6 +73,14 @@ pub struct Metrics {
     pub kv_hits: AtomicU64,
     pub kv_misses: AtomicU64,
     pub kv_bytes_loaded: AtomicU64,
+    /// The shared tier (`[remote]`), asked on local misses: chunks found (and kept locally),
+    /// not found, failed (errors, timeouts, corrupt objects: recomputed), bytes fetched, and
+    /// the time of each fetch.
+    pub remote_hits: AtomicU64,
+    pub remote_misses: AtomicU64,
+    pub remote_errors: AtomicU64,
+    pub remote_bytes: AtomicU64,
+    pub remote_fetch: Histogram,
     /// Loader time, and the part of it that ran while the model computed (microseconds).
     pub kv_load_us: AtomicU64,
     pub kv_load_hidden_us: AtomicU64,
@@ -107,6 +116,11 @@ impl Default for Metrics {
             kv_hits: AtomicU64::new(0),
             kv_misses: AtomicU64::new(0),
             kv_bytes_loaded: AtomicU64::new(0),
+            remote_hits: AtomicU64::new(0),
+            remote_misses: AtomicU64::new(0),
+            remote_errors: AtomicU64::new(0),
+            remote_bytes: AtomicU64::new(0),
+            remote_fetch: Histogram::new(REMOTE_BOUNDS),
             kv_load_us: AtomicU64::new(0),
             kv_load_hidden_us: AtomicU64::new(0),
             rematerialized: AtomicU64::new(0),
@@ -137,6 +151,11 @@ impl Metrics {
         self.itl.render(
             "ragkv_inter_token_latency_seconds",
             "Time between consecutive generated tokens.",
+            &mut out,
+        );
+        self.remote_fetch.render(
+            "ragkv_remote_fetch_seconds",
+            "Time of each chunk fetch from the shared KV tier, retries included.",
             &mut out,
         );
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -212,6 +231,30 @@ impl Metrics {
                 "counter",
                 "Stored KV bytes read.",
                 g(&self.kv_bytes_loaded),
+            ),
+            (
+                "ragkv_remote_hits_total",
+                "counter",
+                "Chunks the local store missed that the shared KV tier had (kept locally).",
+                g(&self.remote_hits),
+            ),
+            (
+                "ragkv_remote_misses_total",
+                "counter",
+                "Chunks neither the local store nor the shared tier had.",
+                g(&self.remote_misses),
+            ),
+            (
+                "ragkv_remote_errors_total",
+                "counter",
+                "Shared-tier fetches that failed or did not verify (the chunk was recomputed).",
+                g(&self.remote_errors),
+            ),
+            (
+                "ragkv_remote_bytes_total",
+                "counter",
+                "KV bytes fetched from the shared tier.",
+                g(&self.remote_bytes),
             ),
             (
                 "ragkv_kv_rematerialized_total",

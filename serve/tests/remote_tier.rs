@@ -1,0 +1,190 @@
+//! Two nodes over one shared KV tier: node A ingests (writing through to the tier), node B,
+//! with its own empty KV store, answers from the KV it fetches there, without prefilling;
+//! a document deleted through A leaves the tier. The vector index is one shared instance
+//! (the role a Qdrant server plays between machines). Against a directory always; against a
+//! real S3 server (Garage, `scripts/test-servers.sh`) with `--ignored` and `RAGKV_TEST_S3_*`.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use remote::{ReadMode, Remote, RemoteConfig, WriteMode};
+use serve::{Event, KvMode, Query, Rag, ServeConfig};
+
+const DOCS: &[(&str, &str)] = &[
+    (
+        "orion-vault",
+        "The Harrowgate archive keeps its oldest survey maps in the Orion vault, below the \
+         reading room. The access code for the Orion vault is 4817. Only the head archivist \
+         may open it.",
+    ),
+    (
+        "calder-wren",
+        "The research ship Calder Wren was launched in 2011 to study plankton in the North \
+         Atlantic. The captain of the Calder Wren is Ines Valbuena.",
+    ),
+];
+
+fn tier(base: &RemoteConfig, prefix: &str, write: WriteMode) -> Arc<Remote> {
+    Arc::new(
+        Remote::open(&RemoteConfig {
+            prefix: prefix.into(),
+            write,
+            read: ReadMode::Through,
+            timeout_ms: 10_000,
+            ..base.clone()
+        })
+        .unwrap(),
+    )
+}
+
+fn query(question: &str) -> Query {
+    Query {
+        question: question.into(),
+        top_k: 1,
+        filter: Default::default(),
+        params: model::GenerateParams {
+            max_tokens: 16,
+            ..Default::default()
+        },
+        kv: KvMode::On,
+        assembly: serve::Assembly::Reposition,
+    }
+}
+
+fn answer(rag: &Rag, q: Query) -> Box<serve::Final> {
+    let hits = rag.retrieve(&q).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+    rag.submit(
+        rag.admit().unwrap(),
+        q,
+        hits,
+        tx,
+        Instant::now(),
+        Duration::ZERO,
+    )
+    .unwrap();
+    loop {
+        match rx.blocking_recv().expect("query ended") {
+            Event::Token(_) => {}
+            Event::Done(f) => return f,
+            Event::Error(_, e) => panic!("{e}"),
+        }
+    }
+}
+
+fn two_nodes(base: RemoteConfig, prefix: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = DOCS
+        .iter()
+        .map(|(id, text)| ingest::Doc {
+            id: id.to_string(),
+            text: text.to_string(),
+            metadata: Default::default(),
+            origin: id.to_string(),
+        })
+        .collect();
+    // Node A: ingests, writing every chunk through to the tier.
+    let a = common::open_engine(&dir.path().join("a"), Default::default(), model::DType::F16)
+        .with_remote(tier(&base, prefix, WriteMode::Through));
+    let report = a
+        .ingest(
+            &[ingest::Source::Docs(docs)],
+            &ingest::RunOptions {
+                materialize: ingest::Materialize::Eager,
+                prune: false,
+            },
+            &ingest::Counters::default(),
+        )
+        .unwrap();
+    assert_eq!(report.docs_new, DOCS.len());
+    let shared = a.remote.clone().unwrap();
+    let ns = a.namespace();
+    let stored = shared.usage().unwrap();
+    assert_eq!(stored[&ns.to_hex()].0, report.chunks, "{stored:?}");
+
+    // Node B: its own empty KV store, the same index and model; reads through, writes nothing.
+    let b_store = kvstore::Store::open(dir.path().join("b/kv"), Default::default()).unwrap();
+    let b = Arc::new(
+        ingest::Engine::new(
+            Arc::new(b_store),
+            a.index.clone(),
+            a.embedder.clone(),
+            a.model.clone(),
+            Default::default(),
+            model::DType::F16,
+        )
+        .unwrap()
+        .with_remote(tier(&base, prefix, WriteMode::Off)),
+    );
+    assert_eq!(b.namespace(), ns);
+    let rag = Rag::start(b.clone(), ServeConfig::default()).unwrap();
+    let q = "What is the access code for the Orion vault?";
+    let f = answer(&rag, query(q));
+    assert!(f.answer.contains("4817"), "{:?}", f.answer);
+    assert_eq!((f.kv_hits, f.kv_misses), (1, 0), "{:?}", f.citations);
+    let m = &rag.metrics;
+    assert_eq!(m.remote_hits.load(Ordering::Relaxed), 1);
+    assert!(m.remote_bytes.load(Ordering::Relaxed) > 0);
+    assert_eq!(m.remote_errors.load(Ordering::Relaxed), 0);
+    // Kept locally: the second time is a local hit, the tier is not asked.
+    let f = answer(&rag, query(q));
+    assert_eq!((f.kv_hits, f.kv_misses), (1, 0));
+    assert_eq!(m.remote_hits.load(Ordering::Relaxed), 1);
+    assert!(
+        b.store
+            .probe(ns, &b.chunk_tokens(DOCS[0].1).unwrap())
+            .unwrap()
+            > 0
+    );
+
+    // Deleted through A: gone from the index (B no longer retrieves it) and from the tier.
+    assert!(a.delete_document("orion-vault").unwrap());
+    let hits = rag.retrieve(&query(q)).unwrap();
+    assert!(
+        hits.iter().all(|h| h.payload.doc_id != "orion-vault"),
+        "{hits:?}"
+    );
+    let left = shared.usage().unwrap();
+    assert_eq!(
+        left.get(&ns.to_hex()).map_or(0, |u| u.0),
+        report.chunks - 1,
+        "{left:?}"
+    );
+    assert!(shared.manifests(ns, "orion-vault").unwrap().is_empty());
+    drop(rag);
+}
+
+#[test]
+fn a_second_node_serves_what_the_first_stored_in_a_shared_directory() {
+    let d = tempfile::tempdir().unwrap();
+    two_nodes(
+        RemoteConfig {
+            url: format!("file://{}", d.path().display()),
+            ..RemoteConfig::default()
+        },
+        "ragkv",
+    );
+}
+
+#[test]
+#[ignore = "needs an S3 server: scripts/test-servers.sh starts Garage and sets RAGKV_TEST_S3_*"]
+fn a_second_node_serves_what_the_first_stored_in_an_s3_bucket() {
+    let var = |k: &str| std::env::var(k).expect("RAGKV_TEST_S3_* name the server");
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    two_nodes(
+        RemoteConfig {
+            url: var("RAGKV_TEST_S3_URL"),
+            bucket: var("RAGKV_TEST_S3_BUCKET"),
+            credentials: var("RAGKV_TEST_S3_CREDENTIALS"),
+            region: "garage".into(),
+            ..RemoteConfig::default()
+        },
+        &format!("test/two-nodes-{t}"),
+    );
+}
