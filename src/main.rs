@@ -85,9 +85,14 @@ struct IngestArgs {
     /// eager (prefill now), lazy (at first retrieval), none (vectors only).
     #[arg(long)]
     materialize: Option<ingest::Materialize>,
-    /// Delete indexed documents that the given sources no longer contain.
+    /// Delete indexed documents that the given sources no longer contain (of this shard).
     #[arg(long)]
     prune: bool,
+    /// Ingest only shard I of N (`0/2`, `1/2`): documents are split by a hash of their id, so N
+    /// workers given the same sources each take their own part, into one Qdrant server and one
+    /// shared KV tier (`[index] url`, `[remote]`).
+    #[arg(long, value_name = "I/N")]
+    shard: Option<ingest::Shard>,
     /// auto, bars, lines or quiet.
     #[arg(long, default_value = "auto")]
     progress: String,
@@ -451,6 +456,11 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
             "--prune is not supported while a server runs on this data directory (it owns the \
              store): stop the server, or delete documents with `ragkv delete`"
         );
+        anyhow::ensure!(
+            args.shard.is_none(),
+            "--shard is not supported while a server runs on this data directory: stop it, or \
+             run the shard's worker on its own data directory"
+        );
         let materialize = args.materialize.unwrap_or(config.ingest.materialize);
         if !handoff::ingest(config, server, &sources, materialize, args.json)? {
             std::process::exit(EXIT_PARTIAL);
@@ -461,6 +471,7 @@ fn ingest_cmd(config: &Config, args: IngestArgs) -> Result<()> {
     let opts = ingest::RunOptions {
         materialize: args.materialize.unwrap_or(config.ingest.materialize),
         prune: args.prune,
+        shard: args.shard,
     };
     let progress = ingest::Progress::start(mode);
     let report = engine.ingest(&sources, &opts, &progress.counters)?;

@@ -101,6 +101,7 @@ pub fn open_indexed(
                 &ingest::RunOptions {
                     materialize: ingest::Materialize::None,
                     prune: false,
+                    shard: None,
                 },
                 &progress.counters,
             )
@@ -152,6 +153,7 @@ pub fn ingest(
             &ingest::RunOptions {
                 materialize,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )

@@ -104,13 +104,69 @@ impl IngestConfig {
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     pub materialize: Materialize,
-    /// Delete indexed documents that none of the sources yielded.
+    /// Delete indexed documents that none of the sources yielded (of this run's shard only).
     pub prune: bool,
+    /// Ingest only the documents of one shard (`--shard I/N`): N workers, one shard each, can
+    /// ingest one corpus into one index and one shared KV tier.
+    pub shard: Option<Shard>,
+}
+
+/// One of `count` disjoint parts of a corpus: the documents whose id hashes to `index`
+/// (the first 8 bytes of blake3 of the id, little endian, modulo `count`), so every worker
+/// given the same sources and `count` agrees on who owns what, whatever order it reads in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Shard {
+    /// Whether `doc` belongs to this shard.
+    pub fn contains(&self, doc: &str) -> bool {
+        let h = blake3::hash(doc.as_bytes());
+        let x = u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"));
+        x % u64::from(self.count) == u64::from(self.index)
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = Error;
+    /// `I/N` with `0 <= I < N`.
+    fn from_str(s: &str) -> Result<Shard> {
+        let bad = || Error::Invalid {
+            what: "shard",
+            why: format!("{s:?} (expected I/N with 0 <= I < N, e.g. 0/2)"),
+        };
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count): (u32, u32) = (
+            i.trim().parse().map_err(|_| bad())?,
+            n.trim().parse().map_err(|_| bad())?,
+        );
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(Shard { index, count })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_partition_documents() {
+        let two: Vec<Shard> = ["0/2", "1/2"].iter().map(|s| s.parse().unwrap()).collect();
+        let ids: Vec<String> = (0..200).map(|i| format!("doc-{i}.txt")).collect();
+        for id in &ids {
+            assert_eq!(two.iter().filter(|s| s.contains(id)).count(), 1, "{id}");
+        }
+        let first = ids.iter().filter(|d| two[0].contains(d)).count();
+        assert!((70..130).contains(&first), "{first} of 200 in shard 0");
+        assert!("0/1".parse::<Shard>().unwrap().contains("anything"));
+        for bad in ["2/2", "1/0", "1", "a/b", "-1/2"] {
+            assert!(bad.parse::<Shard>().is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn materialize_parses() {

@@ -17,7 +17,7 @@ pub mod source;
 
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
-pub use config::{IngestConfig, Materialize, RunOptions};
+pub use config::{IngestConfig, Materialize, RunOptions, Shard};
 pub use error::{Error, Result};
 pub use pipeline::{kv_doc, kv_key, split_kv_doc, Engine, CHUNK_TEMPLATE};
 pub use progress::{Counters, Progress, ProgressMode};

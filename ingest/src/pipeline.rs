@@ -52,7 +52,7 @@ use uuid::Uuid;
 
 use crate::chunk::{chunk_text, Chunk};
 use crate::claims::{Claim, Claims};
-use crate::config::{IngestConfig, Materialize, RunOptions};
+use crate::config::{IngestConfig, Materialize, RunOptions, Shard};
 use crate::error::{Error, Result};
 use crate::progress::Counters;
 use crate::report::{secs, Failure, Report, StageTimes};
@@ -241,7 +241,9 @@ impl Engine {
         std::thread::scope(|s| -> Result<()> {
             let reader = std::thread::Builder::new()
                 .name("ragkv-read".into())
-                .spawn_scoped(s, || self.read_stage(sources, read_tx, &shared, &seen))
+                .spawn_scoped(s, || {
+                    self.read_stage(opts, sources, read_tx, &shared, &seen)
+                })
                 .map_err(spawn_err)?;
             let planner = std::thread::Builder::new()
                 .name("ragkv-chunk".into())
@@ -281,7 +283,7 @@ impl Engine {
     /// documents this run read (every document with `prune`).
     fn finish(&self, opts: &RunOptions, seen: &HashSet<String>, report: &mut Report) -> Result<()> {
         report.orphans_removed += if opts.prune {
-            let versions = self.prune(seen, report)?;
+            let versions = self.prune(seen, opts.shard, report)?;
             self.detach_orphans(&versions)?
         } else {
             // Only the documents this run read: a seek each, not a scan of every payload.
@@ -301,6 +303,7 @@ impl Engine {
     fn prune(
         &self,
         seen: &HashSet<String>,
+        shard: Option<Shard>,
         report: &mut Report,
     ) -> Result<HashMap<String, HashSet<String>>> {
         let mut versions = self.indexed_versions()?;
@@ -318,9 +321,10 @@ impl Engine {
             report.docs_failed += 1;
             return Ok(versions);
         }
+        // Another shard's documents are not this run's to judge.
         let gone: Vec<String> = versions
             .keys()
-            .filter(|d| !seen.contains(*d))
+            .filter(|d| !seen.contains(*d) && shard.is_none_or(|s| s.contains(d)))
             .cloned()
             .collect();
         for d in gone {
@@ -390,6 +394,7 @@ impl Engine {
 
     fn read_stage(
         &self,
+        opts: &RunOptions,
         sources: &[Source],
         tx: Sender<Doc>,
         shared: &Shared<'_>,
@@ -409,6 +414,11 @@ impl Engine {
                 match item {
                     Item::Skipped { origin, reason } => {
                         shared.fail(origin, reason);
+                        true
+                    }
+                    Item::Doc(doc) if opts.shard.is_some_and(|s| !s.contains(&doc.id)) => {
+                        shared.report.lock().docs_other_shards += 1;
+                        shared.counters.docs_done.fetch_add(1, Ordering::Relaxed);
                         true
                     }
                     Item::Doc(doc) => {

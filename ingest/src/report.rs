@@ -44,6 +44,8 @@ pub struct Report {
     pub kv_bytes: u64,
     /// Orphaned KV (left by an interrupted earlier run) removed.
     pub orphans_removed: usize,
+    /// Documents read but left to other shards (`--shard`).
+    pub docs_other_shards: usize,
     pub elapsed_s: f64,
     pub stages: StageTimes,
     pub failures: Vec<Failure>,

@@ -605,6 +605,7 @@ async fn add_documents(
             &ingest::RunOptions {
                 materialize,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )

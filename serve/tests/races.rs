@@ -23,6 +23,7 @@ fn ingest_eager(engine: &ingest::Engine, text: &str) {
             &ingest::RunOptions {
                 materialize: ingest::Materialize::Eager,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )

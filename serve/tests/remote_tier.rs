@@ -95,6 +95,7 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
             &ingest::RunOptions {
                 materialize: ingest::Materialize::Eager,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )
@@ -187,4 +188,79 @@ fn a_second_node_serves_what_the_first_stored_in_an_s3_bucket() {
         },
         &format!("test/two-nodes-{t}"),
     );
+}
+
+/// N shard workers (`--shard I/N`), each taking its own documents, into one index and one
+/// shared tier: the same points and the same KV objects as one worker over everything.
+#[test]
+fn shard_workers_together_store_what_one_worker_stores() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = || -> Vec<ingest::Doc> {
+        (0..8)
+            .map(|i| ingest::Doc {
+                id: format!("doc-{i}"),
+                text: format!(
+                    "Record {i}: the lighthouse on island {i} was rebuilt in {}. Its keeper \
+                     that year was keeper number {}.",
+                    1900 + 7 * i,
+                    i * 3 + 1
+                ),
+                metadata: Default::default(),
+                origin: format!("doc-{i}"),
+            })
+            .collect()
+    };
+    let run = |name: &str, shards: &[Option<ingest::Shard>]| {
+        let base = RemoteConfig {
+            url: format!("file://{}", dir.path().join(name).join("tier").display()),
+            ..RemoteConfig::default()
+        };
+        let e = common::open_engine(
+            &dir.path().join(name),
+            Default::default(),
+            model::DType::F16,
+        )
+        .with_remote(tier(&base, "ragkv", WriteMode::Through));
+        let mut new = 0;
+        for &shard in shards {
+            let r = e
+                .ingest(
+                    &[ingest::Source::Docs(docs())],
+                    &ingest::RunOptions {
+                        materialize: ingest::Materialize::Eager,
+                        prune: true,
+                        shard,
+                    },
+                    &ingest::Counters::default(),
+                )
+                .unwrap();
+            // Each worker takes its own documents and prunes none of the others'.
+            assert_eq!(r.docs_new + r.docs_other_shards, 8, "{r:?}");
+            assert_eq!(r.docs_deleted, 0);
+            if shard.is_some() {
+                assert!(r.docs_new > 0 && r.docs_other_shards > 0, "{r:?}");
+            }
+            new += r.docs_new;
+        }
+        assert_eq!(new, 8);
+        let mut points: Vec<(String, u32, String)> = e
+            .index
+            .points()
+            .unwrap()
+            .into_iter()
+            .map(|(_, p)| (p.doc_id, p.ordinal, p.kv_key))
+            .collect();
+        points.sort();
+        let usage = e.remote.as_ref().unwrap().usage().unwrap();
+        (points, usage)
+    };
+    let halves: Vec<Option<ingest::Shard>> = ["0/2", "1/2"]
+        .iter()
+        .map(|s| Some(s.parse().unwrap()))
+        .collect();
+    let (sharded, sharded_tier) = run("sharded", &halves);
+    let (whole, whole_tier) = run("whole", &[None]);
+    assert_eq!(sharded.len(), 8);
+    assert_eq!(sharded, whole);
+    assert_eq!(sharded_tier, whole_tier);
 }

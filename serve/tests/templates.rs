@@ -66,6 +66,7 @@ fn fixture(arch: Arch) -> Fixture {
             &ingest::RunOptions {
                 materialize: ingest::Materialize::Eager,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )

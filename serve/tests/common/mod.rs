@@ -66,6 +66,7 @@ pub fn engine(
             &ingest::RunOptions {
                 materialize: ingest::Materialize::Eager,
                 prune: false,
+                shard: None,
             },
             &ingest::Counters::default(),
         )
