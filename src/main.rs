@@ -135,6 +135,8 @@ enum BenchCommand {
     Ingest(bench::ingest::Args),
     /// Time to first token with stored KV vs full recompute; loader/decode overlap.
     Ttft(bench::ttft::Args),
+    /// The shared KV tier: chunk gets vs the local store and recompute; remote-only TTFT.
+    Remote(bench::remote_tier::Args),
     /// Concurrent clients against one server (status codes, latency, memory).
     Load(bench::load::Args),
     /// The SGLang-LSM phased workload with the adaptive compaction controller on and off.
@@ -263,6 +265,7 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Retrieval(args) => bench::retrieval::run(&args)?,
                 BenchCommand::Ingest(args) => bench::ingest::run(&args)?,
                 BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
+                BenchCommand::Remote(args) => bench::remote_tier::run(&args)?,
                 BenchCommand::Load(args) => bench::load::run(&args)?,
                 BenchCommand::Compaction(args) => bench::compaction::run(&args)?,
                 BenchCommand::Eviction(args) => bench::eviction::run(&args)?,

@@ -16,6 +16,7 @@ pub mod load;
 pub mod model;
 mod progress;
 pub mod qa;
+pub mod remote_tier;
 pub mod retrieval;
 pub mod score;
 pub mod ttft;

@@ -233,12 +233,7 @@ impl Remote {
         let key = self.keys.kv(ns, item.tokens);
         let body = object::encode(ns, item.layout, item.tokens, item.kv)?;
         let n = body.len() as u64;
-        self.run("put", &key, async {
-            self.store
-                .put(&key, PutPayload::from(body))
-                .await
-                .map_err(Self::store_err("put", &key))
-        })?;
+        self.put_bytes(&key, PutPayload::from(body))?;
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
         Ok(n)
@@ -358,12 +353,19 @@ impl Remote {
 
     fn reference(&self, ns: NamespaceId, doc: &str, version: &str, tokens: &[u32]) -> Result<()> {
         let digest = hex(&TokenDigest::of(tokens).0);
-        let r = self.keys.reference(ns, &digest, doc, version);
-        self.run("put", &r, async {
+        self.put_bytes(
+            &self.keys.reference(ns, &digest, doc, version),
+            PutPayload::default(),
+        )
+    }
+
+    /// One object written as is.
+    fn put_bytes(&self, key: &Path, body: PutPayload) -> Result<()> {
+        self.run("put", key, async {
             self.store
-                .put(&r, PutPayload::default())
+                .put(key, body)
                 .await
-                .map_err(Self::store_err("put", &r))
+                .map_err(Self::store_err("put", key))
                 .map(|_| ())
         })
     }
@@ -381,13 +383,7 @@ impl Remote {
         let key = self.keys.manifest(ns, doc, version);
         let digests = chunks.iter().map(|t| hex(&TokenDigest::of(t).0)).collect();
         let body = Manifest::new(ns, doc, version, digests).encode();
-        self.run("put", &key, async {
-            self.store
-                .put(&key, PutPayload::from(body))
-                .await
-                .map_err(Self::store_err("put", &key))
-                .map(|_| ())
-        })
+        self.put_bytes(&key, PutPayload::from(body))
     }
 
     /// A whole document version at once: its objects (`remote.concurrency` at a time), a

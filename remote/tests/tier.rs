@@ -40,6 +40,14 @@ fn on(base: RemoteConfig, prefix: &str) -> RemoteConfig {
     }
 }
 
+/// A tier in directory `d`.
+fn in_dir(d: &std::path::Path) -> RemoteConfig {
+    RemoteConfig {
+        url: format!("file://{}", d.display()),
+        ..RemoteConfig::default()
+    }
+}
+
 fn s3() -> Option<RemoteConfig> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     Some(RemoteConfig {
@@ -141,22 +149,14 @@ fn documents_share_release_and_collect(tier: &Remote) {
 #[test]
 fn a_directory_tier_shares_releases_and_collects() {
     let d = tempfile::tempdir().unwrap();
-    let base = RemoteConfig {
-        url: format!("file://{}", d.path().display()),
-        ..RemoteConfig::default()
-    };
-    let tier = Remote::open(&on(base, "ragkv")).unwrap();
+    let tier = Remote::open(&on(in_dir(d.path()), "ragkv")).unwrap();
     documents_share_release_and_collect(&tier);
 }
 
 #[test]
 fn a_damaged_object_reads_as_corrupt_never_as_kv() {
     let d = tempfile::tempdir().unwrap();
-    let base = RemoteConfig {
-        url: format!("file://{}", d.path().display()),
-        ..RemoteConfig::default()
-    };
-    let tier = Remote::open(&on(base, "p")).unwrap();
+    let tier = Remote::open(&on(in_dir(d.path()), "p")).unwrap();
     let ns = NamespaceId([5; 16]);
     let tokens = vec![7u32; 16];
     let k = kv(&tokens);

@@ -89,17 +89,7 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
     // Node A: ingests, writing every chunk through to the tier.
     let a = common::open_engine(&dir.path().join("a"), Default::default(), model::DType::F16)
         .with_remote(tier(&base, prefix, WriteMode::Through));
-    let report = a
-        .ingest(
-            &[ingest::Source::Docs(docs)],
-            &ingest::RunOptions {
-                materialize: ingest::Materialize::Eager,
-                prune: false,
-                shard: None,
-            },
-            &ingest::Counters::default(),
-        )
-        .unwrap();
+    let report = common::ingest_eager(&a, ingest::Source::Docs(docs));
     assert_eq!(report.docs_new, DOCS.len());
     let shared = a.remote.clone().unwrap();
     let ns = a.namespace();

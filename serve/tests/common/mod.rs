@@ -60,7 +60,14 @@ pub fn engine(
     docs: usize,
 ) -> ingest::Engine {
     let engine = open_engine(dir, config, model::DType::F16);
-    let report = engine
+    let report = ingest_eager(&engine, source);
+    assert_eq!(report.docs_new, docs, "{report:?}");
+    engine
+}
+
+/// Ingests `source` with its KV, no pruning.
+pub fn ingest_eager(engine: &ingest::Engine, source: ingest::Source) -> ingest::Report {
+    engine
         .ingest(
             &[source],
             &ingest::RunOptions {
@@ -70,7 +77,5 @@ pub fn engine(
             },
             &ingest::Counters::default(),
         )
-        .unwrap();
-    assert_eq!(report.docs_new, docs, "{report:?}");
-    engine
+        .unwrap()
 }
