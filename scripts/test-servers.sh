@@ -2,7 +2,7 @@
 # Real servers for the remote test suites, on loopback (never mocks):
 #
 #   scripts/test-servers.sh install   builds Garage (S3-compatible object store, from crates.io)
-#                                     into ~/.cache/ragkv/servers (once; ~30 min on 2 cores)
+#                                     into ~/.cache/ragkv/servers (once; 74 min here on 2 shared cores)
 #   scripts/test-servers.sh start     starts it (fresh data) and writes $RAGKV_SERVERS/env with
 #                                     the variables the suites read (RAGKV_TEST_S3_*)
 #   scripts/test-servers.sh stop
@@ -30,7 +30,7 @@ install() {
     echo "garage $GARAGE_VERSION: $garage"
     return
   fi
-  echo "building garage $GARAGE_VERSION into $cache (once; ~30 min on 2 cores)..."
+  echo "building garage $GARAGE_VERSION into $cache (once; about an hour on 2 cores)..."
   # SQLite metadata only: no LMDB, no metrics exporter (fewer crates to build).
   cargo install garage --version "$GARAGE_VERSION" --locked \
     --no-default-features --features bundled-libs,sqlite \
