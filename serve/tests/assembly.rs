@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use model::{Kv, Tensor};
 use serve::assembly::{assemble, Repair};
-use serve::{Assembly, Event, KvMode, Query, Rag, ServeConfig};
+use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 
 const REPAIR: Repair = Repair {
     recompute_share: 0.15,
@@ -247,22 +247,6 @@ fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::En
     ))
 }
 
-/// A query's final record through the pipeline (its text pieces skipped).
-fn answer(rag: &Rag, q: Query, hits: Vec<retrieval::Hit>) -> Box<serve::Final> {
-    let asm = q.assembly;
-    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
-    let ticket = rag.admit().unwrap();
-    rag.submit(ticket, q, hits, tx, Instant::now(), Duration::ZERO)
-        .unwrap();
-    loop {
-        match rx.blocking_recv().expect("query ended") {
-            Event::Token(_) => {}
-            Event::Done(f) => return f,
-            Event::Error(_, e) => panic!("{asm}: {e}"),
-        }
-    }
-}
-
 /// Stops the pipeline and waits until its threads have let go of the engine (which closes
 /// its index before the directory goes).
 fn close(rag: Arc<Rag>, engine: Arc<ingest::Engine>) {
@@ -295,7 +279,7 @@ fn every_strategy_answers_planted_questions() {
             };
             let hits = rag.retrieve(&q).unwrap();
             assert_eq!(hits[0].payload.doc_id, *id);
-            let f = answer(&rag, q, hits);
+            let f = common::answer(&rag, q, hits);
             eprintln!("{asm} | {question} -> {:?}", f.answer);
             assert_eq!(f.assembly, asm);
             let stored = f.citations.iter().filter(|c| c.kv.is_stored()).count();
@@ -348,7 +332,7 @@ fn teacher_forcing_reproduces_the_reference() {
     assert!(r.first_token_ms > 0.0);
 
     // The pipeline's own `full` answer is the reference's.
-    let piped = answer(&rag, query(Assembly::Full), hits.clone());
+    let piped = common::answer(&rag, query(Assembly::Full), hits.clone());
     assert_eq!(piped.answer, r.generation.text);
 
     let argmaxes =
@@ -368,7 +352,7 @@ fn teacher_forcing_reproduces_the_reference() {
     let d = max_abs_diff(&f, &r.logits);
     eprintln!("forced {whole} vs reference logits: {d:e}");
     assert!(d < 1e-2, "{d}");
-    let piped = answer(&rag, query(whole), hits.clone());
+    let piped = common::answer(&rag, query(whole), hits.clone());
     assert_eq!(piped.answer, r.generation.text);
     for asm in [Assembly::Reposition, Assembly::Link(Some(2))] {
         let f = rag.forced(&query(asm), hits.clone(), &r.targets).unwrap();

@@ -8,10 +8,9 @@ mod common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use remote::{ReadMode, Remote, RemoteConfig, WriteMode};
-use serve::{Event, KvMode, Query, Rag, ServeConfig};
+use serve::{KvMode, Query, Rag, ServeConfig};
 
 const DOCS: &[(&str, &str)] = &[
     (
@@ -54,25 +53,10 @@ fn query(question: &str) -> Query {
     }
 }
 
+/// Retrieves, then answers through the pipeline.
 fn answer(rag: &Rag, q: Query) -> Box<serve::Final> {
     let hits = rag.retrieve(&q).unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
-    rag.submit(
-        rag.admit().unwrap(),
-        q,
-        hits,
-        tx,
-        Instant::now(),
-        Duration::ZERO,
-    )
-    .unwrap();
-    loop {
-        match rx.blocking_recv().expect("query ended") {
-            Event::Token(_) => {}
-            Event::Done(f) => return f,
-            Event::Error(_, e) => panic!("{e}"),
-        }
-    }
+    common::answer(rag, q, hits)
 }
 
 fn two_nodes(base: RemoteConfig, prefix: &str) {

@@ -79,3 +79,26 @@ pub fn ingest_eager(engine: &ingest::Engine, source: ingest::Source) -> ingest::
         )
         .unwrap()
 }
+
+/// A query's final record through the pipeline (its text pieces skipped).
+pub fn answer(rag: &serve::Rag, q: serve::Query, hits: Vec<retrieval::Hit>) -> Box<serve::Final> {
+    let asm = q.assembly;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+    let ticket = rag.admit().unwrap();
+    rag.submit(
+        ticket,
+        q,
+        hits,
+        tx,
+        std::time::Instant::now(),
+        std::time::Duration::ZERO,
+    )
+    .unwrap();
+    loop {
+        match rx.blocking_recv().expect("query ended") {
+            serve::Event::Token(_) => {}
+            serve::Event::Done(f) => return f,
+            serve::Event::Error(_, e) => panic!("{asm}: {e}"),
+        }
+    }
+}
