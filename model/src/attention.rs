@@ -1,127 +1,422 @@
-//! Attention of one decoding token over its sequence's cache, on the CPU, reading the cache
-//! in place.
+//! Causal attention of a step's tokens over their own sequences' caches, on the CPU, reading
+//! each cache in place: every sequence of a batch step (decoding tokens and prompts alike)
+//! in one pass over the thread pool, with no mask.
 //!
-//! The general path (`Decoder::attend_heads`) is a dozen candle operations per layer, and
-//! its products need the keys and values contiguous: every step copied the sequence's whole
-//! cache of every layer (`capacity` rows per head, of which the first `t` are live). For one
-//! query token this kernel reads the live rows where they are, one head per task on candle's
-//! thread pool: scores, softmax and the weighted sum of values in f32, grouped-query heads
-//! sharing their KV head. Used for f32 caches on the CPU; prompts (several tokens) and other
-//! dtypes or devices take the general path.
+//! The general path (`Decoder::attend_heads`) is a dozen candle operations per layer: its
+//! products need the keys and values contiguous (every step copied each sequence's whole
+//! cache of every layer), and a prompt materializes its `(s, t)` mask and scores. Here a task
+//! is a few query rows of one sequence and one KV head with the query heads that share it
+//! (grouped-query attention): each key and value row is read once for all of them, which
+//! matters because decoding over a long cache is bound by reading it (SmolLM2 at 2,000 cached
+//! tokens: ~100 MB of f32 keys and values per sequence and step, as much as its quantized
+//! weights). Query row `i` of a sequence whose cache holds `t` rows after this step sits at
+//! cache index `t - s + i` and sees keys up to it, within the sliding window if any (HF's
+//! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32, with
+//! AVX2+FMA (and a vectorized `exp`, ggml's) where the CPU has them, a portable loop
+//! otherwise. Used for f32 caches on the CPU; other dtypes and devices take the general path.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
 use crate::quant::SharedOut;
 
-/// The op: query `(1, heads, 1, d)` (any strides), keys and values `(1, kv_heads, t, d)` with
-/// unit stride along `d` (a cache's live rows); output `(1, 1, heads * d)`.
+/// Query rows per task: enough work per hand-off, enough tasks to share among threads.
+const ROWS_PER_TASK: usize = 16;
+
+/// One sequence of a step: its rows among the step's queries (`row..row + len`), and the
+/// live rows of its cache for the layer after this step's keys and values went in (keys
+/// and values `(1, kv_heads, t, d)`, unit stride along `d`, `t ≥ len`).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct DecodeAttention {
-    /// The first visible key (a sliding window's start; 0 without one).
-    pub from: usize,
-    pub scale: f32,
+pub(crate) struct Seq<'a> {
+    pub row: usize,
+    pub len: usize,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
 }
 
-/// `a · b`, eight lanes at a time (a form the compiler vectorizes).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
+/// A cache view as raw parts: data, start offset, head stride, row stride.
+#[derive(Clone, Copy)]
+struct Raw<'a> {
+    data: &'a [f32],
+    start: usize,
+    head: usize,
+    row: usize,
 }
 
-impl CustomOp3 for DecodeAttention {
-    fn name(&self) -> &'static str {
-        "ragkv-decode-attention"
+fn f32_data<'a>(s: &'a Storage, what: &str) -> candle_core::Result<&'a [f32]> {
+    match s {
+        Storage::Cpu(CpuStorage::F32(d)) => Ok(d),
+        _ => candle_core::bail!("attention: {what} is not an f32 CPU tensor"),
     }
+}
 
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) = (q, k, v) else {
-            candle_core::bail!("decode attention: f32 only");
-        };
-        let (&[1, heads, 1, d], &[1, kv_heads, t, kd]) = (ql.dims(), kl.dims()) else {
+fn raw<'a>(data: &'a [f32], l: &Layout) -> Raw<'a> {
+    let st = l.stride();
+    Raw {
+        data,
+        start: l.start_offset(),
+        head: st[1],
+        row: st[2],
+    }
+}
+
+/// Attention of the queries `q` `(1, heads, rows, d)` (any strides) over each sequence's
+/// own keys and values, causal, within `window` if set, scaled by `scale`:
+/// `(rows, heads * d)`, the rows of `q` that `seqs` cover (the others left zero).
+pub(crate) fn attend(
+    q: &Tensor,
+    seqs: &[Seq<'_>],
+    window: Option<usize>,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    let (&[1, heads, rows, d], qst) = (q.dims(), q.stride()) else {
+        candle_core::bail!("attention: query {:?}", q.dims());
+    };
+    let (q_store, ql) = q.storage_and_layout();
+    let qd = f32_data(&q_store, "the query")?;
+    let q0 = ql.start_offset();
+    let mut guards = Vec::with_capacity(seqs.len());
+    let mut kv_heads = 0;
+    for s in seqs {
+        let (kd, vd) = (s.k.dims(), s.v.dims());
+        let ok = kd.len() == 4
+            && kd == vd
+            && kd[0] == 1
+            && kd[3] == d
+            && kd[1] > 0
+            && heads % kd[1] == 0
+            && (kv_heads == 0 || kv_heads == kd[1])
+            && s.k.stride()[3] == 1
+            && s.v.stride()[3] == 1
+            && s.len > 0
+            && s.len <= kd[2]
+            && s.row + s.len <= rows;
+        if !ok {
             candle_core::bail!(
-                "decode attention: query {:?}, keys {:?}",
-                ql.dims(),
-                kl.dims()
-            );
-        };
-        let (qs, ks, vs) = (ql.stride(), kl.stride(), vl.stride());
-        if kd != d
-            || vl.dims() != kl.dims()
-            || ks[3] != 1
-            || vs[3] != 1
-            || kv_heads == 0
-            || heads % kv_heads != 0
-            || self.from >= t
-        {
-            candle_core::bail!(
-                "decode attention: query {:?}, keys {:?} (strides {ks:?}), values {:?} \
-                 (strides {vs:?}), from {}",
-                ql.dims(),
-                kl.dims(),
-                vl.dims(),
-                self.from
+                "attention: query {:?}, keys {kd:?} (strides {:?}), values {vd:?} \
+                 (strides {:?}), rows {}..+{}",
+                q.dims(),
+                s.k.stride(),
+                s.v.stride(),
+                s.row,
+                s.len
             );
         }
-        let rep = heads / kv_heads;
-        let (q0, k0, v0) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
-        let mut out = vec![0f32; heads * d];
-        let dst = SharedOut(out.as_mut_ptr());
-        candle_core::utils::barrier_pool().execute_chunked(heads, |range| {
-            let dst = &dst;
-            let mut qh = vec![0f32; d];
-            let mut p = Vec::with_capacity(t - self.from);
-            for h in range {
-                for (i, x) in qh.iter_mut().enumerate() {
-                    *x = q[q0 + h * qs[1] + i * qs[3]];
-                }
-                let g = h / rep;
-                let (kb, vb) = (k0 + g * ks[1], v0 + g * vs[1]);
-                p.clear();
-                let mut max = f32::NEG_INFINITY;
-                for j in self.from..t {
-                    let at = kb + j * ks[2];
-                    let s = dot(&qh, &k[at..at + d]) * self.scale;
-                    max = max.max(s);
-                    p.push(s);
-                }
-                let mut sum = 0f32;
-                for s in p.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                // SAFETY: the pool hands out disjoint ranges of heads; head `h` owns
-                // `out[h * d..(h + 1) * d]`, and `out` outlives `execute_chunked`.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add(h * d), d) };
-                for (j, w) in (self.from..t).zip(&p) {
-                    let at = vb + j * vs[2];
-                    let w = w / sum;
-                    for (o, x) in o.iter_mut().zip(&v[at..at + d]) {
-                        *o += w * x;
+        kv_heads = kd[1];
+        guards.push((s.k.storage_and_layout(), s.v.storage_and_layout(), kd[2]));
+    }
+    let mut views = Vec::with_capacity(seqs.len());
+    for ((ks, kl), (vs, vl), t) in &guards {
+        views.push((
+            raw(f32_data(ks, "the keys")?, kl),
+            raw(f32_data(vs, "the values")?, vl),
+            *t,
+        ));
+    }
+    let rep = heads / kv_heads.max(1);
+    // Tasks: (sequence, KV head, block of query rows).
+    let mut tasks = Vec::new();
+    for (i, s) in seqs.iter().enumerate() {
+        for g in 0..kv_heads {
+            for r in (0..s.len).step_by(ROWS_PER_TASK) {
+                tasks.push((i, g, r, (r + ROWS_PER_TASK).min(s.len)));
+            }
+        }
+    }
+    let kernel = Kernel::best();
+    let mut out = vec![0f32; rows * heads * d];
+    let dst = SharedOut(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
+        let dst = &dst;
+        let mut qg = vec![0f32; rep * d];
+        let mut p = Vec::new();
+        for &(i, g, r0, r1) in &tasks[range] {
+            let (k, v, t) = views[i];
+            let s = &seqs[i];
+            let kb = &k.data[k.start + g * k.head..];
+            let vb = &v.data[v.start + g * v.head..];
+            for r in r0..r1 {
+                let row = s.row + r;
+                for h in 0..rep {
+                    let head = g * rep + h;
+                    for (x, at) in qg[h * d..(h + 1) * d].iter_mut().zip(0..d) {
+                        *x = qd[q0 + head * qst[1] + row * qst[2] + at * qst[3]];
                     }
                 }
+                let pos = t - s.len + r;
+                let from = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                // SAFETY: the tasks are disjoint (sequence, KV head, rows); the pair
+                // (row, head group) owns `rep * d` contiguous outputs, written only here,
+                // and `out` outlives `execute_chunked`.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(dst.0.add((row * heads + g * rep) * d), rep * d)
+                };
+                let krows = (from..=pos).map(|j| j * k.row);
+                let vrows = (from..=pos).map(|j| j * v.row);
+                kernel.group(
+                    &qg,
+                    kb,
+                    krows,
+                    vb,
+                    vrows,
+                    pos + 1 - from,
+                    d,
+                    scale,
+                    &mut p,
+                    o,
+                );
             }
-        });
-        Ok((CpuStorage::F32(out), Shape::from((1, 1, heads * d))))
+        }
+    });
+    drop(views);
+    drop(guards);
+    drop(q_store);
+    Tensor::from_vec(out, (rows, heads * d), q.device())
+}
+
+/// The loops of one group, for the CPU's instruction set.
+#[derive(Clone, Copy)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Kernel {
+    fn best() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Kernel::Avx2;
+        }
+        Kernel::Portable
+    }
+
+    /// Heads `q` (`rep` rows of `d`) over `n` keys at offsets `krows` of `k` and values at
+    /// `vrows` of `v`: the weighted sums into `o` (zeroed), `p` scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn group(
+        self,
+        q: &[f32],
+        k: &[f32],
+        krows: impl Iterator<Item = usize>,
+        v: &[f32],
+        vrows: impl Iterator<Item = usize>,
+        n: usize,
+        d: usize,
+        scale: f32,
+        p: &mut Vec<f32>,
+        o: &mut [f32],
+    ) {
+        let rep = q.len() / d;
+        p.clear();
+        p.resize(rep * n, 0.0);
+        // Scores, head-major: p[r * n + j].
+        for (j, at) in krows.enumerate() {
+            let key = &k[at..at + d];
+            for r in 0..rep {
+                p[r * n + j] = self.dot(&q[r * d..(r + 1) * d], key) * scale;
+            }
+        }
+        for r in 0..rep {
+            let s = &mut p[r * n..(r + 1) * n];
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum = self.exp_sub(s, max);
+            let inv = 1.0 / sum;
+            s.iter_mut().for_each(|x| *x *= inv);
+        }
+        o.fill(0.0);
+        for (j, at) in vrows.enumerate() {
+            let val = &v[at..at + d];
+            for r in 0..rep {
+                self.axpy(&mut o[r * d..(r + 1) * d], p[r * n + j], val);
+            }
+        }
+    }
+
+    #[inline]
+    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        match self {
+            // SAFETY: `best` checked the CPU features.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::dot(a, b) },
+            Kernel::Portable => portable::dot(a, b),
+        }
+    }
+
+    #[inline]
+    fn axpy(self, o: &mut [f32], w: f32, x: &[f32]) {
+        match self {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::axpy(o, w, x) },
+            Kernel::Portable => portable::axpy(o, w, x),
+        }
+    }
+
+    /// `x = exp(x - max)` in place; returns the sum.
+    #[inline]
+    fn exp_sub(self, x: &mut [f32], max: f32) -> f32 {
+        match self {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::exp_sub(x, max) },
+            Kernel::Portable => portable::exp_sub(x, max),
+        }
+    }
+}
+
+mod portable {
+    /// `a · b`, eight lanes at a time (a form the compiler vectorizes).
+    pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+        let tail: f32 = ac
+            .remainder()
+            .iter()
+            .zip(bc.remainder())
+            .map(|(x, y)| x * y)
+            .sum();
+        for (x, y) in ac.zip(bc) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    pub(super) fn axpy(o: &mut [f32], w: f32, x: &[f32]) {
+        for (o, x) in o.iter_mut().zip(x) {
+            *o += w * x;
+        }
+    }
+
+    pub(super) fn exp_sub(x: &mut [f32], max: f32) -> f32 {
+        let mut sum = 0f32;
+        for v in x.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        sum
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 + FMA loops. Every function needs those features: callers check first.
+    #![allow(unused_unsafe)]
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        unsafe {
+            let (mut c0, mut c1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i + 16 <= n {
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), c0);
+                c1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8)),
+                    _mm256_loadu_ps(pb.add(i + 8)),
+                    c1,
+                );
+                i += 16;
+            }
+            if i + 8 <= n {
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), c0);
+                i += 8;
+            }
+            let mut s = hsum(_mm256_add_ps(c0, c1));
+            while i < n {
+                s += a[i] * b[i];
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(o: &mut [f32], w: f32, x: &[f32]) {
+        let n = o.len().min(x.len());
+        let (po, px) = (o.as_mut_ptr(), x.as_ptr());
+        unsafe {
+            let wv = _mm256_set1_ps(w);
+            let mut i = 0;
+            while i + 8 <= n {
+                let y = _mm256_fmadd_ps(wv, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(po.add(i)));
+                _mm256_storeu_ps(po.add(i), y);
+                i += 8;
+            }
+            while i < n {
+                o[i] += w * x[i];
+                i += 1;
+            }
+        }
+    }
+
+    /// ggml's `ggml_v_expf` (AVX2), for arguments ≥ -87 (clamped: the scores minus their
+    /// maximum, where anything below is 0 to f32 anyway): max error about 1.5 ulp.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        unsafe {
+            let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+            let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+            let r = c(0x4b40_0000);
+            let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
+            let n = _mm256_sub_ps(z, r);
+            let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), x));
+            let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+            let k = _mm256_castsi256_ps(_mm256_add_epi32(
+                e,
+                _mm256_castps_si256(_mm256_set1_ps(1.0)),
+            ));
+            let u = _mm256_mul_ps(b, b);
+            let j = _mm256_fmadd_ps(
+                _mm256_fmadd_ps(
+                    _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                    u,
+                    _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+                ),
+                u,
+                _mm256_mul_ps(c(0x3f7f_fff6), b),
+            );
+            _mm256_fmadd_ps(j, k, k)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_sub(x: &mut [f32], max: f32) -> f32 {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        unsafe {
+            let m = _mm256_set1_ps(max);
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= n {
+                let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), m));
+                _mm256_storeu_ps(p.add(i), y);
+                acc = _mm256_add_ps(acc, y);
+                i += 8;
+            }
+            let mut sum = hsum(acc);
+            while i < n {
+                x[i] = (x[i] - max).exp();
+                sum += x[i];
+                i += 1;
+            }
+            sum
+        }
     }
 }
 
@@ -130,39 +425,164 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
-    /// Against softmax(q kᵀ · scale) v with candle's operations, on cache-like views (live
-    /// rows of a larger buffer), grouped heads, with and without a window start.
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// softmax(q kᵀ · scale) v with candle's operations, for one query row.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, from: usize, scale: f32) -> Tensor {
+        let (_, heads, _, d) = q.dims4().unwrap();
+        let (kv, t) = (k.dim(1).unwrap(), k.dim(2).unwrap());
+        let qg = q
+            .contiguous()
+            .unwrap()
+            .reshape((1, kv, heads / kv, d))
+            .unwrap();
+        let (kw, vw) = (
+            k.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
+            v.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
+        );
+        let att = (qg.matmul(&kw.t().unwrap()).unwrap() * scale as f64).unwrap();
+        let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
+        att.matmul(&vw).unwrap().reshape((1, heads * d)).unwrap()
+    }
+
+    /// Several decoding sequences of a step, each over its own cache view (live rows of a
+    /// larger buffer), grouped heads, with and without a window: each row equals the
+    /// reference computed alone.
     #[test]
     fn matches_the_reference_on_cache_views() {
         let dev = Device::Cpu;
-        let (heads, kv, d, cap, t) = (6, 2, 20, 40, 29);
+        let (heads, kv, d, cap) = (6, 2, 20, 40);
         let q = Tensor::randn(0f32, 1.0, (1, heads, 3, d), &dev).unwrap();
-        let q = q.narrow(2, 1, 1).unwrap(); // strided, as a batch's row is
+        let caches: Vec<(Tensor, Tensor)> = (0..2)
+            .map(|_| {
+                (
+                    Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap(),
+                    Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap(),
+                )
+            })
+            .collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        for (t0, t1, from) in [(29, 7, 0), (33, 21, 5)] {
+            let views: Vec<(Tensor, Tensor)> = caches
+                .iter()
+                .zip([t0, t1])
+                .map(|((k, v), t)| (k.narrow(2, 0, t).unwrap(), v.narrow(2, 0, t).unwrap()))
+                .collect();
+            // Sequence 0 is the step's row 2, sequence 1 its row 0 (strided rows of `q`).
+            let seqs = [
+                Seq {
+                    row: 2,
+                    len: 1,
+                    k: &views[0].0,
+                    v: &views[0].1,
+                },
+                Seq {
+                    row: 0,
+                    len: 1,
+                    k: &views[1].0,
+                    v: &views[1].1,
+                },
+            ];
+            // A window that starts at `from` for sequence 0's token (at cache index t0 - 1).
+            let window = (from > 0).then(|| t0 - from);
+            let got = attend(&q, &seqs, window, scale).unwrap();
+            assert_eq!(got.dims(), [3, heads * d]);
+            for s in &seqs {
+                let qi = q.narrow(2, s.row, 1).unwrap();
+                let t = s.k.dim(2).unwrap();
+                let lo = window.map_or(0, |w| t.saturating_sub(w));
+                let want = reference(&qi, s.k, s.v, lo, scale);
+                let diff = max_diff(&got.narrow(0, s.row, 1).unwrap(), &want);
+                assert!(
+                    diff < 1e-5,
+                    "row {}, window {window:?}: differs by {diff}",
+                    s.row
+                );
+            }
+        }
+    }
+
+    /// A prompt of several rows (more than one task's worth) beside a decoding token: each
+    /// prompt row sees the keys up to its own cache index (causal), within the window.
+    #[test]
+    fn prompts_are_causal_and_windowed() {
+        let dev = Device::Cpu;
+        let (heads, kv, d, cap) = (4, 2, 16, 64);
+        let (s, past) = (ROWS_PER_TASK + 5, 9);
+        let t = past + s;
+        let q = Tensor::randn(0f32, 1.0, (1, heads, s + 1, d), &dev).unwrap();
         let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
         let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
         let (k, v) = (kc.narrow(2, 0, t).unwrap(), vc.narrow(2, 0, t).unwrap());
-        let scale = 1.0 / (d as f32).sqrt();
-        for from in [0, 11] {
-            let op = DecodeAttention { from, scale };
-            let got = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
-            let rep = heads / kv;
-            let qg = q.contiguous().unwrap().reshape((1, kv, rep, d)).unwrap();
-            let (kw, vw) = (
-                k.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
-                v.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
-            );
-            let att = (qg.matmul(&kw.t().unwrap()).unwrap() * scale as f64).unwrap();
-            let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
-            let want = att.matmul(&vw).unwrap().reshape((1, 1, heads * d)).unwrap();
-            let diff = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(diff < 1e-5, "from {from}: differs by {diff}");
+        let (k1, v1) = (kc.narrow(2, 0, 5).unwrap(), vc.narrow(2, 0, 5).unwrap());
+        let scale = 0.3;
+        for window in [None, Some(7)] {
+            let seqs = [
+                Seq {
+                    row: 0,
+                    len: 1,
+                    k: &k1,
+                    v: &v1,
+                },
+                Seq {
+                    row: 1,
+                    len: s,
+                    k: &k,
+                    v: &v,
+                },
+            ];
+            let got = attend(&q, &seqs, window, scale).unwrap();
+            for i in 0..s {
+                let pos = past + i;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let (kk, vv) = (
+                    k.narrow(2, 0, pos + 1).unwrap(),
+                    v.narrow(2, 0, pos + 1).unwrap(),
+                );
+                let want = reference(&q.narrow(2, 1 + i, 1).unwrap(), &kk, &vv, lo, scale);
+                let diff = max_diff(&got.narrow(0, 1 + i, 1).unwrap(), &want);
+                assert!(diff < 1e-5, "row {i}, window {window:?}: differs by {diff}");
+            }
         }
+    }
+
+    /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths
+    /// included.
+    #[test]
+    fn kernels_agree() {
+        let best = Kernel::best();
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
+        for n in [0, 1, 8, 15, 16, 37] {
+            let (x, y) = (
+                best.dot(&a[..n], &b[..n]),
+                Kernel::Portable.dot(&a[..n], &b[..n]),
+            );
+            assert!((x - y).abs() < 1e-5, "dot {n}: {x} vs {y}");
+            let (mut o1, mut o2) = (b[..n].to_vec(), b[..n].to_vec());
+            best.axpy(&mut o1, 0.7, &a[..n]);
+            Kernel::Portable.axpy(&mut o2, 0.7, &a[..n]);
+            assert!(o1.iter().zip(&o2).all(|(x, y)| (x - y).abs() < 1e-6));
+        }
+        // exp over the softmax's whole range, down to where f32 underflows.
+        let xs: Vec<f32> = (0..400).map(|i| -(i as f32) * 0.25 + 3.0).collect();
+        let (mut e1, mut e2) = (xs.clone(), xs.clone());
+        let (s1, s2) = (
+            best.exp_sub(&mut e1, 3.0),
+            Kernel::Portable.exp_sub(&mut e2, 3.0),
+        );
+        for (x, y) in e1.iter().zip(&e2) {
+            assert!((x - y).abs() <= 4e-7 * y.abs() + 1e-37, "exp: {x} vs {y}");
+        }
+        assert!((s1 - s2).abs() < 1e-5 * s2);
     }
 }

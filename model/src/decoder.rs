@@ -274,8 +274,9 @@ impl Decoder {
                 why: "no sequences".into(),
             });
         }
-        // One decoding token attends over an f32 cache on the CPU in place (its window, if
-        // any, is the kernel's start row); everything else takes the general path with a mask.
+        // On the CPU with an f32 cache every sequence attends in place, all in one pass
+        // ([`crate::attention`]: causal and windowed by cache index, no mask); other devices
+        // and dtypes take the general path with a mask per prompt (and per windowed token).
         let in_place = self.device.is_cpu() && self.dtype == DType::F32;
         let mut all = Vec::new();
         let mut positions = Vec::new();
@@ -285,7 +286,7 @@ impl Decoder {
             self.check_tokens(tokens)?;
             let (s, past, pos) = (tokens.len(), cache.len(), cache.next_pos());
             let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
-            let mask = if s > 1 || (windowed && !in_place) {
+            let mask = if !in_place && (s > 1 || windowed) {
                 Some(self.mask(s, past + s)?)
             } else {
                 None
@@ -300,27 +301,44 @@ impl Decoder {
         let (cos, sin) = self
             .rope
             .tables(positions.into_iter(), &self.device, self.dtype)?;
+        let scale = 1.0 / (self.cfg.head_dim as f32).sqrt();
         for (i, layer) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", i).entered();
             let h = self.rms(&x, &layer.attn_norm)?;
             let (q, k, v) = self.qkv(layer, &h)?;
             let q = self.rope.apply(&q, &cos, &sin)?;
             let k = self.rope.apply(&k, &cos, &sin)?;
-            let mut ys = Vec::with_capacity(spans.len());
-            for ((cache, _), (first, s, mask)) in seqs.iter_mut().zip(&spans) {
+            // Every sequence's new keys and values go into its cache; its live rows come back.
+            let mut views = Vec::with_capacity(spans.len());
+            for ((cache, _), (first, s, _)) in seqs.iter_mut().zip(&spans) {
                 let rows = |t: &Tensor| t.narrow(2, *first, *s).ctx("sequence rows");
-                let (ck, cv) = cache.append(i, &rows(&k)?, &rows(&v)?)?;
-                let y = if *s == 1 && in_place {
-                    self.attend_decode(&rows(&q)?, &ck, &cv)?
-                } else {
-                    self.attend_heads(&rows(&q)?, &ck, &cv, mask.as_ref())?
-                };
-                ys.push(y);
+                views.push(cache.append(i, &rows(&k)?, &rows(&v)?)?);
             }
-            let y = if ys.len() == 1 {
-                ys.pop().expect("one")
+            let y = if in_place {
+                let parts: Vec<_> = spans
+                    .iter()
+                    .zip(&views)
+                    .map(|((row, len, _), (k, v))| crate::attention::Seq {
+                        row: *row,
+                        len: *len,
+                        k,
+                        v,
+                    })
+                    .collect();
+                crate::attention::attend(&q, &parts, self.cfg.sliding_window, scale)
+                    .and_then(|y| y.unsqueeze(0))
+                    .ctx("attention")?
             } else {
-                Tensor::cat(&ys, 1).ctx("batch attention")?
+                let mut ys = Vec::with_capacity(spans.len());
+                for ((first, s, mask), (ck, cv)) in spans.iter().zip(&views) {
+                    let q = q.narrow(2, *first, *s).ctx("sequence rows")?;
+                    ys.push(self.attend_heads(&q, ck, cv, mask.as_ref())?);
+                }
+                if ys.len() == 1 {
+                    ys.pop().expect("one")
+                } else {
+                    Tensor::cat(&ys, 1).ctx("batch attention")?
+                }
             };
             x = (x + layer.o.forward(&y)?).ctx("residual")?;
             x = self.mlp(layer, x)?;
@@ -417,18 +435,6 @@ impl Decoder {
             .and_then(|t| t.contiguous())
             .ctx("v")?;
         Ok((q, k, v))
-    }
-
-    /// [`Decoder::attend_heads`] for one query token over f32 keys and values on the CPU,
-    /// read in place ([`crate::attention`]): `(1, 1, heads * d)`.
-    fn attend_decode(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let t = k.dim(2).ctx("k len")?;
-        let from = self.cfg.sliding_window.map_or(0, |w| t.saturating_sub(w));
-        let op = crate::attention::DecodeAttention {
-            from,
-            scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
-        };
-        q.apply_op3_no_bwd(k, v, &op).ctx("decode attention")
     }
 
     /// [`Decoder::attend_heads`] through the layer's output projection.
