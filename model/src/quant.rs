@@ -12,6 +12,11 @@
 //! step's ~200 products cost more than the products on SmolLM2); each weight row is read once
 //! for every activation row of the batch (`m` rows: a batched decode step).
 //!
+//! Where the CPU has AVX-512 VNNI (`avx512` below: Zen 4/5, Ice Lake and later), two weight
+//! blocks go through one `vpdpbusd` and each decoded pair serves up to eight activation rows;
+//! the AVX2 kernels (four rows per decoded block) are the fallback, the portable loop the
+//! reference both are tested against.
+//!
 //! Block layouts (ggml's, little endian; `d`/`m` are f16; element `j < 16` is the low nibble
 //! of `qs[j]`, element `j + 16` its high nibble; Q5 high bits: bit `j` of `qh` for element `j`):
 //!
@@ -188,6 +193,10 @@ fn kernels(kind: Kind) -> Kernels {
 /// `x @ w.T`: `w` holds `n` rows of `k` elements in `kind` blocks, `x` holds `m` rows of `k`
 /// f32; the result is `m` rows of `n`.
 pub(crate) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        return avx512::matmul(kind, w, n, k, x);
+    }
     matmul_with(kernels(kind), kind, w, n, k, x)
 }
 
@@ -222,6 +231,12 @@ fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32
             }
         }
     });
+    transpose(out_t, m, n)
+}
+
+/// `n` rows of `m` (the kernels' output, one weight row's results together) as `m` rows of
+/// `n`.
+fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return out_t;
     }
@@ -238,6 +253,9 @@ fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32
 pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each thread writes only the rows of the range it was handed.
 unsafe impl Sync for SharedOut {}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -487,7 +505,10 @@ mod tests {
                 .chunks_exact(k)
                 .flat_map(|r| dequantized_q8(&quantize_row(r)))
                 .collect();
+            // The fastest path (AVX-512 VNNI where the CPU has it), the AVX2 one (or the
+            // portable one again), and the portable one.
             let fast = matmul(kind, &w, n, k, x);
+            let avx2 = matmul_with(kernels(kind), kind, &w, n, k, x);
             let scalar = matmul_with(scalar_kernels(kind), kind, &w, n, k, x);
             for i in 0..m {
                 for j in 0..n {
@@ -498,7 +519,11 @@ mod tests {
                         .map(|c| (wd[j * k + c] as f64 * xq[i * k + c] as f64).abs())
                         .sum::<f64>()
                         + 1e-6;
-                    for (name, got) in [("simd", fast[i * n + j]), ("scalar", scalar[i * n + j])] {
+                    for (name, got) in [
+                        ("fastest", fast[i * n + j]),
+                        ("avx2", avx2[i * n + j]),
+                        ("scalar", scalar[i * n + j]),
+                    ] {
                         let err = (got as f64 - want).abs() / scale;
                         assert!(
                             err < 1e-3,
