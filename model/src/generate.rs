@@ -22,6 +22,10 @@ pub struct GenerateParams {
     pub stop_tokens: Vec<u32>,
     /// Stop once the generated text contains any of these (the stop string is cut off).
     pub stop_strings: Vec<String>,
+    /// Generate past the tokenizer's end-of-turn tokens, up to `max_tokens` (`stop_tokens`
+    /// and `stop_strings` still stop): fixed-length answers for benchmarks, as vLLM's and
+    /// llama-server's `ignore_eos`.
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerateParams {
@@ -34,6 +38,7 @@ impl Default for GenerateParams {
             seed: 0,
             stop_tokens: Vec::new(),
             stop_strings: Vec::new(),
+            ignore_eos: false,
         }
     }
 }
@@ -178,7 +183,9 @@ impl<'a> Decoding<'a> {
         }
         let next = self.sampler.sample(logits)?;
         let out = &mut self.out;
-        if self.eos.contains(&next) || self.params.stop_tokens.contains(&next) {
+        if (!self.params.ignore_eos && self.eos.contains(&next))
+            || self.params.stop_tokens.contains(&next)
+        {
             return Ok(self.end(FinishReason::Stop, None));
         }
         out.tokens.push(next);

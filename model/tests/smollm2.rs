@@ -306,6 +306,38 @@ fn sampling_options_behave() {
     assert_eq!(greedy.finish, model::FinishReason::Length);
 }
 
+#[test]
+fn ignore_eos_runs_to_max_tokens() {
+    let m = smollm();
+    let prompt = m
+        .chat_tokens(&[Message::new(
+            "user",
+            "Answer with one word: what colour is snow?",
+        )])
+        .unwrap();
+    let params = GenerateParams {
+        max_tokens: 24,
+        ..GenerateParams::default()
+    };
+    let stopped = m.generate(&prompt, &params, |_| true).unwrap();
+    assert_eq!(stopped.finish, model::FinishReason::Stop, "{stopped:?}");
+    assert!(stopped.tokens.len() < 24);
+    let long = m
+        .generate(
+            &prompt,
+            &GenerateParams {
+                ignore_eos: true,
+                ..params
+            },
+            |_| true,
+        )
+        .unwrap();
+    // The same answer, then past the end-of-turn token up to the limit.
+    assert_eq!(long.finish, model::FinishReason::Length);
+    assert_eq!(long.tokens.len(), 24);
+    assert_eq!(long.tokens[..stopped.tokens.len()], stopped.tokens[..]);
+}
+
 /// Mean |a - b| over every layer's keys and values.
 fn kv_mean_abs_diff(a: &Kv, b: &Kv) -> f32 {
     let mut sum = 0f32;

@@ -185,6 +185,9 @@ pub struct QueryBody {
     pub assembly: Option<String>,
     /// Only retrieve from these documents.
     pub documents: Option<Vec<String>>,
+    /// Generate `max_tokens` whatever the end-of-turn token says (fixed-length answers, for
+    /// benchmarks; vLLM's and llama-server's `ignore_eos`).
+    pub ignore_eos: Option<bool>,
 }
 
 /// `?kv=off`, `?assembly=...`.
@@ -213,6 +216,7 @@ struct GenOptions {
     temperature: Option<f64>,
     top_p: Option<f64>,
     seed: Option<u64>,
+    ignore_eos: Option<bool>,
 }
 
 fn build_query(
@@ -254,6 +258,7 @@ fn build_query(
         temperature: gen.temperature.unwrap_or(0.0),
         top_p: gen.top_p.unwrap_or(1.0),
         seed: gen.seed.unwrap_or(0),
+        ignore_eos: gen.ignore_eos.unwrap_or(false),
         ..GenerateParams::default()
     };
     params
@@ -370,6 +375,7 @@ async fn query(
             temperature: b.temperature,
             top_p: b.top_p,
             seed: b.seed,
+            ignore_eos: b.ignore_eos,
         },
         kv,
         asm,
@@ -416,7 +422,8 @@ pub struct ChatBody {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
-    /// ragkv extensions: chunks to retrieve, assembly strategy.
+    /// ragkv extensions: chunks to retrieve, assembly strategy, fixed-length answers.
+    pub ignore_eos: Option<bool>,
     pub top_k: Option<usize>,
     pub assembly: Option<String>,
 }
@@ -465,6 +472,7 @@ async fn chat(
             temperature: b.temperature,
             top_p: b.top_p,
             seed: b.seed,
+            ignore_eos: b.ignore_eos,
         },
         kv_mode(p.kv.as_deref())?,
         assembly(&state.rag, p.assembly.as_deref().or(b.assembly.as_deref()))?,

@@ -300,6 +300,27 @@ impl Rag {
             .map_err(|e| e.to_string())
     }
 
+    /// The whole prompt of `question` over `hits` as the model sees it: the system prefix,
+    /// each chunk's tokens in order (chunks that tokenize to nothing left out, as the loader
+    /// does), then the question in the chat template. What `full` prefills; what a peer that
+    /// recomputes everything must be given to answer the same prompt.
+    pub fn prompt_tokens(&self, question: &str, hits: &[Hit]) -> Result<Vec<u32>, String> {
+        let mut tokens = self.prefix.tokens.clone();
+        for hit in hits {
+            let chunk = self
+                .engine
+                .chunk_tokens(&hit.payload.text)
+                .map_err(|e| format!("chunk tokens: {e}"))?;
+            tokens.extend_from_slice(&chunk);
+        }
+        let q = self
+            .prefix
+            .question(&self.engine, question.trim())
+            .map_err(|e| format!("question tokens: {e}"))?;
+        tokens.extend_from_slice(&q);
+        Ok(tokens)
+    }
+
     /// Hands a retrieved query to the loader. Never blocks for admitted queries (the queue
     /// holds `max_inflight`, one per ticket); fails if the pipeline is gone.
     pub fn submit(

@@ -392,3 +392,41 @@ fn a_chunk_preamble_is_prefilled_with_every_chunk() {
     );
     assert!(with.check(false).unwrap().ok());
 }
+
+/// `Rag::prompt_tokens` is the prompt `full` prefills (what `bench peer` hands llama.cpp):
+/// same length as the pipeline's, and the model answers it as the pipeline does; and
+/// `ignore_eos` makes the pipeline answer exactly `max_tokens`.
+#[test]
+fn the_whole_prompt_is_what_full_prefills() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = planted_engine(dir.path(), "");
+    let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
+    let (_, _, question, want) = PLANTED[1];
+    let query = |ignore_eos| Query {
+        question: question.to_string(),
+        top_k: PLANTED.len(),
+        filter: Default::default(),
+        params: model::GenerateParams {
+            max_tokens: 24,
+            ignore_eos,
+            ..Default::default()
+        },
+        kv: KvMode::On,
+        assembly: Assembly::Full,
+    };
+    let hits = rag.retrieve(&query(false)).unwrap();
+    let prompt = rag.prompt_tokens(question, &hits).unwrap();
+    let f = common::answer(&rag, query(false), hits.clone());
+    assert!(f.answer.contains(want), "{:?}", f.answer);
+    assert_eq!(prompt.len(), f.prompt_tokens);
+    let alone = engine
+        .model
+        .generate(&prompt, &query(false).params, |_| true)
+        .unwrap();
+    assert_eq!(alone.text, f.answer);
+    assert!(f.completion_tokens < 24, "{f:?}");
+    let long = common::answer(&rag, query(true), hits);
+    assert_eq!(long.completion_tokens, 24, "{long:?}");
+    assert_eq!(long.finish_reason, "length");
+    close(rag, engine);
+}
