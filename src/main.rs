@@ -139,6 +139,8 @@ enum BenchCommand {
     Remote(bench::remote_tier::Args),
     /// Concurrent clients against one server (status codes, latency, memory).
     Load(bench::load::Args),
+    /// ragkv vs llama.cpp's llama-server on the same GGUF and prompts: TTFT, queries/s.
+    Peer(bench::peer::Args),
     /// The SGLang-LSM phased workload with the adaptive compaction controller on and off.
     Compaction(bench::compaction::Args),
     /// Hit rate of each eviction policy at several budgets on a Zipf-skewed trace.
@@ -267,6 +269,7 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
                 BenchCommand::Remote(args) => bench::remote_tier::run(&args)?,
                 BenchCommand::Load(args) => bench::load::run(&args)?,
+                BenchCommand::Peer(args) => bench::peer::run(&args)?,
                 BenchCommand::Compaction(args) => bench::compaction::run(&args)?,
                 BenchCommand::Eviction(args) => bench::eviction::run(&args)?,
                 BenchCommand::Fuzz(args) => bench::fuzz::run(&args)?,

@@ -14,11 +14,13 @@ pub mod kvstore;
 pub mod llama;
 pub mod load;
 pub mod model;
+pub mod peer;
 mod progress;
 pub mod qa;
 pub mod remote_tier;
 pub mod retrieval;
 pub mod score;
+mod sse;
 pub mod ttft;
 
 use serde::Serialize;

@@ -46,7 +46,7 @@ fn check(what: &str) -> impl Fn(String) -> Error + '_ {
     move |e| Error::Check(format!("{what}: {e}"))
 }
 
-fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
+pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
     for p in engine.store.segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }

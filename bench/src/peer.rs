@@ -1,0 +1,485 @@
+//! `ragkv bench peer`: ragkv against llama.cpp's `llama-server`, the server a user would
+//! otherwise run, on the same GGUF file, the same corpus and the identical prompts, both over
+//! HTTP on loopback.
+//!
+//! The corpus (LongBench-HotpotQA's first `--docs` documents) is indexed and the chunks each
+//! question retrieves are materialized (stored KV, as eager ingest leaves it). Each
+//! question's whole prompt (system prefix, retrieved chunks, question, in the model's chat
+//! template) is computed once by ragkv ([`serve::Rag::prompt_tokens`]) and sent to
+//! llama-server as token ids, so both sides answer the identical prompt; ragkv answers its
+//! own HTTP query (its retrieval included) and the prompt length it reports is checked
+//! against those tokens, as is the number llama-server says it evaluated. llama-server runs
+//! with `--parallel` slots and `cache_prompt: false` (every prompt prefilled in full: what
+//! RAG without stored KV costs); ragkv with `serve.max_batch` = the same number. Both
+//! generate exactly `--max-tokens` greedy tokens (`ignore_eos`).
+//!
+//! Phases, one server at a time (ragkv's is shut down before llama-server starts):
+//! 1. time to first token, one query at a time, after a warm-up: ragkv from stored KV read
+//!    cold (the segment files' pages dropped before each query), llama-server's full prefill;
+//! 2. queries/s with each of `--clients` concurrent clients (1, 4, 8), every client sending
+//!    `--rounds` queries over the questions in turn (ragkv's segment pages stay cached, as
+//!    on a serving machine).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use retrieval::SearchFilter;
+use serve::ServeConfig;
+
+use crate::sse::{post, Streamed};
+use crate::{dataset, percentile, Error, Line};
+
+/// Arguments of `ragkv bench peer`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// llama.cpp's llama-server (default: the one scripts/llama-server.sh builds into the
+    /// cache).
+    #[arg(long)]
+    pub llama_server: Option<PathBuf>,
+    /// Dev questions (distinct prompts).
+    #[arg(long, default_value_t = 8)]
+    pub questions: usize,
+    /// Chunks per question.
+    #[arg(long, default_value_t = 4)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 512)]
+    pub chunk_tokens: usize,
+    /// Tokens generated per answer (both sides, past end-of-turn).
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Concurrent client counts, one throughput phase each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub clients: Vec<usize>,
+    /// Queries each client sends per throughput phase.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Sequences served at once: llama-server's `--parallel`, ragkv's `serve.max_batch`.
+    #[arg(long, default_value_t = 8)]
+    pub slots: usize,
+    /// Threads for llama-server (ragkv uses every CPU the process may: RAYON_NUM_THREADS).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Corpus documents indexed.
+    #[arg(long, default_value_t = 200)]
+    pub docs: usize,
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    #[command(flatten)]
+    pub llm: crate::engine::ModelArgs,
+    /// Working directory (default: a fresh temporary one); with an index there, indexing
+    /// is skipped, and stored chunks are not prefilled again.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// One answered query, as the client saw it.
+#[derive(Debug, Clone, Copy)]
+struct Outcome {
+    first_ms: f64,
+    total_ms: f64,
+    /// Prompt tokens the server reports: ragkv's assembled prompt, llama-server's evaluated.
+    prompt: usize,
+    completion: usize,
+}
+
+/// A server under test: how to send question `i`.
+trait Peer: Sync {
+    fn ask(&self, i: usize) -> Result<Outcome, String>;
+}
+
+const TIMEOUT: Duration = Duration::from_secs(900);
+
+fn json_usize(v: &serde_json::Value, path: &[&str]) -> usize {
+    path.iter()
+        .try_fold(v, |v, k| v.get(k))
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize
+}
+
+fn first(r: &Streamed, what: &str) -> Result<f64, String> {
+    if r.status != 200 {
+        let msg = r.events.last().map(|e| e.1.as_str()).unwrap_or("");
+        return Err(format!("{what}: HTTP {}: {msg}", r.status));
+    }
+    r.first_ms
+        .ok_or_else(|| format!("{what}: no token event in the response"))
+}
+
+struct Ragkv<'a> {
+    addr: SocketAddr,
+    questions: &'a [String],
+    top_k: usize,
+    max_tokens: usize,
+}
+
+impl Peer for Ragkv<'_> {
+    fn ask(&self, i: usize) -> Result<Outcome, String> {
+        let body = serde_json::json!({
+            "question": self.questions[i], "top_k": self.top_k, "max_tokens": self.max_tokens,
+            "stream": true, "ignore_eos": true,
+        });
+        let r = post(self.addr, "/v1/query", &body, b"event: token", TIMEOUT)
+            .map_err(|e| e.to_string())?;
+        let first_ms = first(&r, "ragkv")?;
+        let done = r
+            .events
+            .iter()
+            .find(|e| e.0.as_deref() == Some("done"))
+            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.1).ok())
+            .ok_or_else(|| format!("ragkv: no done event: {:?}", r.events.last()))?;
+        Ok(Outcome {
+            first_ms,
+            total_ms: r.total_ms,
+            prompt: json_usize(&done, &["prompt_tokens"]),
+            completion: json_usize(&done, &["completion_tokens"]),
+        })
+    }
+}
+
+struct Llama<'a> {
+    addr: SocketAddr,
+    prompts: &'a [Vec<u32>],
+    max_tokens: usize,
+}
+
+impl Peer for Llama<'_> {
+    fn ask(&self, i: usize) -> Result<Outcome, String> {
+        let body = serde_json::json!({
+            "prompt": self.prompts[i], "n_predict": self.max_tokens, "cache_prompt": false,
+            "stream": true, "temperature": 0.0, "ignore_eos": true,
+        });
+        let r =
+            post(self.addr, "/completion", &body, b"data: ", TIMEOUT).map_err(|e| e.to_string())?;
+        let first_ms = first(&r, "llama-server")?;
+        let last = r
+            .events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<serde_json::Value>(&e.1).ok())
+            .find(|v| v.get("timings").is_some())
+            .ok_or_else(|| format!("llama-server: no timings: {:?}", r.events.last()))?;
+        Ok(Outcome {
+            first_ms,
+            total_ms: r.total_ms,
+            prompt: json_usize(&last, &["timings", "prompt_n"]),
+            completion: json_usize(&last, &["timings", "predicted_n"]),
+        })
+    }
+}
+
+/// `clients` threads, each sending `rounds` queries (client `c`'s round `r` asks question
+/// `(c + r * clients) % n`): the outcomes and the wall time, or the first failure.
+fn phase(
+    peer: &dyn Peer,
+    n: usize,
+    clients: usize,
+    rounds: usize,
+) -> Result<(Vec<Outcome>, f64), String> {
+    let t = Instant::now();
+    let results: Vec<Result<Vec<Outcome>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                s.spawn(move || {
+                    (0..rounds)
+                        .map(|r| peer.ask((c + r * clients) % n))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("client thread panicked".into()))
+            })
+            .collect()
+    });
+    let wall = t.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    Ok((all, wall))
+}
+
+/// What one side measured.
+#[derive(Debug, Default)]
+struct Side {
+    /// Time to first token of each question alone, sorted.
+    ttft: Vec<f64>,
+    /// Queries/s per client count.
+    qps: Vec<f64>,
+    /// Prompts whose reported length differs from the tokens computed for them.
+    prompt_mismatches: usize,
+    /// Answers that did not have `max_tokens` tokens.
+    short_answers: usize,
+    /// Mean latency per client count, ms.
+    latency_ms: Vec<f64>,
+}
+
+fn measure(
+    name: &str,
+    peer: &dyn Peer,
+    prompts: &[Vec<u32>],
+    args: &Args,
+    before_each: &dyn Fn() -> Result<(), Error>,
+) -> Result<Side, Error> {
+    let fail = |e: String| Error::Check(format!("{name}: {e}"));
+    let n = prompts.len();
+    let mut side = Side::default();
+    let check = |o: &Outcome, i: usize, side: &mut Side| {
+        side.prompt_mismatches += usize::from(o.prompt != prompts[i].len());
+        side.short_answers += usize::from(o.completion != args.max_tokens);
+    };
+    peer.ask(0).map_err(fail)?;
+    for i in 0..n {
+        before_each()?;
+        let o = peer.ask(i).map_err(fail)?;
+        eprintln!(
+            "[peer] {name}: question {i}: first token {:.0} ms, answer {:.0} ms ({} prompt tokens)",
+            o.first_ms, o.total_ms, o.prompt
+        );
+        check(&o, i, &mut side);
+        side.ttft.push(o.first_ms);
+    }
+    side.ttft.sort_by(f64::total_cmp);
+    for &c in &args.clients {
+        let (outcomes, wall) = phase(peer, n, c, args.rounds).map_err(fail)?;
+        let qps = outcomes.len() as f64 / wall;
+        let mean = outcomes.iter().map(|o| o.total_ms).sum::<f64>() / outcomes.len() as f64;
+        eprintln!(
+            "[peer] {name}: {c} clients: {} queries in {wall:.1} s = {qps:.3}/s, mean latency {mean:.0} ms",
+            outcomes.len()
+        );
+        side.qps.push(qps);
+        side.latency_ms.push(mean);
+    }
+    Ok(side)
+}
+
+/// A started llama-server, killed when dropped.
+struct LlamaServer(Child);
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_llama(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    args: &Args,
+    ctx_per_slot: usize,
+) -> Result<(LlamaServer, SocketAddr), Error> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(crate::io("free port"))?
+        .port();
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    let child = crate::llama::command(bin)
+        .arg("--model")
+        .arg(model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .args(["--threads-batch", &threads.to_string()])
+        .args(["--parallel", &args.slots.to_string()])
+        .args(["--ctx-size", &(ctx_per_slot * args.slots).to_string()])
+        // Every prompt prefilled in full: no prompt cache, in the slots or in host memory.
+        .args(["--no-cache-prompt", "--cache-ram", "0", "--no-webui"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(crate::io(format!("starting {}", bin.display())))?;
+    let server = LlamaServer(child);
+    let t = Instant::now();
+    loop {
+        if let Ok((200, _)) = serve::client::request(addr, "GET", "/health", None, None) {
+            return Ok((server, addr));
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            return Err(Error::Check(
+                "llama-server did not become healthy in 120 s".into(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
+    if args.clients.is_empty() || args.clients.contains(&0) || args.rounds == 0 {
+        return Err(Error::Invalid {
+            what: "--clients/--rounds",
+            why: "each client count and the rounds must be ≥ 1".into(),
+        });
+    }
+    let llama_bin = crate::llama::binary(args.llama_server.as_deref(), "llama-server")?;
+    let model_path = args
+        .llm
+        .model
+        .clone()
+        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    if model_path.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        return Err(Error::Invalid {
+            what: "--model",
+            why: "llama-server needs a GGUF file".into(),
+        });
+    }
+    let ds = dataset::resolve(args.dataset.as_deref())?;
+    let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
+    let engine = std::sync::Arc::new(crate::engine::open_indexed(
+        work_dir.path(),
+        &args.llm,
+        args.chunk_tokens,
+        "",
+        &ds,
+        args.docs,
+        "peer",
+    )?);
+    let questions: Vec<String> = dataset::questions(&ds, args.questions)?
+        .into_iter()
+        .map(|q| q.question.trim().to_string())
+        .collect();
+    let max_clients = args.clients.iter().copied().max().unwrap_or(1);
+    let config = ServeConfig {
+        max_inflight: max_clients.max(args.slots) * 2,
+        max_batch: args.slots,
+        ..ServeConfig::default()
+    };
+    let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config)?;
+
+    // The prompts, and the chunks they retrieve materialized.
+    let t = Instant::now();
+    let mut prompts = Vec::with_capacity(questions.len());
+    let mut materialized = 0;
+    for q in &questions {
+        let v = engine
+            .embedder
+            .embed_one(q)
+            .map_err(|e| Error::Check(format!("embed: {e}")))?;
+        let hits = engine
+            .index
+            .search(&v, args.top_k, &SearchFilter::default())
+            .map_err(|e| Error::Check(format!("search: {e}")))?;
+        materialized += crate::engine::materialize(&engine, &hits)?;
+        prompts.push(rag.prompt_tokens(q, &hits).map_err(Error::Check)?);
+    }
+    engine.store.sync()?;
+    let prompt_mean = prompts.iter().map(Vec::len).sum::<usize>() as f64 / prompts.len() as f64;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    eprintln!(
+        "[peer] {} prompts of {prompt_mean:.0} tokens on average ({materialized} chunks \
+         materialized in {:.1} s)",
+        prompts.len(),
+        t.elapsed().as_secs_f64()
+    );
+
+    let ours = {
+        let peer = Ragkv {
+            addr,
+            questions: &questions,
+            top_k: args.top_k,
+            max_tokens: args.max_tokens,
+        };
+        let drop_pages = || crate::ttft::drop_segment_pages(&engine);
+        measure("ragkv", &peer, &prompts, args, &drop_pages)?
+    };
+    let kv_hits_all = rag
+        .metrics
+        .kv_misses
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0;
+    drop(rt);
+    drop(rag);
+    crate::engine::close(engine);
+
+    let ctx_per_slot = (longest + args.max_tokens + 64).div_ceil(256) * 256;
+    let theirs = {
+        let (_server, addr) = start_llama(&llama_bin, &model_path, args, ctx_per_slot)?;
+        let peer = Llama {
+            addr,
+            prompts: &prompts,
+            max_tokens: args.max_tokens,
+        };
+        measure("llama-server", &peer, &prompts, args, &|| Ok(()))?
+    };
+    lines(args, &ours, &theirs, prompt_mean, kv_hits_all)
+}
+
+fn lines(
+    args: &Args,
+    ours: &Side,
+    theirs: &Side,
+    prompt_mean: f64,
+    kv_hits_all: bool,
+) -> Result<Vec<Line>, Error> {
+    let base = format!(
+        "llama.cpp llama-server, same GGUF and prompt tokens, full prefill (cache_prompt off), \
+         {} slots",
+        args.slots
+    );
+    let mut out = Vec::new();
+    for (name, p) in [("peer.ttft_p50", 0.5), ("peer.ttft_p90", 0.9)] {
+        let l = Line::lower(
+            name,
+            percentile(&ours.ttft, p),
+            percentile(&theirs.ttft, p),
+            "ms",
+            &base,
+        );
+        out.push(if p == 0.5 { l.bar(10.0) } else { l });
+    }
+    out[0].detail = Some(serde_json::json!({
+        "model": args.llm.name(), "quantized": args.llm.quantized, "questions": args.questions,
+        "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "prompt_tokens_mean": prompt_mean,
+        "max_tokens": args.max_tokens, "ragkv_prompt_mismatches": ours.prompt_mismatches,
+        "llama_prompt_mismatches": theirs.prompt_mismatches,
+        "ragkv_short_answers": ours.short_answers, "llama_short_answers": theirs.short_answers,
+        "ragkv_all_kv_hits": kv_hits_all, "ragkv_kv_read": "cold (pages dropped)",
+    }));
+    let max = args.clients.iter().copied().max().unwrap_or(1);
+    for (i, &c) in args.clients.iter().enumerate() {
+        let mut l = Line::higher(
+            &format!("peer.queries_per_s.c{c}"),
+            ours.qps[i],
+            theirs.qps[i],
+            "queries/s",
+            &base,
+        );
+        if c == max {
+            l = l.bar(1.0);
+        }
+        l.detail = Some(serde_json::json!({
+            "clients": c, "queries": c * args.rounds,
+            "ragkv_latency_ms_mean": ours.latency_ms[i], "llama_latency_ms_mean": theirs.latency_ms[i],
+        }));
+        out.push(l);
+    }
+    if let Some(one) = args.clients.iter().position(|&c| c == 1) {
+        let top = args.clients.iter().position(|&c| c == max).unwrap_or(0);
+        out.push(
+            Line::higher(
+                &format!("peer.batch_scaling.c{max}"),
+                ours.qps[top],
+                ours.qps[one],
+                "queries/s",
+                "ragkv itself with one client",
+            )
+            .bar(4.0),
+        );
+    }
+    if ours.prompt_mismatches + theirs.prompt_mismatches > 0 {
+        eprintln!(
+            "[peer] warning: prompt lengths differ from the computed prompts (ragkv {}, \
+             llama-server {}): see the detail",
+            ours.prompt_mismatches, theirs.prompt_mismatches
+        );
+    }
+    Ok(out)
+}
