@@ -91,7 +91,7 @@ pub(crate) fn key_of(ns: &NamespaceId, digests: &[(usize, TokenDigest)]) -> Vec<
 
 /// The namespace a key belongs to, if the key is well formed.
 pub(crate) fn namespace_of(key: &[u8]) -> Option<NamespaceId> {
-    if key.len() < NS_LEN + BLOCK_HASH_LEN || (key.len() - NS_LEN) % BLOCK_HASH_LEN != 0 {
+    if key.len() < NS_LEN + BLOCK_HASH_LEN || !(key.len() - NS_LEN).is_multiple_of(BLOCK_HASH_LEN) {
         return None;
     }
     Some(NamespaceId(key[..NS_LEN].try_into().ok()?))

@@ -69,7 +69,8 @@ pub(crate) fn align_up(n: u64) -> u64 {
 /// Whether the bytes at file offset `offset` (`b` starting there, at least 4 of them) are
 /// padding: a zero magic at an unaligned offset. Returns where the next record may start.
 pub(crate) fn padding_end(b: &[u8], offset: u64) -> Option<u64> {
-    (b.len() >= 4 && b[..4] == [0u8; 4] && offset % ALIGN as u64 != 0).then(|| align_up(offset))
+    (b.len() >= 4 && b[..4] == [0u8; 4] && !offset.is_multiple_of(ALIGN as u64))
+        .then(|| align_up(offset))
 }
 
 pub(crate) fn encode_segment_header(id: u64, created_ms: u64) -> [u8; SEGMENT_HEADER_LEN] {

@@ -65,9 +65,9 @@ impl Segment {
     /// Other failures (no space, I/O errors) are errors.
     pub fn write_direct_at(&self, buf: &[u8], offset: u64) -> Result<Direct> {
         assert!(
-            buf.as_ptr() as usize % ALIGN == 0
-                && buf.len() % ALIGN == 0
-                && offset % ALIGN as u64 == 0,
+            (buf.as_ptr() as usize).is_multiple_of(ALIGN)
+                && buf.len().is_multiple_of(ALIGN)
+                && offset.is_multiple_of(ALIGN as u64),
             "unaligned direct write"
         );
         let mut direct = self.direct.lock();

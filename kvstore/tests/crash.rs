@@ -20,7 +20,7 @@ const ROUNDS: u64 = 24;
 fn child_options(round: u64) -> StoreOptions {
     StoreOptions {
         // Alternate policies: both must survive a process crash.
-        sync: if round % 2 == 0 {
+        sync: if round.is_multiple_of(2) {
             SyncPolicy::EveryBatch
         } else {
             SyncPolicy::Never

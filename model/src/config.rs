@@ -90,13 +90,13 @@ impl ModelConfig {
     /// Checks that the shapes are consistent.
     pub fn validate(&self) -> Result<()> {
         let bad = |why: String| Err(Error::Config { why });
-        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "heads {} not a multiple of kv heads {}",
                 self.heads, self.kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim == 0 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad(format!("head dim {} must be even", self.head_dim));
         }
         if self.layers == 0 || self.hidden == 0 || self.vocab_size == 0 {

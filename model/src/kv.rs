@@ -108,7 +108,7 @@ impl Kv {
     /// dtype; convert with [`Kv::to`] if the model computes in another.
     pub fn from_bytes(bytes: &[u8], layout: &KvLayout, device: &Device) -> Result<Kv> {
         let bpt = layout.bytes_per_token();
-        if bytes.is_empty() || bytes.len() % bpt != 0 {
+        if bytes.is_empty() || !bytes.len().is_multiple_of(bpt) {
             return Err(Error::Kv {
                 why: format!(
                     "{} bytes is not a whole number of {bpt}-byte tokens",

@@ -354,7 +354,7 @@ fn ours_probe(store: &Store, (t, stored): &(Vec<u32>, bool)) -> Result<(), Error
 
 /// Runs the benchmark; returns the compared figures.
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
-    if args.block_bytes == 0 || args.block_bytes % 64 != 0 {
+    if args.block_bytes == 0 || !args.block_bytes.is_multiple_of(64) {
         return Err(Error::Invalid {
             what: "--block-bytes",
             why: format!("{} is not a positive multiple of 64", args.block_bytes),

@@ -63,7 +63,7 @@ impl BatchBuf {
     fn pad(&mut self) -> &[u8] {
         let len = self.len();
         let padded = record::align_up(len as u64) as usize;
-        let aligned = (self.v.as_ptr() as usize + self.start) % ALIGN == 0;
+        let aligned = (self.v.as_ptr() as usize + self.start).is_multiple_of(ALIGN);
         if !aligned || self.v.capacity() < self.start + padded {
             let mut fresh = BatchBuf::with_capacity(padded);
             fresh.v.extend_from_slice(self.records());

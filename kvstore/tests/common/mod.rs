@@ -77,7 +77,7 @@ pub fn sequence(i: u64) -> Vec<u32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(i);
     let len = rng.gen_range(1..=200);
     let mut toks: Vec<u32> = Vec::with_capacity(len + 48);
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         let mut shared = rand::rngs::StdRng::seed_from_u64(1_000_000 + i / 9);
         toks.extend((0..48).map(|_| shared.gen_range(0..50_000)));
     }
