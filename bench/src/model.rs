@@ -47,6 +47,10 @@ pub struct Args {
     /// Dequantize GGUF weights at load (the reference path) instead of keeping them quantized.
     #[arg(long)]
     pub dequantized: bool,
+    /// Leave out the stock candle-transformers comparison (quicker; a profile of the run
+    /// then shows only ours).
+    #[arg(long)]
+    pub no_stock: bool,
 }
 
 /// Resident set size of this process, bytes (Linux; 0 elsewhere).
@@ -108,7 +112,9 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let stock = if ours.config().arch == model::Arch::Llama {
+    let stock = if args.no_stock {
+        None
+    } else if ours.config().arch == model::Arch::Llama {
         Some(load_stock(&ours, &device)?)
     } else {
         eprintln!("note: the stock candle-transformers comparison runs Llama-family models only");

@@ -35,6 +35,9 @@ pub(super) fn available() -> bool {
 /// Activation rows per decoded weight pair (16 accumulators of the 32 registers).
 const TILE: usize = 8;
 
+/// How far ahead of the pair being decoded the weights are prefetched, bytes.
+const PREFETCH: usize = 1024;
+
 /// Two activation blocks in the kernel's layout (module docs): quants, each lane's scale
 /// `d_y`, and each lane's share of `s_y` (an eighth: a block spans eight lanes).
 #[repr(C, align(64))]
@@ -135,18 +138,12 @@ unsafe fn rows<const K: u8, const R: usize>(w: &[u8], tile: &[Vec<Pair>], out: &
         let ptrs: [*const Pair; R] = std::array::from_fn(|r| tile[r].as_ptr());
         let mut acc = [_mm512_setzero_ps(); R];
         let mut off = [_mm512_setzero_ps(); R];
-        let idx_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-        let idx_m = _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3);
         for p in 0..np {
             let a = w.as_ptr().add(2 * p * bb);
             // The last pair of an odd row has no second block.
             let b = (2 * p + 1 < nb).then(|| w.as_ptr().add((2 * p + 1) * bb));
-            let (q, scales) = decode::<K>(a, b);
-            let v = _mm512_castps128_ps512(scales);
-            let (wd, wm) = (
-                _mm512_permutexvar_ps(idx_d, v),
-                _mm512_permutexvar_ps(idx_m, v),
-            );
+            _mm_prefetch::<_MM_HINT_T0>(a.add(PREFETCH) as *const i8);
+            let (q, wd, wm) = decode::<K>(a, b);
             for r in 0..R {
                 let y = &*ptrs[r].add(p);
                 let dot = _mm512_dpbusd_epi32(
@@ -162,16 +159,6 @@ unsafe fn rows<const K: u8, const R: usize>(w: &[u8], tile: &[Vec<Pair>], out: &
         for r in 0..R {
             out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
         }
-    }
-}
-
-/// The f16 at `p` (hardware conversion).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn half(p: *const u8) -> f32 {
-    unsafe {
-        let h = u16::from_le_bytes([*p, *p.add(1)]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 }
 
@@ -209,30 +196,45 @@ unsafe fn high_bits(a: *const u8, b: Option<*const u8>, at: usize) -> u64 {
     (ha & 0xFFFF) | (hb & 0xFFFF) << 16 | (ha >> 16) << 32 | (hb >> 16) << 48
 }
 
-/// A pair of weight blocks: unsigned quants in pair order, and `[d_a, d_b, m'_a, m'_b]`.
+/// A pair of weight blocks: unsigned quants in pair order, each lane's weight scale `d` and
+/// offset `m'` (module docs).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn decode<const K: u8>(a: *const u8, b: Option<*const u8>) -> (__m512i, __m128) {
+unsafe fn decode<const K: u8>(a: *const u8, b: Option<*const u8>) -> (__m512i, __m512, __m512) {
     unsafe {
-        let d = |p: Option<*const u8>| p.map_or(0.0, |p| half(p));
-        let (da, db) = (d(Some(a)), d(b));
-        let m = |p: Option<*const u8>| p.map_or(0.0, |p| half(p.add(2)));
-        let (q, ma, mb) = match K {
+        // Each block starts with `d` (f16), then `m` for Q4_1/Q5_1: both blocks' first four
+        // bytes, converted at once to [d_a, m_a, d_b, m_b] (lanes 1 and 3 unused for types
+        // without `m`). A missing second block reads as zeros.
+        let head = |p: *const u8| std::ptr::read_unaligned(p as *const i32);
+        let h = _mm_cvtph_ps(_mm_setr_epi32(head(a), b.map_or(0, head), 0, 0));
+        let v = _mm512_castps128_ps512(h);
+        let d = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+            v,
+        );
+        let m = |bias: f32| _mm512_mul_ps(d, _mm512_set1_ps(-bias));
+        let m_field = || {
+            _mm512_permutexvar_ps(
+                _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3),
+                v,
+            )
+        };
+        let (q, m) = match K {
             // Q4_0: (q - 8) d
-            0 => (nibbles(a, b, 2), -8.0 * da, -8.0 * db),
+            0 => (nibbles(a, b, 2), m(8.0)),
             // Q4_1: q d + m
-            1 => (nibbles(a, b, 4), m(Some(a)), m(b)),
+            1 => (nibbles(a, b, 4), m_field()),
             // Q5_0: (q - 16) d, fifth bits in qh
             2 => {
                 let q = nibbles(a, b, 6);
                 let q = _mm512_mask_add_epi8(q, high_bits(a, b, 2), q, _mm512_set1_epi8(16));
-                (q, -16.0 * da, -16.0 * db)
+                (q, m(16.0))
             }
             // Q5_1: q d + m
             3 => {
                 let q = nibbles(a, b, 8);
                 let q = _mm512_mask_add_epi8(q, high_bits(a, b, 4), q, _mm512_set1_epi8(16));
-                (q, m(Some(a)), m(b))
+                (q, m_field())
             }
             // Q8_0: signed bytes, made unsigned by + 128
             _ => {
@@ -243,10 +245,14 @@ unsafe fn decode<const K: u8>(a: *const u8, b: Option<*const u8>) -> (__m512i, _
                 let lo = _mm256_permute2x128_si256(qa, qb, 0x20);
                 let hi = _mm256_permute2x128_si256(qa, qb, 0x31);
                 let q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                let q = _mm512_xor_si512(q, _mm512_set1_epi8(-128));
-                (q, -128.0 * da, -128.0 * db)
+                (q, m(128.0))
             }
         };
-        (q, _mm_setr_ps(da, db, ma, mb))
+        let q = if K == 4 {
+            _mm512_xor_si512(q, _mm512_set1_epi8(-128))
+        } else {
+            q
+        };
+        (q, d, m)
     }
 }
