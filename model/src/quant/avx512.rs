@@ -17,13 +17,14 @@
 //! |---|---|---|---|---|
 //! | elements | A 0-15 | B 0-15 | A 16-31 | B 16-31 |
 //!
-//! A row with an odd number of blocks ends in a pair whose second block is zero.
+//! A row with an odd number of blocks ends in a pair whose second block is zero. Activations
+//! are quantized as [`super::quantize_row`] does, but with ties rounded to even.
 
 #![allow(unused_unsafe)]
 
 use std::arch::x86_64::*;
 
-use super::{quantize_row, Kind, SharedOut};
+use super::{Kind, SharedOut};
 
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -48,42 +49,90 @@ struct Pair {
     s: [f32; 16],
 }
 
-/// One activation row (`k` elements) as pairs.
-fn pairs(x: &[f32]) -> Vec<Pair> {
-    let blocks = quantize_row(x);
-    blocks
-        .chunks(2)
-        .map(|c| {
-            let (a, b) = (&c[0], c.get(1));
-            let mut p = Pair {
-                q: [0; 64],
-                d: [0.0; 16],
-                s: [0.0; 16],
-            };
-            p.q[..16].copy_from_slice(&a.qs[..16]);
-            p.q[32..48].copy_from_slice(&a.qs[16..]);
-            if let Some(b) = b {
-                p.q[16..32].copy_from_slice(&b.qs[..16]);
-                p.q[48..].copy_from_slice(&b.qs[16..]);
+impl Pair {
+    const ZERO: Pair = Pair {
+        q: [0; 64],
+        d: [0.0; 16],
+        s: [0.0; 16],
+    };
+}
+
+/// Activation rows of one tile group: the tiles of a group share the weight rows a thread
+/// reads, and the group's pairs stay in the core's L2 (32 rows of 1,536 elements: 147 KiB).
+const GROUP: usize = 32;
+
+/// `m` activation rows of `k` elements as pairs, `(k / 32).div_ceil(2)` per row, row after
+/// row; the rows are quantized on the thread pool when there are several.
+fn quantize(x: &[f32], k: usize, m: usize) -> Vec<Pair> {
+    let np = (k / super::QK).div_ceil(2);
+    let mut out = vec![Pair::ZERO; m * np];
+    if m < 4 {
+        for (x, o) in x.chunks_exact(k).zip(out.chunks_exact_mut(np)) {
+            // SAFETY: the caller's dispatch checked `available()`.
+            unsafe { quantize_row_into(x, o) };
+        }
+        return out;
+    }
+    struct Dst(*mut Pair);
+    // SAFETY: each task writes the rows of its own range only.
+    unsafe impl Sync for Dst {}
+    let dst = Dst(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
+        let dst = &dst;
+        for i in range {
+            // SAFETY: rows `range` of `out` belong to this task; `out` outlives the call;
+            // `available()` was checked by the caller's dispatch.
+            unsafe {
+                let o = std::slice::from_raw_parts_mut(dst.0.add(i * np), np);
+                quantize_row_into(&x[i * k..(i + 1) * k], o);
             }
-            let (db, sb) = b.map_or((0.0, 0.0), |b| (b.d, b.s));
-            for l in 0..16 {
-                let first = (l / 4) % 2 == 0;
-                p.d[l] = if first { a.d } else { db };
-                p.s[l] = if first { a.s } else { sb } / 8.0;
+        }
+    });
+    out
+}
+
+/// One activation row as pairs (as [`super::quantize_row`]: `d = max|x| / 127` per block, quants
+/// rounded to nearest, ties to even), vectorized.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+unsafe fn quantize_row_into(x: &[f32], out: &mut [Pair]) {
+    unsafe {
+        let nb = x.len() / super::QK;
+        for (p, pair) in out.iter_mut().enumerate() {
+            for half in 0..2 {
+                let b = 2 * p + half;
+                if b >= nb {
+                    break;
+                }
+                let v0 = _mm512_loadu_ps(x.as_ptr().add(b * 32));
+                let v1 = _mm512_loadu_ps(x.as_ptr().add(b * 32 + 16));
+                let amax =
+                    _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                let d = amax / 127.0;
+                let id = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+                let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+                let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+                let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+                let at = pair.q.as_mut_ptr().add(half * 16);
+                _mm_storeu_si128(at as *mut __m128i, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128(at.add(32) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
+                let s = d * sum as f32 / 8.0;
+                for l in [0, 1, 2, 3, 8, 9, 10, 11] {
+                    pair.d[l + 4 * half] = d;
+                    pair.s[l + 4 * half] = s;
+                }
             }
-            p
-        })
-        .collect()
+        }
+    }
 }
 
 /// `x @ w.T` (see [`super::matmul`]).
 pub(super) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
     debug_assert!(available());
     let m = x.len() / k;
+    let np = (k / super::QK).div_ceil(2);
     let row_bytes = k / super::QK * kind.block_bytes();
     debug_assert_eq!(w.len(), n * row_bytes);
-    let rows: Vec<Vec<Pair>> = x.chunks_exact(k).map(pairs).collect();
+    let rows = quantize(x, k, m);
     let row = match kind {
         Kind::Q4_0 => row::<0>,
         Kind::Q4_1 => row::<1>,
@@ -91,51 +140,67 @@ pub(super) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec
         Kind::Q5_1 => row::<3>,
         Kind::Q8_0 => row::<4>,
     };
-    let mut out_t = vec![0f32; n * m];
-    let dst = SharedOut(out_t.as_mut_ptr());
+    let mut out = vec![0f32; m * n];
+    let dst = SharedOut(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
         let dst = &dst;
-        // SAFETY: disjoint ranges of `0..n` (see `super::matmul_with`).
-        let d =
-            unsafe { std::slice::from_raw_parts_mut(dst.0.add(range.start * m), range.len() * m) };
-        for (j, d) in range.zip(d.chunks_exact_mut(m)) {
-            let wr = &w[j * row_bytes..(j + 1) * row_bytes];
-            for (tile, o) in rows.chunks(TILE).zip(d.chunks_mut(TILE)) {
-                // SAFETY: `available()` (the caller's dispatch); `wr` holds the row's blocks.
-                unsafe { row(wr, tile, o) };
+        for g in (0..m).step_by(GROUP) {
+            let g_end = (g + GROUP).min(m);
+            for j in range.clone() {
+                let wr = &w[j * row_bytes..(j + 1) * row_bytes];
+                for i in (g..g_end).step_by(TILE) {
+                    let r = TILE.min(g_end - i);
+                    // SAFETY: `available()` (the caller's dispatch); `wr` holds the row's
+                    // blocks, `rows[i * np..]` at least `r` rows of pairs; column `j` of
+                    // `out` is written by this task only (disjoint ranges of `0..n`), and
+                    // `out` outlives `execute_chunked`.
+                    unsafe { row(wr, &rows[i * np..], np, r, dst.0.add(i * n + j), n) };
+                }
             }
         }
     });
-    super::transpose(out_t, m, n)
+    out
 }
 
-/// One weight row against up to [`TILE`] activation rows; `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0,
-/// 3 Q5_1, 4 Q8_0.
+/// One weight row against `r ≤ TILE` activation rows (`np` pairs each, from `act` on),
+/// results to `out`, `out + stride`, ...; `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn row<const K: u8>(w: &[u8], tile: &[Vec<Pair>], out: &mut [f32]) {
+unsafe fn row<const K: u8>(
+    w: &[u8],
+    act: &[Pair],
+    np: usize,
+    r: usize,
+    out: *mut f32,
+    stride: usize,
+) {
     unsafe {
-        match tile.len() {
-            1 => rows::<K, 1>(w, tile, out),
-            2 => rows::<K, 2>(w, tile, out),
-            3 => rows::<K, 3>(w, tile, out),
-            4 => rows::<K, 4>(w, tile, out),
-            5 => rows::<K, 5>(w, tile, out),
-            6 => rows::<K, 6>(w, tile, out),
-            7 => rows::<K, 7>(w, tile, out),
-            _ => rows::<K, 8>(w, tile, out),
+        match r {
+            1 => rows::<K, 1>(w, act, np, out, stride),
+            2 => rows::<K, 2>(w, act, np, out, stride),
+            3 => rows::<K, 3>(w, act, np, out, stride),
+            4 => rows::<K, 4>(w, act, np, out, stride),
+            5 => rows::<K, 5>(w, act, np, out, stride),
+            6 => rows::<K, 6>(w, act, np, out, stride),
+            7 => rows::<K, 7>(w, act, np, out, stride),
+            _ => rows::<K, 8>(w, act, np, out, stride),
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn rows<const K: u8, const R: usize>(w: &[u8], tile: &[Vec<Pair>], out: &mut [f32]) {
+unsafe fn rows<const K: u8, const R: usize>(
+    w: &[u8],
+    act: &[Pair],
+    np: usize,
+    out: *mut f32,
+    stride: usize,
+) {
     unsafe {
         let bb = [18, 20, 22, 24, 34][K as usize];
         let nb = w.len() / bb;
-        let np = nb.div_ceil(2);
-        assert!(tile.len() >= R && out.len() >= R && tile[..R].iter().all(|r| r.len() == np));
-        let ptrs: [*const Pair; R] = std::array::from_fn(|r| tile[r].as_ptr());
+        assert!(np == nb.div_ceil(2) && act.len() >= R * np);
+        let ptrs: [*const Pair; R] = std::array::from_fn(|r| act.as_ptr().add(r * np));
         let mut acc = [_mm512_setzero_ps(); R];
         let mut off = [_mm512_setzero_ps(); R];
         for p in 0..np {
@@ -157,7 +222,7 @@ unsafe fn rows<const K: u8, const R: usize>(w: &[u8], tile: &[Vec<Pair>], out: &
             }
         }
         for r in 0..R {
-            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
+            *out.add(r * stride) = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
         }
     }
 }
