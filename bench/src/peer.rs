@@ -68,6 +68,10 @@ pub struct Args {
     pub dataset: Option<PathBuf>,
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
+    /// Measure ragkv alone (no llama-server phases; only the scaling line is printed): for
+    /// working on ragkv's side.
+    #[arg(long)]
+    pub skip_llama: bool,
     /// Working directory (default: a fresh temporary one); with an index there, indexing
     /// is skipped, and stored chunks are not prefilled again.
     #[arg(long)]
@@ -82,7 +86,19 @@ struct Outcome {
     /// Prompt tokens the server reports: ragkv's assembled prompt, llama-server's evaluated.
     prompt: usize,
     completion: usize,
+    /// Where ragkv says the time went (queue, load, assemble, prefill, decode; ms); none
+    /// from llama-server.
+    stages: Option<[f64; 5]>,
 }
+
+/// The stages of [`Outcome::stages`].
+const STAGES: [&str; 5] = [
+    "queue_ms",
+    "load_ms",
+    "assemble_ms",
+    "prefill_ms",
+    "decode_ms",
+];
 
 /// A server under test: how to send question `i`.
 trait Peer: Sync {
@@ -129,11 +145,13 @@ impl Peer for Ragkv<'_> {
             .find(|e| e.0.as_deref() == Some("done"))
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.1).ok())
             .ok_or_else(|| format!("ragkv: no done event: {:?}", r.events.last()))?;
+        let stage = |k: &str| done["timings"][k].as_f64().unwrap_or(f64::NAN);
         Ok(Outcome {
             first_ms,
             total_ms: r.total_ms,
             prompt: json_usize(&done, &["prompt_tokens"]),
             completion: json_usize(&done, &["completion_tokens"]),
+            stages: Some(STAGES.map(stage)),
         })
     }
 }
@@ -164,6 +182,7 @@ impl Peer for Llama<'_> {
             total_ms: r.total_ms,
             prompt: json_usize(&last, &["timings", "prompt_n"]),
             completion: json_usize(&last, &["timings", "predicted_n"]),
+            stages: None,
         })
     }
 }
@@ -216,6 +235,8 @@ struct Side {
     short_answers: usize,
     /// Mean latency per client count, ms.
     latency_ms: Vec<f64>,
+    /// Mean of each stage per client count (ragkv only).
+    stages: Vec<Option<serde_json::Value>>,
 }
 
 fn measure(
@@ -252,8 +273,22 @@ fn measure(
             "[peer] {name}: {c} clients: {} queries in {wall:.1} s = {qps:.3}/s, mean latency {mean:.0} ms",
             outcomes.len()
         );
+        let stages = outcomes
+            .iter()
+            .map(|o| o.stages)
+            .collect::<Option<Vec<_>>>();
+        let stages = stages.map(|all| {
+            let mut means = serde_json::Map::new();
+            for (i, name) in STAGES.iter().enumerate() {
+                let m = all.iter().map(|s| s[i]).sum::<f64>() / all.len() as f64;
+                means.insert(name.to_string(), m.into());
+            }
+            eprintln!("[peer] {name}: {c} clients: mean stages {means:?}");
+            serde_json::Value::Object(means)
+        });
         side.qps.push(qps);
         side.latency_ms.push(mean);
+        side.stages.push(stages);
     }
     Ok(side)
 }
@@ -399,6 +434,9 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     drop(rag);
     crate::engine::close(engine);
 
+    if args.skip_llama {
+        return Ok(scaling(args, &ours).into_iter().collect());
+    }
     let ctx_per_slot = (longest + args.max_tokens + 64).div_ceil(256) * 256;
     let theirs = {
         let (_server, addr) = start_llama(&llama_bin, &model_path, args, ctx_per_slot)?;
@@ -410,6 +448,23 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         measure("llama-server", &peer, &prompts, args, &|| Ok(()))?
     };
     lines(args, &ours, &theirs, prompt_mean, kv_hits_all)
+}
+
+/// ragkv's queries/s with the most clients against its own with one client.
+fn scaling(args: &Args, ours: &Side) -> Option<Line> {
+    let max = args.clients.iter().copied().max()?;
+    let one = args.clients.iter().position(|&c| c == 1)?;
+    let top = args.clients.iter().position(|&c| c == max)?;
+    let mut l = Line::higher(
+        &format!("peer.batch_scaling.c{max}"),
+        ours.qps[top],
+        ours.qps[one],
+        "queries/s",
+        "ragkv itself with one client",
+    )
+    .bar(4.0);
+    l.detail = Some(serde_json::json!({"ragkv_stages_ms_mean": ours.stages[top]}));
+    Some(l)
 }
 
 fn lines(
@@ -458,22 +513,11 @@ fn lines(
         l.detail = Some(serde_json::json!({
             "clients": c, "queries": c * args.rounds,
             "ragkv_latency_ms_mean": ours.latency_ms[i], "llama_latency_ms_mean": theirs.latency_ms[i],
+            "ragkv_stages_ms_mean": ours.stages[i],
         }));
         out.push(l);
     }
-    if let Some(one) = args.clients.iter().position(|&c| c == 1) {
-        let top = args.clients.iter().position(|&c| c == max).unwrap_or(0);
-        out.push(
-            Line::higher(
-                &format!("peer.batch_scaling.c{max}"),
-                ours.qps[top],
-                ours.qps[one],
-                "queries/s",
-                "ragkv itself with one client",
-            )
-            .bar(4.0),
-        );
-    }
+    out.extend(scaling(args, ours));
     if ours.prompt_mismatches + theirs.prompt_mismatches > 0 {
         eprintln!(
             "[peer] warning: prompt lengths differ from the computed prompts (ragkv {}, \

@@ -19,6 +19,9 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
 use crate::quant::SharedOut;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Query rows per task: enough work per hand-off, enough tasks to share among threads.
 const ROWS_PER_TASK: usize = 16;
 
@@ -123,6 +126,9 @@ pub(crate) fn attend(
         }
     }
     let kernel = Kernel::best();
+    // 64-element heads take the AVX-512 kernel where the CPU has it.
+    #[cfg(target_arch = "x86_64")]
+    let wide = d == avx512::HEAD && avx512::available();
     let mut out = vec![0f32; rows * heads * d];
     let dst = SharedOut(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
@@ -150,6 +156,13 @@ pub(crate) fn attend(
                 let o = unsafe {
                     std::slice::from_raw_parts_mut(dst.0.add((row * heads + g * rep) * d), rep * d)
                 };
+                #[cfg(target_arch = "x86_64")]
+                if wide {
+                    let span = (from, pos);
+                    // SAFETY: `avx512::available()` was checked.
+                    unsafe { avx512::group(&qg, kb, k.row, vb, v.row, span, scale, &mut p, o) };
+                    continue;
+                }
                 let krows = (from..=pos).map(|j| j * k.row);
                 let vrows = (from..=pos).map(|j| j * v.row);
                 kernel.group(
@@ -551,6 +564,57 @@ mod tests {
                 let want = reference(&q.narrow(2, 1 + i, 1).unwrap(), &kk, &vv, lo, scale);
                 let diff = max_diff(&got.narrow(0, 1 + i, 1).unwrap(), &want);
                 assert!(diff < 1e-5, "row {i}, window {window:?}: differs by {diff}");
+            }
+        }
+    }
+
+    /// 64-element heads (the AVX-512 kernel where the CPU has it), in groups of three and of
+    /// seven query heads per KV head (two passes of at most four), prompt rows and a
+    /// decoding row, with and without a window.
+    #[test]
+    fn sixty_four_element_heads_match_the_reference() {
+        let dev = Device::Cpu;
+        for (heads, kv) in [(6, 2), (7, 1)] {
+            let (d, cap, s, past) = (64, 80, 19, 23);
+            let t = past + s;
+            let q = Tensor::randn(0f32, 1.0, (1, heads, s + 1, d), &dev).unwrap();
+            let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+            let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+            let (k, v) = (kc.narrow(2, 0, t).unwrap(), vc.narrow(2, 0, t).unwrap());
+            let (k1, v1) = (kc.narrow(2, 0, 11).unwrap(), vc.narrow(2, 0, 11).unwrap());
+            for window in [None, Some(9)] {
+                let seqs = [
+                    Seq {
+                        row: 0,
+                        len: s,
+                        k: &k,
+                        v: &v,
+                    },
+                    Seq {
+                        row: s,
+                        len: 1,
+                        k: &k1,
+                        v: &v1,
+                    },
+                ];
+                let got = attend(&q, &seqs, window, 0.125).unwrap();
+                for (row, (kk, vv, pos)) in (0..s)
+                    .map(|i| (&k, &v, past + i))
+                    .chain([(&k1, &v1, 10)])
+                    .enumerate()
+                {
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let (kk, vv) = (
+                        kk.narrow(2, 0, pos + 1).unwrap(),
+                        vv.narrow(2, 0, pos + 1).unwrap(),
+                    );
+                    let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
+                    let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
+                    assert!(
+                        diff < 1e-5,
+                        "{heads}/{kv} heads, row {row}, window {window:?}: {diff}"
+                    );
+                }
             }
         }
     }

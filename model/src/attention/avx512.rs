@@ -1,0 +1,197 @@
+//! AVX-512 attention for 64-element heads (SmolLM2, Qwen2.5, Llama 3 all use them): a head's
+//! query and its running output stay in registers (four 16-lane vectors each) over every
+//! key of the task, up to four heads of a KV group per pass, so a key or value row costs
+//! four loads and four multiply-adds per head instead of a call and a trip through memory.
+//! The softmax's `exp` is ggml's vectorized one (as the AVX2 loops'); the division by the
+//! sum is applied once to the output.
+
+#![allow(unused_unsafe)]
+
+use std::arch::x86_64::*;
+
+/// Elements per head this kernel takes.
+pub(super) const HEAD: usize = 64;
+
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+/// Heads `q` (`rep` rows of 64) over the key and value rows `from..=pos` of `k` and `v`
+/// (row strides `ks`, `vs`): the softmax-weighted sums of values into `o` (`rep` rows of
+/// 64), scores scaled by `scale`; `p` is scratch.
+///
+/// # Safety
+/// The CPU has AVX-512F ([`available`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group(
+    q: &[f32],
+    k: &[f32],
+    ks: usize,
+    v: &[f32],
+    vs: usize,
+    (from, pos): (usize, usize),
+    scale: f32,
+    p: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let rep = q.len() / HEAD;
+    assert!(
+        from <= pos
+            && o.len() == q.len()
+            && pos * ks + HEAD <= k.len()
+            && pos * vs + HEAD <= v.len()
+    );
+    let mut h = 0;
+    while h < rep {
+        let c = (rep - h).min(4);
+        let (qh, oh) = (
+            &q[h * HEAD..(h + c) * HEAD],
+            &mut o[h * HEAD..(h + c) * HEAD],
+        );
+        let rows = Rows {
+            k,
+            ks,
+            v,
+            vs,
+            from,
+            n: pos + 1 - from,
+        };
+        // SAFETY: the caller's contract; the rows are in bounds (asserted above).
+        unsafe {
+            match c {
+                1 => heads::<1>(qh, &rows, scale, p, oh),
+                2 => heads::<2>(qh, &rows, scale, p, oh),
+                3 => heads::<3>(qh, &rows, scale, p, oh),
+                _ => heads::<4>(qh, &rows, scale, p, oh),
+            }
+        }
+        h += c;
+    }
+}
+
+/// The keys and values a pass reads: `n` rows from `from`.
+struct Rows<'a> {
+    k: &'a [f32],
+    ks: usize,
+    v: &'a [f32],
+    vs: usize,
+    from: usize,
+    n: usize,
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn heads<const H: usize>(
+    q: &[f32],
+    r: &Rows<'_>,
+    scale: f32,
+    p: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    unsafe {
+        let n = r.n;
+        p.clear();
+        p.resize(H * n, 0.0);
+        let load4 = |at: *const f32| {
+            [
+                _mm512_loadu_ps(at),
+                _mm512_loadu_ps(at.add(16)),
+                _mm512_loadu_ps(at.add(32)),
+                _mm512_loadu_ps(at.add(48)),
+            ]
+        };
+        let qv: [[__m512; 4]; H] = std::array::from_fn(|h| load4(q.as_ptr().add(h * HEAD)));
+        let (kp, vp, pp) = (r.k.as_ptr(), r.v.as_ptr(), p.as_mut_ptr());
+        for j in 0..n {
+            let kr = load4(kp.add((r.from + j) * r.ks));
+            for h in 0..H {
+                let mut acc = _mm512_mul_ps(qv[h][0], kr[0]);
+                acc = _mm512_fmadd_ps(qv[h][1], kr[1], acc);
+                acc = _mm512_fmadd_ps(qv[h][2], kr[2], acc);
+                acc = _mm512_fmadd_ps(qv[h][3], kr[3], acc);
+                *pp.add(h * n + j) = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+        let mut inv = [0f32; H];
+        for (h, inv) in inv.iter_mut().enumerate() {
+            let s = std::slice::from_raw_parts_mut(pp.add(h * n), n);
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            *inv = 1.0 / exp_sub(s, max);
+        }
+        let mut ov = [[_mm512_setzero_ps(); 4]; H];
+        for j in 0..n {
+            let vr = load4(vp.add((r.from + j) * r.vs));
+            for h in 0..H {
+                let w = _mm512_set1_ps(*pp.add(h * n + j));
+                for c in 0..4 {
+                    ov[h][c] = _mm512_fmadd_ps(w, vr[c], ov[h][c]);
+                }
+            }
+        }
+        for h in 0..H {
+            let scale = _mm512_set1_ps(inv[h]);
+            for c in 0..4 {
+                _mm512_storeu_ps(
+                    o.as_mut_ptr().add(h * HEAD + c * 16),
+                    _mm512_mul_ps(ov[h][c], scale),
+                );
+            }
+        }
+    }
+}
+
+/// ggml's `ggml_v_expf` on sixteen lanes, for arguments clamped at -87 (scores minus their
+/// maximum: anything below is 0 to f32 anyway).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    unsafe {
+        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let r = c(0x4b40_0000);
+        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm512_sub_ps(z, r);
+        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+        let e = _mm512_slli_epi32(_mm512_castps_si512(z), 23);
+        let k = _mm512_castsi512_ps(_mm512_add_epi32(
+            e,
+            _mm512_castps_si512(_mm512_set1_ps(1.0)),
+        ));
+        let u = _mm512_mul_ps(b, b);
+        let j = _mm512_fmadd_ps(
+            _mm512_fmadd_ps(
+                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                u,
+                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            ),
+            u,
+            _mm512_mul_ps(c(0x3f7f_fff6), b),
+        );
+        _mm512_fmadd_ps(j, k, k)
+    }
+}
+
+/// `x = exp(x - max)` in place; returns the sum.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sub(x: &mut [f32], max: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    unsafe {
+        let m = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            let y = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), m));
+            _mm512_storeu_ps(p.add(i), y);
+            acc = _mm512_add_ps(acc, y);
+            i += 16;
+        }
+        let mut sum = _mm512_reduce_add_ps(acc);
+        while i < n {
+            x[i] = (x[i] - max).exp();
+            sum += x[i];
+            i += 1;
+        }
+        sum
+    }
+}
