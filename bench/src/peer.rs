@@ -303,12 +303,19 @@ impl Drop for LlamaServer {
     }
 }
 
+/// Starts llama-server on a free loopback port (its output to `log`) and waits until it
+/// answers `/health`.
 fn start_llama(
     bin: &std::path::Path,
     model: &std::path::Path,
     args: &Args,
     ctx_per_slot: usize,
+    log: &std::path::Path,
 ) -> Result<(LlamaServer, SocketAddr), Error> {
+    let out = std::fs::File::create(log).map_err(crate::io(log.display().to_string()))?;
+    let err = out
+        .try_clone()
+        .map_err(crate::io(log.display().to_string()))?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(crate::io("free port"))?
@@ -327,15 +334,21 @@ fn start_llama(
         .args(["--ctx-size", &(ctx_per_slot * args.slots).to_string()])
         // Every prompt prefilled in full: no prompt cache, in the slots or in host memory.
         .args(["--no-cache-prompt", "--cache-ram", "0", "--no-webui"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
         .spawn()
         .map_err(crate::io(format!("starting {}", bin.display())))?;
-    let server = LlamaServer(child);
+    let mut server = LlamaServer(child);
     let t = Instant::now();
     loop {
         if let Ok((200, _)) = serve::client::request(addr, "GET", "/health", None, None) {
             return Ok((server, addr));
+        }
+        if let Ok(Some(status)) = server.0.try_wait() {
+            return Err(Error::Check(format!(
+                "llama-server exited ({status}) before answering: see {}",
+                log.display()
+            )));
         }
         if t.elapsed() > Duration::from_secs(120) {
             return Err(Error::Check(
@@ -439,7 +452,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     }
     let ctx_per_slot = (longest + args.max_tokens + 64).div_ceil(256) * 256;
     let theirs = {
-        let (_server, addr) = start_llama(&llama_bin, &model_path, args, ctx_per_slot)?;
+        let log = work_dir.path().join("llama-server.log");
+        let (_server, addr) = start_llama(&llama_bin, &model_path, args, ctx_per_slot, &log)?;
         let peer = Llama {
             addr,
             prompts: &prompts,

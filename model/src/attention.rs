@@ -11,9 +11,11 @@
 //! tokens: ~100 MB of f32 keys and values per sequence and step, as much as its quantized
 //! weights). Query row `i` of a sequence whose cache holds `t` rows after this step sits at
 //! cache index `t - s + i` and sees keys up to it, within the sliding window if any (HF's
-//! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32, with
-//! AVX2+FMA (and a vectorized `exp`, ggml's) where the CPU has them, a portable loop
-//! otherwise. Used for f32 caches on the CPU; other dtypes and devices take the general path.
+//! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32: 64-element
+//! heads on AVX-512 CPUs in [`avx512`] (queries and outputs held in registers), other shapes
+//! with AVX2+FMA loops (and a vectorized `exp`, ggml's) where the CPU has them, a portable
+//! loop otherwise. Used for f32 caches on the CPU; other dtypes and devices take the general
+//! path.
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
