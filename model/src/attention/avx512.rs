@@ -103,11 +103,11 @@ unsafe fn heads<const H: usize>(
         let (kp, vp, pp) = (r.k.as_ptr(), r.v.as_ptr(), p.as_mut_ptr());
         for j in 0..n {
             let kr = load4(kp.add((r.from + j) * r.ks));
-            for h in 0..H {
-                let mut acc = _mm512_mul_ps(qv[h][0], kr[0]);
-                acc = _mm512_fmadd_ps(qv[h][1], kr[1], acc);
-                acc = _mm512_fmadd_ps(qv[h][2], kr[2], acc);
-                acc = _mm512_fmadd_ps(qv[h][3], kr[3], acc);
+            for (h, qh) in qv.iter().enumerate() {
+                let mut acc = _mm512_mul_ps(qh[0], kr[0]);
+                acc = _mm512_fmadd_ps(qh[1], kr[1], acc);
+                acc = _mm512_fmadd_ps(qh[2], kr[2], acc);
+                acc = _mm512_fmadd_ps(qh[3], kr[3], acc);
                 *pp.add(h * n + j) = _mm512_reduce_add_ps(acc) * scale;
             }
         }
@@ -120,19 +120,19 @@ unsafe fn heads<const H: usize>(
         let mut ov = [[_mm512_setzero_ps(); 4]; H];
         for j in 0..n {
             let vr = load4(vp.add((r.from + j) * r.vs));
-            for h in 0..H {
+            for (h, oh) in ov.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*pp.add(h * n + j));
-                for c in 0..4 {
-                    ov[h][c] = _mm512_fmadd_ps(w, vr[c], ov[h][c]);
+                for (acc, x) in oh.iter_mut().zip(&vr) {
+                    *acc = _mm512_fmadd_ps(w, *x, *acc);
                 }
             }
         }
-        for h in 0..H {
-            let scale = _mm512_set1_ps(inv[h]);
-            for c in 0..4 {
+        for (h, (oh, inv)) in ov.iter().zip(inv).enumerate() {
+            let scale = _mm512_set1_ps(inv);
+            for (c, acc) in oh.iter().enumerate() {
                 _mm512_storeu_ps(
                     o.as_mut_ptr().add(h * HEAD + c * 16),
-                    _mm512_mul_ps(ov[h][c], scale),
+                    _mm512_mul_ps(*acc, scale),
                 );
             }
         }
