@@ -79,7 +79,7 @@ pub struct Args {
 }
 
 /// One answered query, as the client saw it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Outcome {
     first_ms: f64,
     total_ms: f64,
@@ -89,6 +89,8 @@ struct Outcome {
     /// Where ragkv says the time went (queue, load, assemble, prefill, decode; ms); none
     /// from llama-server.
     stages: Option<[f64; 5]>,
+    /// The answer's text.
+    answer: String,
 }
 
 /// The stages of [`Outcome::stages`].
@@ -128,14 +130,19 @@ struct Ragkv<'a> {
     questions: &'a [String],
     top_k: usize,
     max_tokens: usize,
+    /// The assembly strategy (`None`: the server's default).
+    assembly: Option<&'static str>,
 }
 
 impl Peer for Ragkv<'_> {
     fn ask(&self, i: usize) -> Result<Outcome, String> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "question": self.questions[i], "top_k": self.top_k, "max_tokens": self.max_tokens,
             "stream": true, "ignore_eos": true,
         });
+        if let Some(a) = self.assembly {
+            body["assembly"] = a.into();
+        }
         let r = post(self.addr, "/v1/query", &body, b"event: token", TIMEOUT)
             .map_err(|e| e.to_string())?;
         let first_ms = first(&r, "ragkv")?;
@@ -152,6 +159,7 @@ impl Peer for Ragkv<'_> {
             prompt: json_usize(&done, &["prompt_tokens"]),
             completion: json_usize(&done, &["completion_tokens"]),
             stages: Some(STAGES.map(stage)),
+            answer: done["answer"].as_str().unwrap_or_default().to_string(),
         })
     }
 }
@@ -171,10 +179,17 @@ impl Peer for Llama<'_> {
         let r =
             post(self.addr, "/completion", &body, b"data: ", TIMEOUT).map_err(|e| e.to_string())?;
         let first_ms = first(&r, "llama-server")?;
-        let last = r
+        let chunks: Vec<serde_json::Value> = r
             .events
             .iter()
-            .filter_map(|e| serde_json::from_str::<serde_json::Value>(&e.1).ok())
+            .filter_map(|e| serde_json::from_str(&e.1).ok())
+            .collect();
+        let answer = chunks
+            .iter()
+            .filter_map(|v| v["content"].as_str())
+            .collect::<String>();
+        let last = chunks
+            .iter()
             .find(|v| v.get("timings").is_some())
             .ok_or_else(|| format!("llama-server: no timings: {:?}", r.events.last()))?;
         Ok(Outcome {
@@ -183,6 +198,7 @@ impl Peer for Llama<'_> {
             prompt: json_usize(&last, &["timings", "prompt_n"]),
             completion: json_usize(&last, &["timings", "predicted_n"]),
             stages: None,
+            answer,
         })
     }
 }
@@ -237,6 +253,8 @@ struct Side {
     latency_ms: Vec<f64>,
     /// Mean of each stage per client count (ragkv only).
     stages: Vec<Option<serde_json::Value>>,
+    /// Each question's answer in the time-to-first-token phase.
+    answers: Vec<String>,
 }
 
 fn measure(
@@ -263,6 +281,7 @@ fn measure(
         );
         check(&o, i, &mut side);
         side.ttft.push(o.first_ms);
+        side.answers.push(o.answer);
     }
     side.ttft.sort_by(f64::total_cmp);
     for &c in &args.clients {
@@ -434,10 +453,24 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             questions: &questions,
             top_k: args.top_k,
             max_tokens: args.max_tokens,
+            assembly: None,
         };
         let drop_pages = || crate::ttft::drop_segment_pages(&engine);
         measure("ragkv", &peer, &prompts, args, &drop_pages)?
     };
+    // The same prompts prefilled in full (`assembly: full`): the engines' numerics side by
+    // side, without the stored chunks' assembly in between.
+    let full = Ragkv {
+        assembly: Some("full"),
+        addr,
+        questions: &questions,
+        top_k: args.top_k,
+        max_tokens: args.max_tokens,
+    };
+    let full_answers = (0..questions.len())
+        .map(|i| full.ask(i).map(|o| o.answer))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Error::Check(format!("ragkv full: {e}")))?;
     let kv_hits_all = rag
         .metrics
         .kv_misses
@@ -461,7 +494,36 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         };
         measure("llama-server", &peer, &prompts, args, &|| Ok(()))?
     };
-    lines(args, &ours, &theirs, prompt_mean, kv_hits_all)
+    let mut out = lines(args, &ours, &theirs, prompt_mean, kv_hits_all)?;
+    if let Some(detail) = out[0].detail.as_mut() {
+        detail["answers_full_prefill"] = agreement("full", &full_answers, &theirs.answers);
+        detail["answers_stored_kv"] = agreement("stored", &ours.answers, &theirs.answers);
+    }
+    Ok(out)
+}
+
+/// How ragkv's answers compare with llama-server's to the same prompts: identical answers,
+/// and the mean share of llama-server's answer that ragkv's matches from its start.
+fn agreement(what: &str, ours: &[String], theirs: &[String]) -> serde_json::Value {
+    let identical = ours
+        .iter()
+        .zip(theirs)
+        .filter(|(a, b)| a.trim() == b.trim())
+        .count();
+    let prefix: f64 = ours
+        .iter()
+        .zip(theirs)
+        .enumerate()
+        .map(|(i, (a, b))| {
+            let common = a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count();
+            eprintln!(
+                "[peer] {what} answer {i}: {common} chars in common\n  ragkv: {a:?}\n  llama: {b:?}"
+            );
+            common as f64 / b.chars().count().max(1) as f64
+        })
+        .sum::<f64>()
+        / theirs.len().max(1) as f64;
+    serde_json::json!({"identical": identical, "of": theirs.len(), "common_prefix_share": prefix})
 }
 
 /// ragkv's queries/s with the most clients against its own with one client.

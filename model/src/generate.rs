@@ -22,9 +22,9 @@ pub struct GenerateParams {
     pub stop_tokens: Vec<u32>,
     /// Stop once the generated text contains any of these (the stop string is cut off).
     pub stop_strings: Vec<String>,
-    /// Generate past the tokenizer's end-of-turn tokens, up to `max_tokens` (`stop_tokens`
-    /// and `stop_strings` still stop): fixed-length answers for benchmarks, as vLLM's and
-    /// llama-server's `ignore_eos`.
+    /// Never sample the tokenizer's end-of-turn tokens, so that generation runs to
+    /// `max_tokens` (`stop_tokens` and `stop_strings` still stop): fixed-length answers for
+    /// benchmarks, as llama-server's `ignore_eos` (which bans them the same way).
     pub ignore_eos: bool,
 }
 
@@ -181,11 +181,20 @@ impl<'a> Decoding<'a> {
                 why: "advance after the sequence finished".into(),
             });
         }
-        let next = self.sampler.sample(logits)?;
+        let next = if self.params.ignore_eos && !self.eos.is_empty() {
+            let mut l: Vec<f32> = logits.to_vec1().ctx("logits")?;
+            for e in self.eos {
+                if let Some(x) = l.get_mut(*e as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            let banned = Tensor::new(l.as_slice(), logits.device()).ctx("logits")?;
+            self.sampler.sample(&banned)?
+        } else {
+            self.sampler.sample(logits)?
+        };
         let out = &mut self.out;
-        if (!self.params.ignore_eos && self.eos.contains(&next))
-            || self.params.stop_tokens.contains(&next)
-        {
+        if self.eos.contains(&next) || self.params.stop_tokens.contains(&next) {
             return Ok(self.end(FinishReason::Stop, None));
         }
         out.tokens.push(next);

@@ -332,7 +332,7 @@ fn ignore_eos_runs_to_max_tokens() {
             |_| true,
         )
         .unwrap();
-    // The same answer, then past the end-of-turn token up to the limit.
+    // The same answer, then (the end-of-turn token banned) on to the limit.
     assert_eq!(long.finish, model::FinishReason::Length);
     assert_eq!(long.tokens.len(), 24);
     assert_eq!(long.tokens[..stopped.tokens.len()], stopped.tokens[..]);

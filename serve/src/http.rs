@@ -185,8 +185,8 @@ pub struct QueryBody {
     pub assembly: Option<String>,
     /// Only retrieve from these documents.
     pub documents: Option<Vec<String>>,
-    /// Generate `max_tokens` whatever the end-of-turn token says (fixed-length answers, for
-    /// benchmarks; vLLM's and llama-server's `ignore_eos`).
+    /// Generate `max_tokens`, never sampling the end-of-turn token (fixed-length answers, for
+    /// benchmarks; llama-server's `ignore_eos`).
     pub ignore_eos: Option<bool>,
 }
 
