@@ -195,8 +195,8 @@ impl Peer for Llama<'_> {
         Ok(Outcome {
             first_ms,
             total_ms: r.total_ms,
-            prompt: json_usize(&last, &["timings", "prompt_n"]),
-            completion: json_usize(&last, &["timings", "predicted_n"]),
+            prompt: json_usize(last, &["timings", "prompt_n"]),
+            completion: json_usize(last, &["timings", "predicted_n"]),
             stages: None,
             answer,
         })
