@@ -18,7 +18,10 @@
 //!    cold (the segment files' pages dropped before each query), llama-server's full prefill;
 //! 2. queries/s with each of `--clients` concurrent clients (1, 4, 8), every client sending
 //!    `--rounds` queries over the questions in turn (ragkv's segment pages stay cached, as
-//!    on a serving machine).
+//!    on a serving machine);
+//! 3. (ragkv) every question again with `assembly: full`: its answers and the stored-KV ones
+//!    are compared with llama-server's to the same prompt tokens (identical answers, common
+//!    prefix), the engines' numerics side by side.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -46,7 +49,7 @@ pub struct Args {
     pub top_k: usize,
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
-    /// Tokens generated per answer (both sides, past end-of-turn).
+    /// Tokens generated per answer (both sides, end-of-turn tokens banned).
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
     /// Concurrent client counts, one throughput phase each.
