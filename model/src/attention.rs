@@ -320,16 +320,7 @@ mod avx2 {
     #![allow(unused_unsafe)]
     use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
-        }
-    }
+    use crate::simd::x86::hsum256 as hsum;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -526,21 +517,18 @@ mod tests {
         }
     }
 
-    /// A prompt of several rows (more than one task's worth) beside a decoding token: each
-    /// prompt row sees the keys up to its own cache index (causal), within the window.
-    #[test]
-    fn prompts_are_causal_and_windowed() {
+    /// A decoding token (over a cache of `short` rows) and a prompt of `s` rows after `past`
+    /// cached ones, in one step: every row equals the reference computed alone, each prompt
+    /// row seeing the keys up to its own cache index (causal), within the window.
+    fn check_prompt_beside_a_token(heads: usize, kv: usize, d: usize, s: usize, past: usize) {
         let dev = Device::Cpu;
-        let (heads, kv, d, cap) = (4, 2, 16, 64);
-        let (s, past) = (ROWS_PER_TASK + 5, 9);
-        let t = past + s;
+        let (t, short, cap) = (past + s, 11, past + s + 8);
         let q = Tensor::randn(0f32, 1.0, (1, heads, s + 1, d), &dev).unwrap();
         let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
         let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
-        let (k, v) = (kc.narrow(2, 0, t).unwrap(), vc.narrow(2, 0, t).unwrap());
-        let (k1, v1) = (kc.narrow(2, 0, 5).unwrap(), vc.narrow(2, 0, 5).unwrap());
-        let scale = 0.3;
-        for window in [None, Some(7)] {
+        let view = |n| (kc.narrow(2, 0, n).unwrap(), vc.narrow(2, 0, n).unwrap());
+        let ((k, v), (k1, v1)) = (view(t), view(short));
+        for window in [None, Some(9)] {
             let seqs = [
                 Seq {
                     row: 0,
@@ -555,70 +543,35 @@ mod tests {
                     v: &v,
                 },
             ];
-            let got = attend(&q, &seqs, window, scale).unwrap();
-            for i in 0..s {
-                let pos = past + i;
+            let got = attend(&q, &seqs, window, 0.125).unwrap();
+            // Row 0: the token at cache index `short - 1`; row 1 + i: the prompt's row i.
+            let rows = std::iter::once(short - 1).chain((0..s).map(|i| past + i));
+            for (row, pos) in rows.enumerate() {
                 let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let (kk, vv) = (
-                    k.narrow(2, 0, pos + 1).unwrap(),
-                    v.narrow(2, 0, pos + 1).unwrap(),
+                let (kk, vv) = view(pos + 1);
+                let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
+                let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
+                assert!(
+                    diff < 1e-5,
+                    "{heads}/{kv} heads of {d}, row {row}, window {window:?}: differs by {diff}"
                 );
-                let want = reference(&q.narrow(2, 1 + i, 1).unwrap(), &kk, &vv, lo, scale);
-                let diff = max_diff(&got.narrow(0, 1 + i, 1).unwrap(), &want);
-                assert!(diff < 1e-5, "row {i}, window {window:?}: differs by {diff}");
             }
         }
     }
 
+    /// A prompt longer than one task's rows, beside a decoding token (the AVX2 or portable
+    /// loops: 16-element heads).
+    #[test]
+    fn prompts_are_causal_and_windowed() {
+        check_prompt_beside_a_token(4, 2, 16, ROWS_PER_TASK + 5, 9);
+    }
+
     /// 64-element heads (the AVX-512 kernel where the CPU has it), in groups of three and of
-    /// seven query heads per KV head (two passes of at most four), prompt rows and a
-    /// decoding row, with and without a window.
+    /// seven query heads per KV head (two passes of at most four).
     #[test]
     fn sixty_four_element_heads_match_the_reference() {
-        let dev = Device::Cpu;
-        for (heads, kv) in [(6, 2), (7, 1)] {
-            let (d, cap, s, past) = (64, 80, 19, 23);
-            let t = past + s;
-            let q = Tensor::randn(0f32, 1.0, (1, heads, s + 1, d), &dev).unwrap();
-            let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
-            let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
-            let (k, v) = (kc.narrow(2, 0, t).unwrap(), vc.narrow(2, 0, t).unwrap());
-            let (k1, v1) = (kc.narrow(2, 0, 11).unwrap(), vc.narrow(2, 0, 11).unwrap());
-            for window in [None, Some(9)] {
-                let seqs = [
-                    Seq {
-                        row: 0,
-                        len: s,
-                        k: &k,
-                        v: &v,
-                    },
-                    Seq {
-                        row: s,
-                        len: 1,
-                        k: &k1,
-                        v: &v1,
-                    },
-                ];
-                let got = attend(&q, &seqs, window, 0.125).unwrap();
-                for (row, (kk, vv, pos)) in (0..s)
-                    .map(|i| (&k, &v, past + i))
-                    .chain([(&k1, &v1, 10)])
-                    .enumerate()
-                {
-                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let (kk, vv) = (
-                        kk.narrow(2, 0, pos + 1).unwrap(),
-                        vv.narrow(2, 0, pos + 1).unwrap(),
-                    );
-                    let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
-                    let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
-                    assert!(
-                        diff < 1e-5,
-                        "{heads}/{kv} heads, row {row}, window {window:?}: {diff}"
-                    );
-                }
-            }
-        }
+        check_prompt_beside_a_token(6, 2, 64, 19, 23);
+        check_prompt_beside_a_token(7, 1, 64, 19, 23);
     }
 
     /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths

@@ -30,6 +30,7 @@ mod kv;
 mod linear;
 mod quant;
 mod rope;
+mod simd;
 pub mod synthetic;
 mod template;
 mod tokenizer;

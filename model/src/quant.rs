@@ -266,6 +266,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{u32_at, BlockQ8, Kernels, Kind};
+    use crate::simd::x86::hsum256 as hsum;
 
     /// The f16 at `at` (hardware conversion).
     #[inline]
@@ -420,17 +421,6 @@ mod avx2 {
         unsafe {
             let pairs = _mm256_maddubs_epi16(x, y);
             _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
         }
     }
 

@@ -247,6 +247,23 @@ fn planted_engine(dir: &std::path::Path, chunk_preamble: &str) -> Arc<ingest::En
     ))
 }
 
+/// A greedy query over every planted document (in the prompt together: the planted one is not
+/// always first).
+fn planted_query(question: &str, assembly: Assembly, max_tokens: usize, ignore_eos: bool) -> Query {
+    Query {
+        question: question.to_string(),
+        top_k: PLANTED.len(),
+        filter: Default::default(),
+        params: model::GenerateParams {
+            max_tokens,
+            ignore_eos,
+            ..Default::default()
+        },
+        kv: KvMode::On,
+        assembly,
+    }
+}
+
 /// Stops the pipeline and waits until its threads have let go of the engine (which closes
 /// its index before the directory goes).
 fn close(rag: Arc<Rag>, engine: Arc<ingest::Engine>) {
@@ -265,18 +282,7 @@ fn every_strategy_answers_planted_questions() {
 
     for asm in Assembly::ALL {
         for (id, _, question, want) in PLANTED {
-            let q = Query {
-                question: question.to_string(),
-                // Every document in the prompt: the planted one is not always first.
-                top_k: PLANTED.len(),
-                filter: Default::default(),
-                params: model::GenerateParams {
-                    max_tokens: 24,
-                    ..Default::default()
-                },
-                kv: KvMode::On,
-                assembly: asm,
-            };
+            let q = planted_query(question, asm, 24, false);
             let hits = rag.retrieve(&q).unwrap();
             assert_eq!(hits[0].payload.doc_id, *id);
             let f = common::answer(&rag, q, hits);
@@ -311,17 +317,7 @@ fn teacher_forcing_reproduces_the_reference() {
     let engine = planted_engine(dir.path(), "");
     let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
     let (_, _, question, want) = PLANTED[0];
-    let query = |assembly| Query {
-        question: question.to_string(),
-        top_k: PLANTED.len(),
-        filter: Default::default(),
-        params: model::GenerateParams {
-            max_tokens: 20,
-            ..Default::default()
-        },
-        kv: KvMode::On,
-        assembly,
-    };
+    let query = |assembly| planted_query(question, assembly, 20, false);
     let hits = rag.retrieve(&query(Assembly::Full)).unwrap();
     let r = rag.reference(&query(Assembly::Full), hits.clone()).unwrap();
     eprintln!("reference: {:?} {:?}", r.generation.text, r.targets);
@@ -402,18 +398,7 @@ fn the_whole_prompt_is_what_full_prefills() {
     let engine = planted_engine(dir.path(), "");
     let rag = Rag::start(engine.clone(), ServeConfig::default()).unwrap();
     let (_, _, question, want) = PLANTED[1];
-    let query = |ignore_eos| Query {
-        question: question.to_string(),
-        top_k: PLANTED.len(),
-        filter: Default::default(),
-        params: model::GenerateParams {
-            max_tokens: 24,
-            ignore_eos,
-            ..Default::default()
-        },
-        kv: KvMode::On,
-        assembly: Assembly::Full,
-    };
+    let query = |ignore_eos| planted_query(question, Assembly::Full, 24, ignore_eos);
     let hits = rag.retrieve(&query(false)).unwrap();
     let prompt = rag.prompt_tokens(question, &hits).unwrap();
     let f = common::answer(&rag, query(false), hits.clone());
