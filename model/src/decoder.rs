@@ -59,6 +59,9 @@ pub struct Decoder {
 /// The matrix `name` (`(out, in)`, quantized if the weights keep it so) as a projection in
 /// `dtype`.
 fn matrix(w: &Weights, name: &str, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
+    if let Some(p) = w.packed(name) {
+        return Ok(Proj::packed(p.clone(), b, dtype));
+    }
     match w.quantized(name) {
         Some(q) => Proj::quant(q.clone(), b, dtype),
         None => Ok(Proj::dense(w.get(name)?.clone(), b)),
@@ -174,19 +177,24 @@ impl Decoder {
             });
         }
         const EMBED: &str = "model.embed_tokens.weight";
-        let embed = match w.quantized(EMBED) {
-            Some(q) => Embedding::Quant {
-                table: q.clone(),
-                dtype,
-            },
-            None => Embedding::Dense(w.get(EMBED)?.clone()),
-        };
         let head = if w.has("lm_head.weight") && !cfg.tie_embeddings {
             "lm_head.weight"
         } else {
             EMBED
         };
         let lm_head = matrix(w, head, None, dtype)?;
+        let embed = match (w.packed(EMBED), w.quantized(EMBED)) {
+            (Some(table), _) => Embedding::Packed {
+                table: table.clone(),
+                dtype,
+                device: device.clone(),
+            },
+            (None, Some(q)) => Embedding::Quant {
+                table: q.clone(),
+                dtype,
+            },
+            (None, None) => Embedding::Dense(w.get(EMBED)?.clone()),
+        };
         Ok(Decoder {
             rope: Rope::new(&cfg),
             norm: w.get("model.norm.weight")?.clone(),

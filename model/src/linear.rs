@@ -16,9 +16,10 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor};
 
 use crate::error::{Ctx, Result};
+use crate::quant::packed::Packed;
 use crate::quant::{self, Kind};
 
 /// A linear layer `x @ w.T + b`, `w` of shape `(out, in)`.
@@ -29,8 +30,9 @@ pub(crate) enum Proj {
         b: Option<Tensor>,
     },
     Quant {
-        w: Arc<QTensor>,
         mm: Kernel,
+        /// `(out, in)`.
+        dims: (usize, usize),
         b: Option<Tensor>,
         /// Compute dtype of the activations (the quantized kernels take f32).
         dtype: DType,
@@ -42,19 +44,32 @@ impl Proj {
         Proj::Dense { w, b }
     }
 
+    /// A repacked matrix (32-element block types on a CPU with AVX-512 VNNI).
+    pub(crate) fn packed(w: Arc<Packed>, b: Option<Tensor>, dtype: DType) -> Proj {
+        Proj::Quant {
+            dims: w.dims(),
+            mm: Kernel::Packed(w),
+            b,
+            dtype,
+        }
+    }
+
+    /// A quantized projection in the file's blocks: the 32-element block types on the CPU run
+    /// [`crate::quant`]'s kernels, K-quants and CUDA candle's.
     pub(crate) fn quant(w: Arc<QTensor>, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
+        let dims = w.shape().dims2().ctx("weight dims")?;
         let mm = match Kind::of(w.dtype()) {
             Some(kind) if w.device().is_cpu() => Kernel::Blocks(Blocks { w: w.clone(), kind }),
             _ => Kernel::Candle(QMatMul::from_arc(w.clone()).ctx("quantized weight")?),
         };
-        Ok(Proj::Quant { w, mm, b, dtype })
+        Ok(Proj::Quant { mm, dims, b, dtype })
     }
 
     /// `(out, in)`.
     pub(crate) fn dims(&self) -> Result<(usize, usize)> {
         match self {
             Proj::Dense { w, .. } => w.dims2().ctx("weight dims"),
-            Proj::Quant { w, .. } => w.shape().dims2().ctx("weight dims"),
+            Proj::Quant { dims, .. } => Ok(*dims),
         }
     }
 
@@ -83,7 +98,9 @@ fn gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// The quantized product's implementation.
 #[derive(Debug)]
 pub(crate) enum Kernel {
-    /// [`crate::quant`] (CPU, 32-element block types).
+    /// [`crate::quant`]'s repacked kernels (CPU with AVX-512 VNNI, 32-element block types).
+    Packed(Arc<Packed>),
+    /// [`crate::quant`] (other CPUs, 32-element block types).
     Blocks(Blocks),
     /// candle's (K-quants, CUDA).
     Candle(QMatMul),
@@ -92,6 +109,9 @@ pub(crate) enum Kernel {
 impl Kernel {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            Kernel::Packed(p) => x
+                .apply_op1_no_bwd(&PackedOp(p.clone()))
+                .ctx("quantized matmul"),
             Kernel::Blocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
             Kernel::Candle(mm) => mm.forward(x).ctx("quantized matmul"),
         }
@@ -116,22 +136,56 @@ impl CustomOp1 for Blocks {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, k) = self.w.shape().dims2()?;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("quantized matmul: input is not contiguous");
-        };
-        let dims = layout.dims();
-        if dims.last() != Some(&k) {
-            candle_core::bail!("quantized matmul: input {dims:?} against weight ({n}, {k})");
-        }
-        let CpuStorage::F32(x) = storage else {
-            candle_core::bail!("quantized matmul: the input is not f32");
-        };
+        let x = f32_input(storage, layout, n, k)?;
         let data = self.w.data()?;
-        let y = quant::matmul(self.kind, &data, n, k, &x[start..end]);
-        let mut out = dims.to_vec();
+        let y = quant::matmul(self.kind, &data, n, k, x);
+        let mut out = layout.dims().to_vec();
         *out.last_mut().expect("rank checked") = n;
         Ok((CpuStorage::F32(y), Shape::from(out)))
     }
+}
+
+/// [`Packed::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
+#[derive(Debug)]
+struct PackedOp(Arc<Packed>);
+
+impl CustomOp1 for PackedOp {
+    fn name(&self) -> &'static str {
+        "ragkv-packed-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = self.0.dims();
+        let x = f32_input(storage, layout, n, k)?;
+        let y = self.0.matmul(x);
+        let mut out = layout.dims().to_vec();
+        *out.last_mut().expect("rank checked") = n;
+        Ok((CpuStorage::F32(y), Shape::from(out)))
+    }
+}
+
+/// The contiguous f32 input `(..., k)` of a product with an `(n, k)` weight.
+fn f32_input<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    n: usize,
+    k: usize,
+) -> candle_core::Result<&'a [f32]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("quantized matmul: input is not contiguous");
+    };
+    let dims = layout.dims();
+    if dims.last() != Some(&k) {
+        candle_core::bail!("quantized matmul: input {dims:?} against weight ({n}, {k})");
+    }
+    let CpuStorage::F32(x) = storage else {
+        candle_core::bail!("quantized matmul: the input is not f32");
+    };
+    Ok(&x[start..end])
 }
 
 fn add_bias(y: Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -150,6 +204,13 @@ pub(crate) enum Embedding {
         table: Arc<QTensor>,
         dtype: DType,
     },
+    /// A repacked matrix (shared with the output projection when tied), dequantized per
+    /// lookup.
+    Packed {
+        table: Arc<Packed>,
+        dtype: DType,
+        device: Device,
+    },
 }
 
 impl Embedding {
@@ -161,6 +222,27 @@ impl Embedding {
                 .embedding(ids)
                 .and_then(|t| t.to_dtype(*dtype))
                 .ctx("embed"),
+            Embedding::Packed {
+                table,
+                dtype,
+                device,
+            } => {
+                let ids: Vec<u32> = ids.to_vec1().ctx("embed ids")?;
+                let (vocab, hidden) = table.dims();
+                let mut rows = vec![0f32; ids.len() * hidden];
+                for (id, row) in ids.iter().zip(rows.chunks_exact_mut(hidden)) {
+                    let id = *id as usize;
+                    if id >= vocab {
+                        return Err(crate::Error::Input {
+                            why: format!("token id {id} outside the vocabulary ({vocab})"),
+                        });
+                    }
+                    table.dequantize_row(id, row);
+                }
+                Tensor::from_vec(rows, (ids.len(), hidden), device)
+                    .and_then(|t| t.to_dtype(*dtype))
+                    .ctx("embed")
+            }
         }
     }
 }

@@ -12,10 +12,10 @@
 //! step's ~200 products cost more than the products on SmolLM2); each weight row is read once
 //! for every activation row of the batch (`m` rows: a batched decode step).
 //!
-//! Where the CPU has AVX-512 VNNI (`avx512` below: Zen 4/5, Ice Lake and later), two weight
-//! blocks go through one `vpdpbusd` and each decoded pair serves up to eight activation rows;
-//! the AVX2 kernels (four rows per decoded block) are the fallback, the portable loop the
-//! reference both are tested against.
+//! Where the CPU has AVX-512 VNNI (Zen 4/5, Ice Lake and later) the matrices are repacked at
+//! load, sixteen rows interleaved per block ([`packed`], kernels in `avx512`), and multiply
+//! there; elsewhere the AVX2 kernels below (four activation rows per decoded block) run on
+//! the file's blocks, and the portable loop is the reference both are tested against.
 //!
 //! Block layouts (ggml's, little endian; `d`/`m` are f16; element `j < 16` is the low nibble
 //! of `qs[j]`, element `j + 16` its high nibble; Q5 high bits: bit `j` of `qh` for element `j`):
@@ -193,10 +193,6 @@ fn kernels(kind: Kind) -> Kernels {
 /// `x @ w.T`: `w` holds `n` rows of `k` elements in `kind` blocks, `x` holds `m` rows of `k`
 /// f32; the result is `m` rows of `n`.
 pub(crate) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        return avx512::matmul(kind, w, n, k, x);
-    }
     matmul_with(kernels(kind), kind, w, n, k, x)
 }
 
@@ -254,6 +250,7 @@ pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each thread writes only the rows of the range it was handed.
 unsafe impl Sync for SharedOut {}
 
+pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
@@ -495,11 +492,20 @@ mod tests {
                 .chunks_exact(k)
                 .flat_map(|r| dequantized_q8(&quantize_row(r)))
                 .collect();
-            // The fastest path (AVX-512 VNNI where the CPU has it), the AVX2 one (or the
-            // portable one again), and the portable one.
+            // The file-order path (AVX2 where the CPU has it, else the portable one again)
+            // and the portable one.
             let fast = matmul(kind, &w, n, k, x);
-            let avx2 = matmul_with(kernels(kind), kind, &w, n, k, x);
             let scalar = matmul_with(scalar_kernels(kind), kind, &w, n, k, x);
+            // The repacked layout: its rows are the weights, and its products (VNNI where
+            // the CPU has it, else the portable loop again) match too.
+            let p = packed::Packed::new(kind, &w, n, k);
+            let mut row = vec![0f32; k];
+            for j in 0..n {
+                p.dequantize_row(j, &mut row);
+                assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} repacked row {j}");
+            }
+            let packed = p.matmul(x);
+            let portable = p.matmul_portable(x);
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
@@ -510,9 +516,10 @@ mod tests {
                         .sum::<f64>()
                         + 1e-6;
                     for (name, got) in [
-                        ("fastest", fast[i * n + j]),
-                        ("avx2", avx2[i * n + j]),
+                        ("file order", fast[i * n + j]),
                         ("scalar", scalar[i * n + j]),
+                        ("packed", packed[i * n + j]),
+                        ("packed portable", portable[i * n + j]),
                     ] {
                         let err = (got as f64 - want).abs() / scale;
                         assert!(
@@ -543,15 +550,20 @@ mod tests {
         check(&vals, &x5, n, k);
         check(&vals, &x[..k], n, k);
         check(&vals, &vec![0.0; k], n, k);
+        // Eleven rows: a full tile of eight and three more.
+        let x11: Vec<f32> = (0..11 * k)
+            .map(|i| ((i * 41 % 103) as f32 - 51.0) / 7.0)
+            .collect();
+        check(&vals, &x11, n, k);
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
         fn random_matrices_match(
-            n in 1usize..20,
+            n in 1usize..40,
             blocks in 1usize..5,
-            m in 1usize..10,
+            m in 1usize..20,
             seed in any::<u64>(),
             spread in 0.01f32..100.0,
         ) {

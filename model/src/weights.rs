@@ -15,6 +15,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Arch, HfConfig, ModelConfig, RopeStyle};
 use crate::error::{Ctx, Error, Result};
+use crate::quant::packed::Packed;
+use crate::quant::Kind;
 
 /// Where a model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +76,9 @@ impl ModelSource {
 pub struct Weights {
     pub(crate) tensors: HashMap<String, Tensor>,
     pub(crate) quant: HashMap<String, Arc<QTensor>>,
+    /// Matrices of the 32-element block types repacked for the CPU's VNNI kernels (instead
+    /// of `quant`: one copy in memory).
+    pub(crate) packed: HashMap<String, Arc<Packed>>,
 }
 
 impl Weights {
@@ -98,14 +103,21 @@ impl Weights {
         self.quant.get(name)
     }
 
+    /// A matrix kept quantized and repacked, if it is.
+    pub(crate) fn packed(&self, name: &str) -> Option<&Arc<Packed>> {
+        self.packed.get(name)
+    }
+
     /// Whether any matrix is kept quantized.
     pub(crate) fn has_quantized(&self) -> bool {
-        !self.quant.is_empty()
+        !self.quant.is_empty() || !self.packed.is_empty()
     }
 
     /// Whether `name` exists, dense or quantized.
     pub(crate) fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name) || self.quant.contains_key(name)
+        self.tensors.contains_key(name)
+            || self.quant.contains_key(name)
+            || self.packed.contains_key(name)
     }
 
     /// Bytes the weights hold in memory.
@@ -121,6 +133,7 @@ impl Weights {
                 .values()
                 .map(|q| q.storage_size_in_bytes())
                 .sum::<usize>()
+            + self.packed.values().map(|p| p.bytes()).sum::<usize>()
     }
 
     /// The weights in HF layout (q/k rows un-permuted for interleaved-RoPE GGUF models),
@@ -132,6 +145,9 @@ impl Weights {
                 .dequantize(&Device::Cpu)
                 .ctx(&format!("dequantizing {name}"))?;
             dequantized.insert(name.clone(), t);
+        }
+        for (name, p) in &self.packed {
+            dequantized.insert(name.clone(), p.dequantize()?);
         }
         let mut out = HashMap::new();
         for (name, t) in self.tensors.iter().chain(&dequantized) {
@@ -317,6 +333,8 @@ pub(crate) fn load_gguf(
 
     let mut tensors = HashMap::new();
     let mut quant = HashMap::new();
+    let mut packed = HashMap::new();
+    let repack = device.is_cpu() && Packed::available();
     let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
     for name in names {
         let Some(hf) = hf_name(&name) else {
@@ -327,7 +345,16 @@ pub(crate) fn load_gguf(
             let q = content
                 .tensor(&mut file, &name, device)
                 .ctx(&format!("reading {name}"))?;
-            quant.insert(hf, Arc::new(q));
+            match Kind::of(q.dtype()).filter(|_| repack) {
+                Some(kind) => {
+                    let (n, k) = q.shape().dims2().ctx(&format!("{name} dims"))?;
+                    let data = q.data().ctx(&format!("reading {name}"))?;
+                    packed.insert(hf, Arc::new(Packed::new(kind, &data, n, k)));
+                }
+                None => {
+                    quant.insert(hf, Arc::new(q));
+                }
+            }
             continue;
         }
         let q = content
@@ -340,7 +367,12 @@ pub(crate) fn load_gguf(
             .ctx(&format!("dequantizing {name}"))?;
         tensors.insert(hf, t);
     }
-    Ok((cfg, Weights { tensors, quant }, content.metadata))
+    let weights = Weights {
+        tensors,
+        quant,
+        packed,
+    };
+    Ok((cfg, weights, content.metadata))
 }
 
 /// GGUF (llama.cpp) tensor names and their HF names: whole names, then per-layer suffixes
@@ -437,6 +469,7 @@ pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(Mode
         Weights {
             tensors,
             quant: HashMap::new(),
+            packed: HashMap::new(),
         },
     ))
 }

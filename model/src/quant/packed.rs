@@ -1,0 +1,225 @@
+//! Weights of the 32-element block types repacked at load for AVX-512 VNNI: sixteen weight
+//! rows interleaved per block (llama.cpp's "repacked" layout idea), so one `vpdpbusd` computes
+//! four elements' products for sixteen output rows at once and a block's scales are applied
+//! to sixteen outputs with one multiply-add, instead of one block per instruction and scales
+//! per output (`super::avx512`'s per-row kernel: ~5 instructions per 64 products there
+//! against ~1.5 here).
+//!
+//! The repacked matrix has exactly the GGUF file's bytes per block (same bits, another
+//! order), so memory stays the file's; rows are padded to a multiple of 16 with zero rows.
+//!
+//! **Layout** (in memory only, built from the GGUF blocks at load): the matrix is a sequence
+//! of *tiles*, group by group (rows `16g..16g+16`), block by block within a group (elements
+//! `32b..32b+32`). Element `e` of a block is byte `c = e % 4` of 32-bit lane `r` (the row in
+//! the group) of vector `i = e / 4`: the order `vpdpbusd` takes four bytes per lane in. Quants
+//! are stored unsigned (`u`: the nibble, with the fifth bit for Q5, or `q + 128` for Q8_0).
+//!
+//! | type | tile bytes | tile layout (offsets) | value |
+//! |---|---:|---|---|
+//! | Q4_0 | 288 | `d[16]` 0, `planes[4][64]` 32 | `(u - 8) d` |
+//! | Q4_1 | 320 | `d[16]` 0, `m[16]` 32, `planes` 64 | `u d + m` |
+//! | Q5_0 | 352 | `d[16]` 0, `qh[64]` 32, `planes` 96 | `(u - 16) d` |
+//! | Q5_1 | 384 | `d[16]` 0, `m[16]` 32, `qh[64]` 64, `planes` 128 | `u d + m` |
+//! | Q8_0 | 544 | `d[16]` 0, `q[8][64]` 32 | `(u - 128) d` |
+//!
+//! `d`, `m`: f16, one per row. 4/5-bit planes: byte `4r + c` of plane `j` holds vector `j`'s
+//! low four bits in its low nibble and vector `j + 4`'s in its high nibble; `qh` byte `4r + c`
+//! holds vector `i`'s fifth bit in bit `i`. Q8_0: byte `4r + c` of `q[i]`.
+//!
+//! With activations quantized per block (`d_y`, `q_y`, `s_y = d_y Σ q_y`), a tile's share of
+//! row `r`'s output is `d_r d_y Σ u q_y + m'_r s_y`, where `m' = m`, or `-bias · d` for the
+//! symmetric types: sixteen rows' worth per vector operation.
+
+use half::f16;
+
+use super::{unpack, BlockQ8, Kind, QK};
+
+/// Rows interleaved in a tile (the 32-bit lanes of a 512-bit vector).
+pub(crate) const ROWS: usize = 16;
+
+impl Kind {
+    /// Bytes of a tile (16 rows of one block).
+    pub(crate) fn tile_bytes(self) -> usize {
+        ROWS * self.block_bytes()
+    }
+
+    /// Where the 4-bit planes (or Q8_0's bytes) start in a tile.
+    fn quants_at(self) -> usize {
+        match self {
+            Kind::Q4_0 | Kind::Q8_0 => 32,
+            Kind::Q4_1 => 64,
+            Kind::Q5_0 => 96,
+            Kind::Q5_1 => 128,
+        }
+    }
+
+    /// Where the fifth-bit plane starts (Q5 types).
+    fn qh_at(self) -> Option<usize> {
+        match self {
+            Kind::Q5_0 => Some(32),
+            Kind::Q5_1 => Some(64),
+            _ => None,
+        }
+    }
+
+    /// `u = q + bias` makes the quants unsigned.
+    fn bias(self) -> i32 {
+        match self {
+            Kind::Q4_0 => 8,
+            Kind::Q5_0 => 16,
+            Kind::Q8_0 => 128,
+            Kind::Q4_1 | Kind::Q5_1 => 0,
+        }
+    }
+
+    fn has_m(self) -> bool {
+        matches!(self, Kind::Q4_1 | Kind::Q5_1)
+    }
+}
+
+/// A weight matrix `(n, k)` of one block type in the repacked layout (module docs).
+pub(crate) struct Packed {
+    kind: Kind,
+    n: usize,
+    k: usize,
+    tiles: Vec<u8>,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packed")
+            .field("kind", &self.kind)
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Packed {
+    /// Whether this CPU runs the repacked kernels (AVX-512 VNNI).
+    pub(crate) fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return super::avx512::available();
+        #[allow(unreachable_code)]
+        false
+    }
+
+    /// Repacks `raw`: `n` rows of `k` elements in GGUF `kind` blocks, row after row.
+    pub(crate) fn new(kind: Kind, raw: &[u8], n: usize, k: usize) -> Packed {
+        assert_eq!(k % QK, 0, "columns are whole blocks");
+        let (nb, bb, tb) = (k / QK, kind.block_bytes(), kind.tile_bytes());
+        assert_eq!(raw.len(), n * nb * bb, "{kind:?} ({n}, {k}) matrix bytes");
+        let groups = n.div_ceil(ROWS);
+        let mut tiles = vec![0u8; groups * nb * tb];
+        for (t, tile) in tiles.chunks_exact_mut(tb).enumerate() {
+            let (g, b) = (t / nb, t % nb);
+            for r in 0..ROWS.min(n - g * ROWS) {
+                let j = g * ROWS + r;
+                let blk = &raw[(j * nb + b) * bb..][..bb];
+                tile[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+                if kind.has_m() {
+                    tile[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+                }
+                let (q, _) = unpack(kind, blk);
+                for (e, q) in q.iter().enumerate() {
+                    let u = (q + kind.bias()) as u8;
+                    let (i, pos) = (e / 4, 4 * r + e % 4);
+                    if kind == Kind::Q8_0 {
+                        tile[kind.quants_at() + 64 * i + pos] = u;
+                        continue;
+                    }
+                    tile[kind.quants_at() + 64 * (i % 4) + pos] |= (u & 0xF) << (4 * (i / 4));
+                    if let Some(at) = kind.qh_at() {
+                        tile[at + pos] |= (u >> 4 & 1) << i;
+                    }
+                }
+            }
+        }
+        Packed { kind, n, k, tiles }
+    }
+
+    /// `(n, k)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes held in memory.
+    pub(crate) fn bytes(&self) -> usize {
+        self.tiles.len()
+    }
+
+    /// The whole matrix dequantized, `(n, k)` f32 on the CPU (export).
+    pub(crate) fn dequantize(&self) -> crate::Result<candle_core::Tensor> {
+        let mut all = vec![0f32; self.n * self.k];
+        for (j, row) in all.chunks_exact_mut(self.k).enumerate() {
+            self.dequantize_row(j, row);
+        }
+        candle_core::Tensor::from_vec(all, (self.n, self.k), &candle_core::Device::Cpu)
+            .map_err(|source| crate::Error::Candle {
+                context: "dequantizing a repacked matrix".into(),
+                source,
+            })
+    }
+
+    /// Row `j`, dequantized into `out` (`k` long): an embedding lookup.
+    pub(crate) fn dequantize_row(&self, j: usize, out: &mut [f32]) {
+        assert!(j < self.n && out.len() == self.k);
+        let (kind, nb, tb) = (self.kind, self.k / QK, self.kind.tile_bytes());
+        let (g, r) = (j / ROWS, j % ROWS);
+        let half = |t: &[u8], at: usize| f16::from_le_bytes([t[at], t[at + 1]]).to_f32();
+        for (b, out) in out.chunks_exact_mut(QK).enumerate() {
+            let tile = &self.tiles[(g * nb + b) * tb..][..tb];
+            let d = half(tile, 2 * r);
+            let m = if kind.has_m() {
+                half(tile, 32 + 2 * r)
+            } else {
+                -(kind.bias() as f32) * d
+            };
+            for (e, o) in out.iter_mut().enumerate() {
+                let (i, pos) = (e / 4, 4 * r + e % 4);
+                let u = if kind == Kind::Q8_0 {
+                    tile[kind.quants_at() + 64 * i + pos]
+                } else {
+                    let lo = tile[kind.quants_at() + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
+                    let hi = kind.qh_at().map_or(0, |at| tile[at + pos] >> i & 1);
+                    lo | hi << 4
+                };
+                *o = u as f32 * d + m;
+            }
+        }
+    }
+
+    /// `x @ w.T`: `x` holds `m` rows of `k`; the result is `m` rows of `n`.
+    pub(crate) fn matmul(&self, x: &[f32]) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if Packed::available() {
+            return super::avx512::packed_matmul(self.kind, &self.tiles, self.n, self.k, x);
+        }
+        self.matmul_portable(x)
+    }
+
+    /// [`Packed::matmul`] without SIMD (dequantized rows times quantized activations): the
+    /// reference the kernels are tested against; repacked matrices are only made where the
+    /// kernels run.
+    pub(crate) fn matmul_portable(&self, x: &[f32]) -> Vec<f32> {
+        let nb = self.k / QK;
+        let m = x.len() / self.k;
+        let mut out = vec![0f32; m * self.n];
+        let mut w = vec![0f32; self.k];
+        let rows: Vec<Vec<BlockQ8>> = x.chunks_exact(self.k).map(super::quantize_row).collect();
+        for j in 0..self.n {
+            self.dequantize_row(j, &mut w);
+            for (i, row) in rows.iter().enumerate() {
+                out[i * self.n + j] = (0..nb)
+                    .map(|b| {
+                        let y = &row[b];
+                        (0..QK)
+                            .map(|e| w[b * QK + e] * y.qs[e] as f32 * y.d)
+                            .sum::<f32>()
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+}
