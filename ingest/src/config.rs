@@ -48,6 +48,10 @@ pub struct IngestConfig {
     /// this long (after a model change: time for a rollback, or for `rematerialize` to
     /// migrate). Default one week.
     pub namespace_grace_hours: f64,
+    /// Eager prefill runs consecutive chunks of a document in one forward pass while their
+    /// tokens add up to at most this many (a chunk longer than this runs alone; 1: one chunk
+    /// per pass). Short chunks then share the weights' reads.
+    pub prefill_batch_tokens: usize,
 }
 
 impl Default for IngestConfig {
@@ -60,6 +64,7 @@ impl Default for IngestConfig {
             materialize: Materialize::Eager,
             chunk_preamble: String::new(),
             namespace_grace_hours: 168.0,
+            prefill_batch_tokens: 512,
         }
     }
 }
@@ -88,6 +93,12 @@ impl IngestConfig {
             return Err(Error::Invalid {
                 what: "ingest.namespace_grace_hours",
                 why: format!("{} (must be ≥ 0)", self.namespace_grace_hours),
+            });
+        }
+        if !(1..=1 << 20).contains(&self.prefill_batch_tokens) {
+            return Err(Error::Invalid {
+                what: "ingest.prefill_batch_tokens",
+                why: format!("{} (must be in 1..=1048576)", self.prefill_batch_tokens),
             });
         }
         if self.max_doc_bytes == 0 || !(1..=1024).contains(&self.queue_depth) {

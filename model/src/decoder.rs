@@ -519,6 +519,20 @@ impl Decoder {
         Ok((cache.to_kv()?, logits))
     }
 
+    /// KV of each of `chunks` computed alone from position 0, as [`Decoder::prefill`] would,
+    /// in one batched forward pass ([`Decoder::step`]): short chunks share the projections'
+    /// weight reads (ingest).
+    pub fn prefill_many(&self, chunks: &[&[u32]]) -> Result<Vec<Kv>> {
+        let mut caches = chunks
+            .iter()
+            .map(|c| self.new_cache(c.len()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut seqs: Vec<(&mut KvCache, &[u32])> =
+            caches.iter_mut().zip(chunks.iter().copied()).collect();
+        self.step(&mut seqs)?;
+        caches.iter().map(KvCache::to_kv).collect()
+    }
+
     /// Moves `kv` by `delta` positions: keys are rotated, values are unchanged.
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
         let layers = kv

@@ -269,6 +269,12 @@ impl Model {
         self.decoder.prefill(tokens, start_pos)
     }
 
+    /// KV of each chunk computed alone from position 0, in one batched forward pass; see
+    /// [`Decoder::prefill_many`].
+    pub fn prefill_many(&self, chunks: &[&[u32]]) -> Result<Vec<Kv>> {
+        self.decoder.prefill_many(chunks)
+    }
+
     /// Moves `kv` by `delta` positions (keys rotated, values unchanged).
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
         self.decoder.reposition(kv, delta)

@@ -250,9 +250,9 @@ pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each thread writes only the rows of the range it was handed.
 unsafe impl Sync for SharedOut {}
 
-pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub(crate) mod packed;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {

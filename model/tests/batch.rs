@@ -152,3 +152,30 @@ fn batched_steps_match_solo_decoding_on_quantized_smollm2() {
     check(&m, &p, &[0, 0, 0, 0, 0], 16, 1e-3);
     check(&m, &p, &[0, 1, 1, 5, 9], 16, 1e-3);
 }
+
+#[test]
+fn prefill_many_matches_each_chunk_prefilled_alone() {
+    let path = std::env::var("RAGKV_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| model::models_dir().join(model::SMOLLM2_FILE));
+    assert!(path.exists(), "run scripts/setup.sh: {}", path.display());
+    for quantized in [true, false] {
+        let opts = LoadOptions {
+            quantized,
+            ..LoadOptions::default()
+        };
+        let m = Model::load(&ModelSource::Gguf(path.clone()), &opts).unwrap();
+        let p = prompts(m.config().vocab_size);
+        let chunks: Vec<&[u32]> = p.iter().map(|c| c.as_slice()).collect();
+        let many = m.prefill_many(&chunks).unwrap();
+        assert_eq!(many.len(), chunks.len());
+        for (c, kv) in chunks.iter().zip(&many) {
+            let (alone, _) = m.prefill(c, 0).unwrap();
+            assert_eq!(kv.len(), c.len());
+            for ((ak, av), (bk, bv)) in alone.layers.iter().zip(&kv.layers) {
+                let d = max_diff(ak, bk).max(max_diff(av, bv));
+                assert!(d < 1e-4, "quantized {quantized}: KV differs by {d}");
+            }
+        }
+    }
+}

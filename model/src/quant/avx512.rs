@@ -50,8 +50,7 @@ pub(super) fn packed_matmul(kind: Kind, tiles: &[u8], n: usize, k: usize, x: &[f
     };
     // Activation rows are taken in groups that stay in L2 (~256 KiB of blocks) while every
     // weight group a thread owns passes over them.
-    let group = (256 * 1024 / (nb * std::mem::size_of::<super::BlockQ8>()))
-        .clamp(PACKED_TILE, 256)
+    let group = (256 * 1024 / (nb * std::mem::size_of::<super::BlockQ8>())).clamp(PACKED_TILE, 256)
         / PACKED_TILE
         * PACKED_TILE;
     let mut out = vec![0f32; m * n];

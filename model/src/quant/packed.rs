@@ -154,11 +154,12 @@ impl Packed {
         for (j, row) in all.chunks_exact_mut(self.k).enumerate() {
             self.dequantize_row(j, row);
         }
-        candle_core::Tensor::from_vec(all, (self.n, self.k), &candle_core::Device::Cpu)
-            .map_err(|source| crate::Error::Candle {
+        candle_core::Tensor::from_vec(all, (self.n, self.k), &candle_core::Device::Cpu).map_err(
+            |source| crate::Error::Candle {
                 context: "dequantizing a repacked matrix".into(),
                 source,
-            })
+            },
+        )
     }
 
     /// Row `j`, dequantized into `out` (`k` long): an embedding lookup.
