@@ -29,13 +29,16 @@ const ROWS_PER_TASK: usize = 16;
 
 /// One sequence of a step: its rows among the step's queries (`row..row + len`), and the
 /// live rows of its cache for the layer after this step's keys and values went in (keys
-/// and values `(1, kv_heads, t, d)`, unit stride along `d`, `t ≥ len`).
+/// and values `(1, kv_heads, t, d)`, unit stride along `d`, `t ≥ len`). Query row `i` sits
+/// at cache index `pos[i]` when `pos` is given (a repair's rows, anywhere in the cache),
+/// else at `t - len + i` (the cache's last rows).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Seq<'a> {
     pub row: usize,
     pub len: usize,
     pub k: &'a Tensor,
     pub v: &'a Tensor,
+    pub pos: Option<&'a [usize]>,
 }
 
 /// A cache view as raw parts: data, start offset, head stride, row stride.
@@ -94,7 +97,9 @@ pub(crate) fn attend(
             && s.v.stride()[3] == 1
             && s.len > 0
             && s.len <= kd[2]
-            && s.row + s.len <= rows;
+            && s.row + s.len <= rows
+            && s.pos
+                .is_none_or(|p| p.len() == s.len && p.iter().all(|&p| p < kd[2]));
         if !ok {
             candle_core::bail!(
                 "attention: query {:?}, keys {kd:?} (strides {:?}), values {vd:?} \
@@ -150,7 +155,7 @@ pub(crate) fn attend(
                         *x = qd[q0 + head * qst[1] + row * qst[2] + at * qst[3]];
                     }
                 }
-                let pos = t - s.len + r;
+                let pos = s.pos.map_or(t - s.len + r, |p| p[r]);
                 let from = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 // SAFETY: the tasks are disjoint (sequence, KV head, rows); the pair
                 // (row, head group) owns `rep * d` contiguous outputs, written only here,
@@ -490,12 +495,14 @@ mod tests {
                     len: 1,
                     k: &views[0].0,
                     v: &views[0].1,
+                    pos: None,
                 },
                 Seq {
                     row: 0,
                     len: 1,
                     k: &views[1].0,
                     v: &views[1].1,
+                    pos: None,
                 },
             ];
             // A window that starts at `from` for sequence 0's token (at cache index t0 - 1).
@@ -517,6 +524,54 @@ mod tests {
         }
     }
 
+    /// A repair's query rows at explicit cache indices (anywhere, not the last rows), heads
+    /// of 64 (the AVX-512 kernel where the CPU has it) and of 20: each row sees the keys up
+    /// to its own index, within the window.
+    #[test]
+    fn rows_at_explicit_positions_see_their_own_prefix() {
+        let dev = Device::Cpu;
+        for d in [64, 20] {
+            let (heads, kv, t) = (6, 2, 40);
+            let at = [2usize, 7, 8, 23, 39];
+            let q = Tensor::randn(0f32, 1.0, (1, heads, at.len(), d), &dev).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
+            for window in [None, Some(5)] {
+                let seqs = [Seq {
+                    row: 0,
+                    len: at.len(),
+                    k: &k,
+                    v: &v,
+                    pos: Some(&at),
+                }];
+                let got = attend(&q, &seqs, window, 0.125).unwrap();
+                for (row, &pos) in at.iter().enumerate() {
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let (kk, vv) = (
+                        k.narrow(2, 0, pos + 1).unwrap(),
+                        v.narrow(2, 0, pos + 1).unwrap(),
+                    );
+                    let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
+                    let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
+                    assert!(
+                        diff < 1e-5,
+                        "d {d}, row {row} at {pos}, window {window:?}: {diff}"
+                    );
+                }
+            }
+            // A position past the cache is refused.
+            let bad = [2usize, 7, 8, 23, 40];
+            let seqs = [Seq {
+                row: 0,
+                len: bad.len(),
+                k: &k,
+                v: &v,
+                pos: Some(&bad),
+            }];
+            assert!(attend(&q, &seqs, None, 0.125).is_err());
+        }
+    }
+
     /// A decoding token (over a cache of `short` rows) and a prompt of `s` rows after `past`
     /// cached ones, in one step: every row equals the reference computed alone, each prompt
     /// row seeing the keys up to its own cache index (causal), within the window.
@@ -535,12 +590,14 @@ mod tests {
                     len: 1,
                     k: &k1,
                     v: &v1,
+                    pos: None,
                 },
                 Seq {
                     row: 1,
                     len: s,
                     k: &k,
                     v: &v,
+                    pos: None,
                 },
             ];
             let got = attend(&q, &seqs, window, 0.125).unwrap();

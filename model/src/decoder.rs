@@ -331,6 +331,7 @@ impl Decoder {
                         len: *len,
                         k,
                         v,
+                        pos: None,
                     })
                     .collect();
                 crate::attention::attend(&q, &parts, self.cfg.sliding_window, scale)

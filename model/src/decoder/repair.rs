@@ -102,8 +102,16 @@ impl Decoder {
             &self.device,
         )
         .ctx("selection")?;
-        // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i.
-        let mask = self.mask_at(at.iter().copied(), n + s)?;
+        // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i. On
+        // the CPU with f32 KV the queries attend in place at those cache indices
+        // ([`crate::attention`]); elsewhere through the general path with a mask.
+        let in_place = self.device.is_cpu() && self.dtype == DType::F32;
+        let mask = if in_place {
+            None
+        } else {
+            Some(self.mask_at(at.iter().copied(), n + s)?)
+        };
+        let scale = 1.0 / (self.cfg.head_dim as f32).sqrt();
         // `base` with the chosen rows replaced by the first `r` fresh rows (one copy of
         // `base` plus the difference at those rows: exact up to one rounding of
         // `base + (rows - base)`), then the question's fresh rows appended.
@@ -132,7 +140,21 @@ impl Decoder {
             let q = self.rope.at(&q, &at)?;
             let k = self.rope.at(&k, &at)?;
             let (k, v) = (splice(ks, &k)?, splice(vs, &v)?);
-            let a = self.attend(layer, &q, &k, &v, Some(&mask))?;
+            let a = if in_place {
+                let seq = crate::attention::Seq {
+                    row: 0,
+                    len: r + s,
+                    k: &k,
+                    v: &v,
+                    pos: Some(&at),
+                };
+                let y = crate::attention::attend(&q, &[seq], self.cfg.sliding_window, scale)
+                    .and_then(|y| y.unsqueeze(0))
+                    .ctx("attention")?;
+                layer.o.forward(&y)?
+            } else {
+                self.attend(layer, &q, &k, &v, mask.as_ref())?
+            };
             x = self.mlp(layer, (x + a).ctx("residual")?)?;
             layers.push((k, v));
         }
