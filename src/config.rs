@@ -39,11 +39,10 @@ pub struct ModelConfig {
     pub kv_dtype: String,
     /// Compute device: `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda` build).
     pub device: String,
-    /// GGUF weights: `dequantized` (default: f32 at load, the reference path) or `quantized`
-    /// (kept in their block types: memory near the file's size, 8-bit activations as in
-    /// llama.cpp, 2x faster decode; experimental: it changes some greedy answers, see
-    /// docs/BENCHMARKS.md, engine). The two compute slightly different KV, so they use
-    /// different KV namespaces.
+    /// GGUF weights: `quantized` (default: kept in their block types, memory near the
+    /// file's size, 8-bit activations as in llama.cpp; 5-10x faster than f32 on the CPU, see
+    /// docs/BENCHMARKS.md, engine) or `dequantized` (f32 at load: the reference path). The
+    /// two compute slightly different KV, so they use different KV namespaces.
     pub weights: String,
 }
 
@@ -53,7 +52,7 @@ impl Default for ModelConfig {
             path: PathBuf::new(),
             kv_dtype: "f16".into(),
             device: "cpu".into(),
-            weights: "dequantized".into(),
+            weights: "quantized".into(),
         }
     }
 }

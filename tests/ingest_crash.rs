@@ -32,6 +32,19 @@ fn killing_ingest_at_random_moments_never_breaks_the_invariants() {
         "nature/glacier-station.txt",
         "osterfeld-chess.md",
     ];
+    // Kills land anywhere within the time a whole first ingest takes (start-up included):
+    // with quantized weights a run of this corpus takes a second or two, with f32 ones far
+    // longer, so a fixed window would mostly miss or mostly hit the start-up.
+    let t = std::time::Instant::now();
+    let status = env
+        .cmd(&["ingest", &corpus, "--progress", "quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "the first ingest failed: {status}");
+    let whole = (t.elapsed().as_millis() as u64).max(200);
+    eprintln!("a whole ingest took {whole} ms");
     let mut kills = 0;
     let mut round = 0;
     while kills < 10 {
@@ -54,7 +67,7 @@ fn killing_ingest_at_random_moments_never_breaks_the_invariants() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let wait = Duration::from_millis(rng.gen_range(300..7_000));
+        let wait = Duration::from_millis(rng.gen_range(whole / 20..whole));
         std::thread::sleep(wait);
         let _ = child.kill(); // SIGKILL, if still running
         let status = child.wait().unwrap();
