@@ -8,9 +8,9 @@
 //! | strategy | chunk positions | cross-chunk attention | cost at query time |
 //! |---|---|---|---|
 //! | `naive` (MatKV) | `0..n` each, as stored | none | load only |
-//! | `reposition` (default) | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
+//! | `reposition` | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
 //! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Model::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
-//! | `link[:k]` (EPIC) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
+//! | `link[:k]` (EPIC; the default, `k` = 2) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
 //! | `query-aware[:share]` (ProphetKV, QCFuse) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most, summed over heads on the first quarter of the layers (at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
 //!
@@ -57,15 +57,22 @@ pub struct Repair {
 }
 
 /// An assembly strategy (see the module table); a parameter left out comes from [`Repair`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Assembly {
     Naive,
-    #[default]
     Reposition,
     Recompute(Option<Share>),
     Link(Option<u32>),
     QueryAware(Option<Share>),
     Full,
+}
+
+/// `link` (with `serve.link_tokens`, 2 by default): chosen by the whole-corpus evaluation
+/// (docs/BENCHMARKS.md, repair).
+impl Default for Assembly {
+    fn default() -> Self {
+        Assembly::Link(None)
+    }
 }
 
 impl Assembly {
@@ -277,7 +284,7 @@ mod tests {
             assert!(bad.parse::<Assembly>().is_err(), "{bad}");
         }
         assert!(serde_json::from_str::<Assembly>("\"link:0\"").is_err());
-        assert_eq!(Assembly::default(), Assembly::Reposition);
+        assert_eq!(Assembly::default(), Assembly::Link(None));
         assert_eq!(Share::new(0.0004).unwrap().get(), 0.001);
     }
 }

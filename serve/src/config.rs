@@ -83,7 +83,7 @@ impl Default for ServeConfig {
             system_prompt: "Answer the question using the context. Be brief.".into(),
             assembly: Assembly::default(),
             recompute_share: 0.15,
-            link_tokens: 16,
+            link_tokens: 2,
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
