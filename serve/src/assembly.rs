@@ -14,6 +14,27 @@
 //! | `query-aware[:share]` (ProphetKV, QCFuse) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most, summed over heads on the first quarter of the layers (at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
 //!
+//! Measured (`ragkv eval qa`, Qwen2.5-Coder-0.5B Q4_K_M quantized, all 100 LongBench-HotpotQA
+//! dev questions over the whole corpus, top-5; agreement: share of full prefill's greedy answer
+//! tokens each strategy also predicts when teacher-forced; TTFT relative to `reposition`'s
+//! median, 171 ms on a 2-core VM; docs/BENCHMARKS.md, repair):
+//!
+//! | strategy | F1 (full 21.3) | token agreement | KL/token | TTFT |
+//! |---|---:|---:|---:|---:|
+//! | `naive` | 16.5 | 85.6 % | 0.238 | 0.98× |
+//! | `reposition` | 20.9 | 86.8 % | 0.202 | 1× |
+//! | `reposition+recompute:0.15` | 18.7 | 90.5 % | 0.103 | 8.9× |
+//! | `link:2` (default) | 18.6 | 88.4 % | 0.179 | 1.19× |
+//! | `link:8` | 18.1 | 89.5 % | 0.156 | 1.51× |
+//! | `link:32` | 22.2 | 90.5 % | 0.118 | 2.96× |
+//! | `query-aware:0.05` | 17.2 | 89.6 % | 0.161 | 3.11× |
+//! | `query-aware:0.15` | 16.4 | 90.0 % | 0.151 | 5.64× |
+//! | `full` | 21.3 | 100 % | 0 | 26.9× |
+//!
+//! `link:2` is the default: the only repair within 1.5× `reposition`'s time to first token,
+//! and measurably closer to full prefill than it (F1 differences of a few points are within
+//! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.
+//!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Model::recompute`]); `link` with `k` at
 //! least the longest chunk recomputes every chunk token, which is full prefill of the context.
