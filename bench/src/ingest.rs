@@ -71,30 +71,19 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     }
     let bare = tokens as f64 / t.elapsed().as_secs_f64();
 
-    // The same chunks grouped as the pipeline groups them (consecutive chunks of a document
-    // while their tokens fit `prefill_batch_tokens`), one forward pass per group.
+    // The same chunks grouped as the pipeline groups them (`ingest::prefill_groups`), one
+    // forward pass per group.
     let t = Instant::now();
     let mut passes = 0;
     for doc in &docs {
-        let mut group: Vec<&[u32]> = Vec::new();
-        let mut group_tokens = 0;
-        for c in doc.iter().map(Some).chain([None]) {
-            let len = c.map_or(0, Vec::len);
-            let full =
-                c.is_none() || (group_tokens > 0 && group_tokens + len > args.prefill_batch_tokens);
-            if full && !group.is_empty() {
-                engine
-                    .model
-                    .prefill_many(&group)
-                    .map_err(|e| Error::Check(format!("prefill: {e}")))?;
-                passes += 1;
-                group.clear();
-                group_tokens = 0;
-            }
-            if let Some(c) = c {
-                group.push(c);
-                group_tokens += len;
-            }
+        let lens: Vec<(usize, bool)> = doc.iter().map(|c| (c.len(), true)).collect();
+        for group in ingest::prefill_groups(&lens, args.prefill_batch_tokens) {
+            let chunks: Vec<&[u32]> = doc[group].iter().map(Vec::as_slice).collect();
+            engine
+                .model
+                .prefill_many(&chunks)
+                .map_err(|e| Error::Check(format!("prefill: {e}")))?;
+            passes += 1;
         }
     }
     let batched = tokens as f64 / t.elapsed().as_secs_f64();

@@ -19,7 +19,7 @@ pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
 pub use config::{IngestConfig, Materialize, RunOptions, Shard};
 pub use error::{Error, Result};
-pub use pipeline::{kv_doc, kv_key, split_kv_doc, Engine, CHUNK_TEMPLATE};
+pub use pipeline::{kv_doc, kv_key, prefill_groups, split_kv_doc, Engine, CHUNK_TEMPLATE};
 pub use progress::{Counters, Progress, ProgressMode};
 pub use remat::{GcReport, Planned, Reason, RematOptions, RematReport, Scope};
 pub use report::{Failure, Report, StageTimes};

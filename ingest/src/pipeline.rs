@@ -58,7 +58,10 @@ use crate::progress::Counters;
 use crate::report::{secs, Failure, Report, StageTimes};
 use crate::source::{self, Doc, Item, ReadLimits, Source, CONTENT_HASH_LEN};
 
+mod prefill;
 mod reconcile;
+
+pub use prefill::prefill_groups;
 
 /// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
@@ -185,26 +188,6 @@ impl Engine {
     /// The most tokens a stored chunk has: the preamble's and `chunk_tokens`.
     pub fn max_chunk_tokens(&self) -> usize {
         self.preamble.len() + self.config.chunker().chunk_tokens
-    }
-
-    /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
-    pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
-        let (kv, _) = self.model.prefill(tokens, 0)?;
-        Ok(kv.to_bytes(self.kv_dtype)?)
-    }
-
-    /// [`Pipeline::prefill_bytes`] of each chunk, in one forward pass when there are several.
-    pub fn prefill_many_bytes(&self, chunks: &[&[u32]]) -> Result<Vec<Vec<u8>>> {
-        match chunks {
-            [] => Ok(Vec::new()),
-            [one] => Ok(vec![self.prefill_bytes(one)?]),
-            _ => self
-                .model
-                .prefill_many(chunks)?
-                .iter()
-                .map(|kv| Ok(kv.to_bytes(self.kv_dtype)?))
-                .collect(),
-        }
     }
 
     /// Removes a document: its points, then its KV (every version). Returns whether it existed.
@@ -464,89 +447,6 @@ impl Engine {
             };
             busy += t.elapsed();
             if tx.send(Embedded { planned, vectors }).is_err() {
-                break;
-            }
-        }
-        secs(busy)
-    }
-
-    fn prefill_stage<'a>(
-        &'a self,
-        opts: &RunOptions,
-        rx: Receiver<Embedded<'a>>,
-        tx: Sender<ToWriter<'a>>,
-        shared: &Shared<'_>,
-    ) -> f64 {
-        let mut busy = Duration::ZERO;
-        let budget = self.config.prefill_batch_tokens;
-        'docs: for e in rx {
-            if opts.materialize == Materialize::Eager {
-                let kv_doc = kv_doc(&e.planned.doc.id, &e.planned.hash);
-                // Consecutive chunks go out together: those not stored yet are prefilled in
-                // one forward pass while their tokens stay within `prefill_batch_tokens`.
-                let mut group: Vec<(&Chunk, bool)> = Vec::new();
-                let mut group_tokens = 0;
-                let chunks = e.planned.chunks.iter();
-                for c in chunks.map(Some).chain([None]) {
-                    if shared.stopped() {
-                        break 'docs;
-                    }
-                    let needs = match c {
-                        // Stored already (an identical chunk, or an interrupted earlier run)?
-                        Some(c) => match self.store.probe(self.ns, &c.tokens) {
-                            Ok(n) => n != c.tokens.len(),
-                            Err(err) => {
-                                shared.fatal(err.into());
-                                break 'docs;
-                            }
-                        },
-                        None => false,
-                    };
-                    let full = c.is_none()
-                        || group.len() >= 64
-                        || (needs
-                            && group_tokens > 0
-                            && group_tokens + c.map_or(0, |c| c.tokens.len()) > budget);
-                    if full && !group.is_empty() {
-                        let t = Instant::now();
-                        let todo: Vec<&[u32]> = group
-                            .iter()
-                            .filter(|(_, n)| *n)
-                            .map(|(c, _)| c.tokens.as_slice())
-                            .collect();
-                        let mut kvs = match self.prefill_many_bytes(&todo) {
-                            Ok(kvs) => kvs.into_iter(),
-                            Err(err) => {
-                                shared.fail(
-                                    e.planned.doc.id.clone(),
-                                    format!("prefill failed: {err}"),
-                                );
-                                let _ = tx.send(ToWriter::Abandon);
-                                continue 'docs;
-                            }
-                        };
-                        busy += t.elapsed();
-                        for (c, needs) in group.drain(..) {
-                            let msg = ToWriter::Kv {
-                                kv_doc: kv_doc.clone(),
-                                tokens: c.tokens.clone(),
-                                bytes: if needs { kvs.next() } else { None },
-                            };
-                            if tx.send(msg).is_err() {
-                                break 'docs;
-                            }
-                        }
-                        group_tokens = 0;
-                    }
-                    if let Some(c) = c {
-                        group.push((c, needs));
-                        if needs {
-                            group_tokens += c.tokens.len();
-                        }
-                    }
-                }
-            }
-            if tx.send(ToWriter::Doc(e)).is_err() {
                 break;
             }
         }

@@ -1,0 +1,154 @@
+//! The prefill stage of [`Engine::ingest`]: the KV of every chunk not stored yet, computed in
+//! groups of consecutive chunks of a document, one forward pass per group
+//! (`ingest.prefill_batch_tokens`; [`prefill_groups`]).
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::{kv_doc, Embedded, Engine, Shared, ToWriter};
+use crate::config::{Materialize, RunOptions};
+use crate::error::Result;
+use crate::report::secs;
+
+/// Most chunks in one group (stored ones included: they ride along to keep the order).
+const MAX_GROUP: usize = 64;
+
+/// Groups of consecutive chunks, in order, given each chunk's token count and whether it still
+/// needs prefill: a group's chunks to prefill add up to at most `budget` tokens (a longer chunk
+/// makes a group alone), at most [`MAX_GROUP`] chunks. Every chunk is in exactly one group.
+pub fn prefill_groups(chunks: &[(usize, bool)], budget: usize) -> Vec<Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, &(len, needs)) in chunks.iter().enumerate() {
+        let over = needs && tokens > 0 && tokens + len > budget;
+        if i > start && (over || i - start >= MAX_GROUP) {
+            groups.push(start..i);
+            (start, tokens) = (i, 0);
+        }
+        if needs {
+            tokens += len;
+        }
+    }
+    if start < chunks.len() {
+        groups.push(start..chunks.len());
+    }
+    groups
+}
+
+impl Engine {
+    /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
+    pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
+        let (kv, _) = self.model.prefill(tokens, 0)?;
+        Ok(kv.to_bytes(self.kv_dtype)?)
+    }
+
+    /// [`Engine::prefill_bytes`] of each chunk, in one forward pass when there are several.
+    pub fn prefill_many_bytes(&self, chunks: &[&[u32]]) -> Result<Vec<Vec<u8>>> {
+        match chunks {
+            [] => Ok(Vec::new()),
+            [one] => Ok(vec![self.prefill_bytes(one)?]),
+            _ => self
+                .model
+                .prefill_many(chunks)?
+                .iter()
+                .map(|kv| Ok(kv.to_bytes(self.kv_dtype)?))
+                .collect(),
+        }
+    }
+
+    /// Sends each document's chunks (with their KV, `None` where stored already) to the
+    /// writer, then the document; returns the busy time in seconds.
+    pub(super) fn prefill_stage<'a>(
+        &'a self,
+        opts: &RunOptions,
+        rx: Receiver<Embedded<'a>>,
+        tx: Sender<ToWriter<'a>>,
+        shared: &Shared<'_>,
+    ) -> f64 {
+        let mut busy = Duration::ZERO;
+        'docs: for e in rx {
+            if opts.materialize == Materialize::Eager {
+                let kv_doc = kv_doc(&e.planned.doc.id, &e.planned.hash);
+                let chunks = &e.planned.chunks;
+                // Stored already (an identical chunk, or an interrupted earlier run)?
+                let mut needs = Vec::with_capacity(chunks.len());
+                for c in chunks {
+                    match self.store.probe(self.ns, &c.tokens) {
+                        Ok(n) => needs.push((c.tokens.len(), n != c.tokens.len())),
+                        Err(err) => {
+                            shared.fatal(err.into());
+                            break 'docs;
+                        }
+                    }
+                }
+                for group in prefill_groups(&needs, self.config.prefill_batch_tokens) {
+                    if shared.stopped() {
+                        break 'docs;
+                    }
+                    let t = Instant::now();
+                    let todo: Vec<&[u32]> = group
+                        .clone()
+                        .filter(|&i| needs[i].1)
+                        .map(|i| chunks[i].tokens.as_slice())
+                        .collect();
+                    let mut kvs = match self.prefill_many_bytes(&todo) {
+                        Ok(kvs) => kvs.into_iter(),
+                        Err(err) => {
+                            shared.fail(e.planned.doc.id.clone(), format!("prefill failed: {err}"));
+                            let _ = tx.send(ToWriter::Abandon);
+                            continue 'docs;
+                        }
+                    };
+                    busy += t.elapsed();
+                    for i in group {
+                        let msg = ToWriter::Kv {
+                            kv_doc: kv_doc.clone(),
+                            tokens: chunks[i].tokens.clone(),
+                            bytes: if needs[i].1 { kvs.next() } else { None },
+                        };
+                        if tx.send(msg).is_err() {
+                            break 'docs;
+                        }
+                    }
+                }
+            }
+            if tx.send(ToWriter::Doc(e)).is_err() {
+                break;
+            }
+        }
+        secs(busy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_fill_up_to_the_budget_in_order() {
+        let all = |lens: &[usize]| lens.iter().map(|&l| (l, true)).collect::<Vec<_>>();
+        // Full chunks alone; short ones together while they fit.
+        assert_eq!(
+            prefill_groups(&all(&[512, 512, 100]), 512),
+            [0..1, 1..2, 2..3]
+        );
+        assert_eq!(
+            prefill_groups(&all(&[128, 128, 128, 128, 128, 40]), 512),
+            [0..4, 4..6]
+        );
+        // A chunk longer than the budget makes a group alone; budget 1: one chunk per pass.
+        assert_eq!(
+            prefill_groups(&all(&[10, 900, 10]), 512),
+            [0..1, 1..2, 2..3]
+        );
+        assert_eq!(prefill_groups(&all(&[3, 3, 3]), 1), [0..1, 1..2, 2..3]);
+        // Stored chunks cost nothing and ride along; at most 64 chunks in a group.
+        let mixed = [(500, true), (512, false), (12, true), (512, true)];
+        assert_eq!(prefill_groups(&mixed, 512), [0..3, 3..4]);
+        let stored = vec![(512, false); 130];
+        assert_eq!(prefill_groups(&stored, 512), [0..64, 64..128, 128..130]);
+        assert!(prefill_groups(&[], 512).is_empty());
+    }
+}
