@@ -11,7 +11,7 @@
 //! [`super::quantize_row`] does, but vectorized (ties rounded to even) and on the thread pool.
 //!
 //! This replaced a kernel over the file's own block order (two blocks per `vpdpbusd`, scales
-//! applied per output): 3.4x the prompt throughput on SmolLM2-135M Q4_1 and 2.3x on
+//! applied per output): 3.1x the prompt throughput on SmolLM2-135M Q4_1 and 2.3x on
 //! Qwen2.5-0.5B's Q5_0/Q8_0 matrices (docs/BENCHMARKS.md).
 
 #![allow(unused_unsafe)]

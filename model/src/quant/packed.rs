@@ -1,9 +1,8 @@
 //! Weights of the 32-element block types repacked at load for AVX-512 VNNI: sixteen weight
 //! rows interleaved per block (llama.cpp's "repacked" layout idea), so one `vpdpbusd` computes
 //! four elements' products for sixteen output rows at once and a block's scales are applied
-//! to sixteen outputs with one multiply-add, instead of one block per instruction and scales
-//! per output (`super::avx512`'s per-row kernel: ~5 instructions per 64 products there
-//! against ~1.5 here).
+//! to sixteen outputs with a few vector operations, instead of scales per output row (the
+//! earlier per-row kernel spent ~5 instructions per 64 products, this one ~12 per 512).
 //!
 //! The repacked matrix has exactly the GGUF file's bytes per block (same bits, another
 //! order), so memory stays the file's; rows are padded to a multiple of 16 with zero rows.
