@@ -14,10 +14,12 @@
 //! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32: 64-element
 //! heads on AVX-512 CPUs in [`avx512`] (queries and outputs held in registers), other shapes
 //! with AVX2+FMA loops (and a vectorized `exp`, ggml's) where the CPU has them, a portable
-//! loop otherwise. Used for f32 caches on the CPU; other dtypes and devices take the general
-//! path.
+//! loop otherwise. Caches in f32 or f16 (half the bytes a decode step reads; the AVX-512
+//! kernel widens f16 rows as it loads them, the other loops widen a task's rows into a
+//! scratch buffer), f32 queries, on the CPU; other dtypes and devices take the general path.
 
-use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
+use half::f16;
 
 use crate::quant::SharedOut;
 
@@ -41,10 +43,17 @@ pub(crate) struct Seq<'a> {
     pub pos: Option<&'a [usize]>,
 }
 
-/// A cache view as raw parts: data, start offset, head stride, row stride.
+/// A cache's elements, in the dtype the cache keeps.
+#[derive(Clone, Copy)]
+enum Elems<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+/// A cache view as raw parts: elements, start offset, head stride, row stride.
 #[derive(Clone, Copy)]
 struct Raw<'a> {
-    data: &'a [f32],
+    data: Elems<'a>,
     start: usize,
     head: usize,
     row: usize,
@@ -57,13 +66,43 @@ fn f32_data<'a>(s: &'a Storage, what: &str) -> candle_core::Result<&'a [f32]> {
     }
 }
 
-fn raw<'a>(data: &'a [f32], l: &Layout) -> Raw<'a> {
+fn elems<'a>(s: &'a Storage, what: &str) -> candle_core::Result<Elems<'a>> {
+    match s {
+        Storage::Cpu(CpuStorage::F32(d)) => Ok(Elems::F32(d)),
+        Storage::Cpu(CpuStorage::F16(d)) => Ok(Elems::F16(d)),
+        _ => candle_core::bail!("attention: {what} is neither an f32 nor an f16 CPU tensor"),
+    }
+}
+
+fn raw<'a>(data: Elems<'a>, l: &Layout) -> Raw<'a> {
     let st = l.stride();
     Raw {
         data,
         start: l.start_offset(),
         head: st[1],
         row: st[2],
+    }
+}
+
+/// Whether [`attend`] takes caches of this dtype.
+pub(crate) fn takes(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16)
+}
+
+/// Rows `rows` (stride `stride`) of `d` elements from `src`, widened to f32 one after the
+/// other into `dst`.
+fn widen(
+    src: &[f16],
+    stride: usize,
+    rows: std::ops::RangeInclusive<usize>,
+    d: usize,
+    dst: &mut Vec<f32>,
+) {
+    use half::slice::HalfFloatSliceExt;
+    dst.clear();
+    dst.resize(rows.clone().count() * d, 0.0);
+    for (out, j) in dst.chunks_exact_mut(d).zip(rows) {
+        src[j * stride..j * stride + d].convert_to_f32_slice(out);
     }
 }
 
@@ -93,6 +132,7 @@ pub(crate) fn attend(
             && kd[1] > 0
             && heads % kd[1] == 0
             && (kv_heads == 0 || kv_heads == kd[1])
+            && s.k.dtype() == s.v.dtype()
             && s.k.stride()[3] == 1
             && s.v.stride()[3] == 1
             && s.len > 0
@@ -117,8 +157,8 @@ pub(crate) fn attend(
     let mut views = Vec::with_capacity(seqs.len());
     for ((ks, kl), (vs, vl), t) in &guards {
         views.push((
-            raw(f32_data(ks, "the keys")?, kl),
-            raw(f32_data(vs, "the values")?, vl),
+            raw(elems(ks, "the keys")?, kl),
+            raw(elems(vs, "the values")?, vl),
             *t,
         ));
     }
@@ -142,11 +182,11 @@ pub(crate) fn attend(
         let dst = &dst;
         let mut qg = vec![0f32; rep * d];
         let mut p = Vec::new();
+        let (mut kw, mut vw) = (Vec::new(), Vec::new());
         for &(i, g, r0, r1) in &tasks[range] {
             let (k, v, t) = views[i];
             let s = &seqs[i];
-            let kb = &k.data[k.start + g * k.head..];
-            let vb = &v.data[v.start + g * v.head..];
+            let (k0, v0) = (k.start + g * k.head, v.start + g * v.head);
             for r in r0..r1 {
                 let row = s.row + r;
                 for h in 0..rep {
@@ -167,23 +207,57 @@ pub(crate) fn attend(
                 if wide {
                     let span = (from, pos);
                     // SAFETY: `avx512::available()` was checked.
-                    unsafe { avx512::group(&qg, kb, k.row, vb, v.row, span, scale, &mut p, o) };
+                    unsafe {
+                        match (k.data, v.data) {
+                            (Elems::F32(kd), Elems::F32(vd)) => avx512::group(
+                                &qg,
+                                &kd[k0..],
+                                k.row,
+                                &vd[v0..],
+                                v.row,
+                                span,
+                                scale,
+                                &mut p,
+                                o,
+                            ),
+                            (Elems::F16(kd), Elems::F16(vd)) => avx512::group(
+                                &qg,
+                                &kd[k0..],
+                                k.row,
+                                &vd[v0..],
+                                v.row,
+                                span,
+                                scale,
+                                &mut p,
+                                o,
+                            ),
+                            _ => unreachable!("keys and values share a dtype (checked)"),
+                        }
+                    }
                     continue;
                 }
-                let krows = (from..=pos).map(|j| j * k.row);
-                let vrows = (from..=pos).map(|j| j * v.row);
-                kernel.group(
-                    &qg,
-                    kb,
-                    krows,
-                    vb,
-                    vrows,
-                    pos + 1 - from,
-                    d,
-                    scale,
-                    &mut p,
-                    o,
-                );
+                let n = pos + 1 - from;
+                match (k.data, v.data) {
+                    (Elems::F32(kd), Elems::F32(vd)) => kernel.group(
+                        &qg,
+                        &kd[k0..],
+                        (from..=pos).map(|j| j * k.row),
+                        &vd[v0..],
+                        (from..=pos).map(|j| j * v.row),
+                        n,
+                        d,
+                        scale,
+                        &mut p,
+                        o,
+                    ),
+                    (Elems::F16(kd), Elems::F16(vd)) => {
+                        widen(&kd[k0..], k.row, from..=pos, d, &mut kw);
+                        widen(&vd[v0..], v.row, from..=pos, d, &mut vw);
+                        let rows = || (0..n).map(|j| j * d);
+                        kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
+                    }
+                    _ => unreachable!("keys and values share a dtype (checked)"),
+                }
             }
         }
     });
@@ -629,6 +703,45 @@ mod tests {
     fn sixty_four_element_heads_match_the_reference() {
         check_prompt_beside_a_token(6, 2, 64, 19, 23);
         check_prompt_beside_a_token(7, 1, 64, 19, 23);
+    }
+
+    /// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
+    /// equals the f32 path over the same values widened, for 64-element heads (the AVX-512
+    /// kernel where the CPU has it, widening as it loads) and 20-element ones (rows widened
+    /// into scratch); keys and values of different dtypes are refused.
+    #[test]
+    fn f16_caches_match_the_f32_path_over_their_values() {
+        let dev = Device::Cpu;
+        for d in [64, 20] {
+            let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
+            let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
+            let half = |_| {
+                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev)
+                    .and_then(|x| x.to_dtype(DType::F16))
+                    .and_then(|x| x.narrow(2, 0, t))
+                    .unwrap()
+            };
+            let (k16, v16) = (half(0), half(1));
+            let wide = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+            let (k32, v32) = (wide(&k16), wide(&v16));
+            let seq = |k, v| Seq {
+                row: 0,
+                len: s,
+                k,
+                v,
+                pos: None,
+            };
+            for window in [None, Some(9)] {
+                let got = attend(&q, &[seq(&k16, &v16)], window, 0.125).unwrap();
+                let want = attend(&q, &[seq(&k32, &v32)], window, 0.125).unwrap();
+                let diff = max_diff(&got, &want);
+                assert!(
+                    diff < 1e-5,
+                    "heads of {d}, window {window:?}: differs by {diff}"
+                );
+            }
+            assert!(attend(&q, &[seq(&k16, &v32)], None, 0.125).is_err());
+        }
     }
 
     /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths

@@ -282,10 +282,13 @@ impl Decoder {
                 why: "no sequences".into(),
             });
         }
-        // On the CPU with an f32 cache every sequence attends in place, all in one pass
-        // ([`crate::attention`]: causal and windowed by cache index, no mask); other devices
-        // and dtypes take the general path with a mask per prompt (and per windowed token).
-        let in_place = self.device.is_cpu() && self.dtype == DType::F32;
+        // On the CPU with f32 compute and f32 or f16 caches every sequence attends in place,
+        // all in one pass ([`crate::attention`]: causal and windowed by cache index, no
+        // mask); other devices and dtypes take the general path with a mask per prompt (and
+        // per windowed token), the cache's rows converted to the compute dtype.
+        let in_place = self.device.is_cpu()
+            && self.dtype == DType::F32
+            && seqs.iter().all(|(c, _)| crate::attention::takes(c.dtype()));
         let mut all = Vec::new();
         let mut positions = Vec::new();
         // Per sequence: its first row in the batch, its tokens, its mask.
@@ -341,7 +344,11 @@ impl Decoder {
                 let mut ys = Vec::with_capacity(spans.len());
                 for ((first, s, mask), (ck, cv)) in spans.iter().zip(&views) {
                     let q = q.narrow(2, *first, *s).ctx("sequence rows")?;
-                    ys.push(self.attend_heads(&q, ck, cv, mask.as_ref())?);
+                    let (ck, cv) = (
+                        ck.to_dtype(self.dtype).ctx("cache rows")?,
+                        cv.to_dtype(self.dtype).ctx("cache rows")?,
+                    );
+                    ys.push(self.attend_heads(&q, &ck, &cv, mask.as_ref())?);
                 }
                 if ys.len() == 1 {
                     ys.pop().expect("one")

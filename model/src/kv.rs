@@ -274,9 +274,14 @@ impl KvCache {
         })
     }
 
-    /// A cache holding `kv` (which must be in the cache's dtype and device), with room for
-    /// `extra` more tokens.
+    /// A cache holding `kv` in its own dtype, with room for `extra` more tokens.
     pub fn from_kv(kv: &Kv, extra: usize) -> Result<KvCache> {
+        KvCache::from_kv_in(kv, extra, kv.layers[0].0.dtype())
+    }
+
+    /// A cache in `dtype` holding `kv` (converted), with room for `extra` more tokens: an
+    /// f16 cache halves what every decode step's attention reads (`serve.cache_dtype`).
+    pub fn from_kv_in(kv: &Kv, extra: usize, dtype: DType) -> Result<KvCache> {
         let (_, heads, _, dim) = kv.layers[0].0.dims4().ctx("kv dims")?;
         let k0 = &kv.layers[0].0;
         let mut cache = KvCache::new(
@@ -284,7 +289,7 @@ impl KvCache {
             heads,
             dim,
             kv.len() + extra,
-            k0.dtype(),
+            dtype,
             k0.device(),
         )?;
         for (l, (k, v)) in kv.layers.iter().enumerate() {
@@ -300,6 +305,11 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The dtype the cache keeps keys and values in (appended rows are converted to it).
+    pub fn dtype(&self) -> DType {
+        self.layers[0].0.dtype()
     }
 
     /// Position of the first cached token.
@@ -339,9 +349,10 @@ impl KvCache {
             self.capacity = new_cap;
         }
         let (ck, cv) = &mut self.layers[l];
-        ck.slice_set(&k.contiguous().ctx("kv write")?, 2, self.len)
+        let rows = |t: &Tensor| t.to_dtype(ck.dtype()).and_then(|t| t.contiguous());
+        ck.slice_set(&rows(k).ctx("kv write")?, 2, self.len)
             .ctx("kv write")?;
-        cv.slice_set(&v.contiguous().ctx("kv write")?, 2, self.len)
+        cv.slice_set(&rows(v).ctx("kv write")?, 2, self.len)
             .ctx("kv write")?;
         Ok(())
     }

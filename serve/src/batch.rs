@@ -52,6 +52,21 @@ pub(crate) struct Limits {
     pub kv_budget: u64,
     pub prefill_chunk: usize,
     pub repair: Repair,
+    /// Dtype of the decoding caches (`serve.cache_dtype`).
+    pub cache_dtype: model::DType,
+}
+
+impl Limits {
+    /// Bytes of decoding cache per token: what the budget counts.
+    pub fn cache_token_bytes(&self, model: &model::Model) -> u64 {
+        model
+            .kv_layout()
+            .and_then(|mut l| {
+                l.dtype = model::kv_schema_dtype(self.cache_dtype)?;
+                Ok(l.bytes_per_token())
+            })
+            .map_or(0, |b| b as u64)
+    }
 }
 
 /// A query in the batch.
@@ -110,11 +125,7 @@ pub(crate) fn run(
     wb: Sender<Writeback>,
 ) {
     let m = &*w.metrics;
-    let token_bytes = w
-        .engine
-        .model
-        .kv_layout()
-        .map_or(0, |l| l.bytes_per_token()) as u64;
+    let token_bytes = limits.cache_token_bytes(&w.engine.model);
     let mut active: Vec<Active<'_>> = Vec::new();
     let mut leaving: Vec<Leaving> = Vec::new();
     let mut waiting: Option<ComputeJob> = None;
@@ -180,7 +191,7 @@ pub(crate) fn run(
                 if Faults::take(&w.faults.panic_model) {
                     panic!("injected model fault");
                 }
-                join(w, prefix, &limits.repair, cj, &wb)
+                join(w, prefix, &limits, cj, &wb)
             });
             match r.map_err(internal).and_then(|r| r) {
                 Ok(mut a) => {
@@ -246,7 +257,7 @@ pub(crate) fn run(
 fn join<'m>(
     w: &'m Worker,
     prefix: &Prefix,
-    repair: &Repair,
+    limits: &Limits,
     cj: ComputeJob,
     wb: &Sender<Writeback>,
 ) -> Result<Active<'m>, Failure> {
@@ -271,7 +282,7 @@ fn join<'m>(
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
-    let a = assemble_query(engine, prefix, repair, &query, chunks, question)?;
+    let a = assemble_query(engine, prefix, &limits.repair, &query, chunks, question)?;
     m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
     for wbm in a.writebacks {
@@ -280,8 +291,8 @@ fn join<'m>(
         }
     }
     debug_assert_eq!(prompt_tokens, a.kv.len() + a.pending.len());
-    let cache =
-        KvCache::from_kv(&a.kv, a.pending.len() + query.params.max_tokens + 1).map_err(internal)?;
+    let room = a.pending.len() + query.params.max_tokens + 1;
+    let cache = KvCache::from_kv_in(&a.kv, room, limits.cache_dtype).map_err(internal)?;
     timings.assemble_ms = ms(t.elapsed());
     let decoding = Decoding::new(engine.model.tokenizer(), &query.params)
         .map_err(|e| (FailKind::Invalid, e.to_string()))?;

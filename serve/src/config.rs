@@ -6,6 +6,24 @@ use crate::assembly::Assembly;
 use crate::maintenance::Schedules;
 use crate::schedule::Cron;
 
+/// `serve.cache_dtype`: what a decoding query's KV cache keeps its keys and values in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl CacheDtype {
+    pub fn dtype(self) -> model::DType {
+        match self {
+            CacheDtype::F16 => model::DType::F16,
+            CacheDtype::F32 => model::DType::F32,
+        }
+    }
+}
+
 /// Server settings; validated before binding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -42,6 +60,11 @@ pub struct ServeConfig {
     pub recompute_share: f64,
     /// Tokens at the start of every chunk `link` recomputes (1..=4096).
     pub link_tokens: usize,
+    /// Dtype of a query's KV cache while the batch decodes it: `f16` (default: half the
+    /// memory per query under `kv_budget_mb`, half the bytes each decode step's attention
+    /// reads; llama.cpp's default too) or `f32`. The prompt's KV is assembled and repaired
+    /// in the compute dtype and rounded once into the cache; stored KV is `model.kv_dtype`.
+    pub cache_dtype: CacheDtype,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
@@ -84,6 +107,7 @@ impl Default for ServeConfig {
             assembly: Assembly::default(),
             recompute_share: 0.15,
             link_tokens: 2,
+            cache_dtype: CacheDtype::default(),
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
@@ -172,6 +196,7 @@ impl ServeConfig {
             kv_budget: (self.kv_budget_mb as u64) << 20,
             prefill_chunk: self.prefill_chunk,
             repair: self.repair(),
+            cache_dtype: self.cache_dtype.dtype(),
         }
     }
 

@@ -35,7 +35,7 @@ pub mod supervise;
 mod teacher;
 
 pub use assembly::Assembly;
-pub use config::ServeConfig;
+pub use config::{CacheDtype, ServeConfig};
 pub use http::{app, AppState};
 pub use maintenance::Maintenance;
 pub use rag::{Citation, Event, FailKind, Final, KvMode, KvSource, Query, Rag, Timings};

@@ -178,11 +178,7 @@ impl Rag {
         )
         .map_err(|e| format!("serve.default_top_k / serve.default_max_tokens: {e}"))?;
         // ... and so is a KV budget that cannot hold one default query.
-        let per_token = engine
-            .model
-            .kv_layout()
-            .map_err(|e| e.to_string())?
-            .bytes_per_token();
+        let per_token = config.limits().cache_token_bytes(&engine.model) as usize;
         let tokens = prefix_tokens
             + config.default_top_k * engine.max_chunk_tokens()
             + config.default_max_tokens;

@@ -127,7 +127,8 @@ impl Rag {
             question,
         )
         .map_err(|(_, e)| e)?;
-        let cache = KvCache::from_kv(&a.kv, a.pending.len() + room).map_err(err)?;
+        let dtype = self.config.cache_dtype.dtype();
+        let cache = KvCache::from_kv_in(&a.kv, a.pending.len() + room, dtype).map_err(err)?;
         Ok((cache, a.pending, a.logits))
     }
 

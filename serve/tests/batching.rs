@@ -178,13 +178,16 @@ async fn the_kv_budget_bounds_the_batch() {
     let f = tokio::task::spawn_blocking(fixture).await.unwrap();
     let q = json!({"question": "How long is the Meridian Railway?", "top_k": 3,
                    "max_tokens": 16, "stream": false});
-    // What one such query reserves: its prompt and answer, at the model's KV bytes per token.
+    // What one such query reserves: its prompt and answer, at the decoding cache's bytes per
+    // token (`serve.cache_dtype`).
     let (rag, app) = start(&f, ServeConfig::default());
     let (s, r, text) = call(&app, "POST", "/v1/query", Some(q.clone()), None).await;
     assert_eq!(s, StatusCode::OK, "{text}");
     rag.shutdown();
     drop((rag, app));
-    let per_token = f.engine.model.kv_layout().unwrap().bytes_per_token();
+    let mut layout = f.engine.model.kv_layout().unwrap();
+    layout.dtype = model::kv_schema_dtype(ServeConfig::default().cache_dtype.dtype()).unwrap();
+    let per_token = layout.bytes_per_token();
     let need = (r["prompt_tokens"].as_u64().unwrap() as usize + 17) * per_token;
     // A budget that holds one of them, not two.
     let budget_mb = need.div_ceil(1 << 20);

@@ -105,7 +105,12 @@ impl Decoder {
         // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i. On
         // the CPU with f32 KV the queries attend in place at those cache indices
         // ([`crate::attention`]); elsewhere through the general path with a mask.
-        let in_place = self.device.is_cpu() && self.dtype == DType::F32;
+        let in_place = self.device.is_cpu()
+            && self.dtype == DType::F32
+            && kv
+                .layers
+                .iter()
+                .all(|(k, _)| crate::attention::takes(k.dtype()));
         let mask = if in_place {
             None
         } else {
