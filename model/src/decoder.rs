@@ -543,11 +543,13 @@ impl Decoder {
 
     /// Moves `kv` by `delta` positions: keys are rotated, values are unchanged.
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
-        let layers = kv
-            .layers
-            .iter()
-            .map(|(k, v)| Ok((self.rope.shift(k, delta)?, v.clone())))
-            .collect::<Result<_>>()?;
+        let keys: Vec<Tensor> = kv.layers.iter().map(|(k, _)| k.clone()).collect();
+        let keys = self.rope.shift_all(&keys, delta, kv.len())?;
+        let layers = keys
+            .into_iter()
+            .zip(&kv.layers)
+            .map(|(k, (_, v))| (k, v.clone()))
+            .collect();
         Kv::new(layers)
     }
 
