@@ -282,20 +282,31 @@ impl KvCache {
     /// A cache in `dtype` holding `kv` (converted), with room for `extra` more tokens: an
     /// f16 cache halves what every decode step's attention reads (`serve.cache_dtype`).
     pub fn from_kv_in(kv: &Kv, extra: usize, dtype: DType) -> Result<KvCache> {
-        let (_, heads, _, dim) = kv.layers[0].0.dims4().ctx("kv dims")?;
-        let k0 = &kv.layers[0].0;
-        let mut cache = KvCache::new(
-            kv.layers.len(),
-            heads,
-            dim,
-            kv.len() + extra,
-            dtype,
-            k0.device(),
-        )?;
-        for (l, (k, v)) in kv.layers.iter().enumerate() {
-            cache.write(l, k, v)?;
+        KvCache::from_parts_in(std::slice::from_ref(kv), extra, dtype)
+    }
+
+    /// A cache in `dtype` holding `parts` one after the other (converted as they are
+    /// copied in: no concatenated copy first), with room for `extra` more tokens.
+    pub fn from_parts_in(parts: &[Kv], extra: usize, dtype: DType) -> Result<KvCache> {
+        let first = parts.first().ok_or_else(|| Error::Kv {
+            why: "no KV to hold".into(),
+        })?;
+        let k0 = &first.layers[0].0;
+        let (_, heads, _, dim) = k0.dims4().ctx("kv dims")?;
+        let total: usize = parts.iter().map(Kv::len).sum();
+        let layers = first.layers.len();
+        let mut cache = KvCache::new(layers, heads, dim, total + extra, dtype, k0.device())?;
+        for kv in parts.iter().filter(|kv| !kv.is_empty()) {
+            if kv.layers.len() != layers {
+                return Err(Error::Kv {
+                    why: format!("parts of {} and {layers} layers", kv.layers.len()),
+                });
+            }
+            for (l, (k, v)) in kv.layers.iter().enumerate() {
+                cache.write(l, k, v)?;
+            }
+            cache.len += kv.len();
         }
-        cache.len = kv.len();
         Ok(cache)
     }
 
@@ -369,6 +380,27 @@ impl KvCache {
         ))
     }
 
+    /// Overwrites rows of layer `l` below the length with `k`, `v` `(1, kv_heads, r, d)`:
+    /// row `j` goes to the cache index that `at` `(1, kv_heads, r, d)`, u32, holds at `j`.
+    pub(crate) fn set_rows(&mut self, l: usize, k: &Tensor, v: &Tensor, at: &Tensor) -> Result<()> {
+        let (ck, cv) = &self.layers[l];
+        let rows = |t: &Tensor| t.to_dtype(ck.dtype()).and_then(|t| t.contiguous());
+        ck.scatter_set(at, &rows(k).ctx("kv rows")?, 2)
+            .ctx("kv rows")?;
+        cv.scatter_set(at, &rows(v).ctx("kv rows")?, 2)
+            .ctx("kv rows")?;
+        Ok(())
+    }
+
+    /// Layer `l`'s first `n` cached rows, keys and values.
+    pub(crate) fn rows(&self, l: usize, n: usize) -> Result<(Tensor, Tensor)> {
+        let (ck, cv) = &self.layers[l];
+        Ok((
+            ck.narrow(2, 0, n).ctx("kv view")?,
+            cv.narrow(2, 0, n).ctx("kv view")?,
+        ))
+    }
+
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
     }
@@ -395,5 +427,72 @@ impl KvCache {
     /// Forgets everything past `n` tokens.
     pub fn truncate(&mut self, n: usize) {
         self.len = self.len.min(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(len: usize, seed: f32) -> Kv {
+        let layer = |o: f32| {
+            let n = 2 * len * 4;
+            let data: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed + o).sin()).collect();
+            Tensor::from_vec(data, (1, 2, len, 4), &Device::Cpu).unwrap()
+        };
+        Kv::new(
+            (0..3)
+                .map(|l| (layer(l as f32), layer(l as f32 + 0.5)))
+                .collect(),
+        )
+        .unwrap()
+    }
+
+    /// A cache assembled from parts (an empty one among them) holds their concatenation, in
+    /// its own dtype (f16: each value rounded once), and overwritten rows land at their
+    /// indices.
+    #[test]
+    fn parts_go_in_one_after_the_other_in_the_cache_dtype() {
+        let parts = [kv(5, 0.0), kv(0, 9.0), kv(3, 1.0), kv(7, 2.0)];
+        let whole = Kv::concat(&parts).unwrap();
+        for dtype in [DType::F32, DType::F16] {
+            let mut cache = KvCache::from_parts_in(&parts, 4, dtype).unwrap();
+            assert_eq!((cache.len(), cache.dtype()), (15, dtype));
+            let got = cache.to_kv().unwrap();
+            for ((gk, gv), (wk, wv)) in got.layers.iter().zip(&whole.layers) {
+                for (g, w) in [(gk, wk), (gv, wv)] {
+                    let w = w.to_dtype(dtype).unwrap();
+                    let d = (g.to_dtype(DType::F32).unwrap() - w.to_dtype(DType::F32).unwrap())
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    assert_eq!(d, 0.0, "{dtype:?}");
+                }
+            }
+            // Rows 2 and 9 of layer 1 replaced by ones.
+            let ones = Tensor::ones((1, 2, 2, 4), DType::F32, &Device::Cpu).unwrap();
+            let at: Vec<u32> = (0..2)
+                .flat_map(|_| [2u32; 4].into_iter().chain([9; 4]))
+                .collect();
+            let at = Tensor::from_vec(at, (1, 2, 2, 4), &Device::Cpu).unwrap();
+            cache.set_rows(1, &ones, &ones, &at).unwrap();
+            let (k, _) = cache.rows(1, 15).unwrap();
+            let k = k.to_dtype(DType::F32).unwrap();
+            for row in 0..15 {
+                let r: Vec<f32> = k
+                    .narrow(2, row, 1)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let want = [2, 9].contains(&row);
+                assert_eq!(r.iter().all(|&x| x == 1.0), want, "row {row}");
+            }
+        }
     }
 }

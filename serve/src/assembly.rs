@@ -47,7 +47,7 @@
 //! comparison of none, `\n` and `Passage:\n` with SmolLM2 was inconclusive (docs/BENCHMARKS.md),
 //! so the default is none.
 
-use model::{Kv, Model, Repaired};
+use model::{DType, Kv, KvCache, Model, Repaired, Tensor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A share of the chunk tokens, in thousandths (`0.001..=1`): exact to compare and to name.
@@ -222,7 +222,7 @@ fn score_layers(model: &Model) -> usize {
 /// cost instead of two): its KV is then appended and the logits after it returned. Without
 /// a repair (`naive`, `reposition`) nothing runs: `logits` is `None` and the question is
 /// still to be fed (by the batch, which shares that prefill's steps with other queries'
-/// decoding).
+/// decoding). [`assemble_into`] in the model's dtype, exported.
 pub fn assemble(
     model: &Model,
     assembly: Assembly,
@@ -232,32 +232,96 @@ pub fn assemble(
     tokens: &[u32],
     question: &[u32],
 ) -> model::Result<Repaired> {
+    let r = assemble_into(
+        model,
+        assembly,
+        repair,
+        prefix,
+        chunks,
+        tokens,
+        question,
+        0,
+        model.dtype(),
+    )?;
+    Ok(Repaired {
+        kv: r.cache.to_kv()?,
+        positions: r.positions,
+        logits: r.logits,
+    })
+}
+
+/// An assembled prompt in the cache that decodes it.
+#[derive(Debug)]
+pub struct Ready {
+    /// The context (prefix and chunks, repaired), then the question's rows if a repair ran it.
+    pub cache: KvCache,
+    /// The context positions recomputed, ascending.
+    pub positions: Vec<usize>,
+    /// Logits `(vocab,)` after the question when a repair ran it.
+    pub logits: Option<Tensor>,
+}
+
+/// [`assemble`] straight into a decoding cache in `dtype` with room for the question and
+/// `room` more tokens: the parts are copied into it once (converted as they go) and `link`
+/// repairs them there ([`model::Decoder::recompute_in`]), where a concatenated copy, a
+/// repaired copy and the cache's own copy were made before. `reposition+recompute` and
+/// `query-aware` score the whole context first, so they still assemble it once in the
+/// compute dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn assemble_into(
+    model: &Model,
+    assembly: Assembly,
+    repair: &Repair,
+    prefix: &Kv,
+    chunks: Vec<Kv>,
+    tokens: &[u32],
+    question: &[u32],
+    room: usize,
+    dtype: DType,
+) -> model::Result<Ready> {
     let exact = prefix.len();
     let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
     let mut parts = Vec::with_capacity(chunks.len() + 1);
     parts.push(prefix.clone());
     parts.extend(chunks);
-    let all = Kv::concat(&parts)?;
     let share = |s: Option<Share>| s.map_or(repair.recompute_share, Share::get);
+    let extra = question.len() + room;
     let positions = match assembly {
         Assembly::Naive | Assembly::Reposition | Assembly::Full => {
-            return Ok(Repaired {
-                kv: all,
+            return Ok(Ready {
+                cache: KvCache::from_parts_in(&parts, extra, dtype)?,
                 positions: Vec::new(),
                 logits: None,
             })
         }
-        Assembly::Recompute(s) => return model.blend(&all, tokens, exact, share(s), question),
+        Assembly::Recompute(s) => {
+            let all = Kv::concat(&parts)?;
+            let r = model.blend(&all, tokens, exact, share(s), question)?;
+            return Ok(Ready {
+                cache: KvCache::from_kv_in(&r.kv, room, dtype)?,
+                positions: r.positions,
+                logits: r.logits,
+            });
+        }
         Assembly::Link(k) => {
             let k = k.map_or(repair.link_tokens, |k| k as usize);
             model::link_positions(exact, &lens, k)
         }
         Assembly::QueryAware(s) => {
+            let all = Kv::concat(&parts)?;
             let scores = model.question_attention(&all, question, score_layers(model))?;
             model::top_share(&scores[exact..], exact, share(s))
         }
     };
-    model.recompute(&all, tokens, &positions, question)
+    let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;
+    let logits = model
+        .decoder()
+        .recompute_in(&mut cache, tokens, &positions, question)?;
+    Ok(Ready {
+        cache,
+        positions,
+        logits,
+    })
 }
 
 #[cfg(test)]

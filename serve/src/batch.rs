@@ -282,7 +282,17 @@ fn join<'m>(
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
-    let a = assemble_query(engine, prefix, &limits.repair, &query, chunks, question)?;
+    let room = query.params.max_tokens + 1;
+    let a = assemble_query(
+        engine,
+        prefix,
+        &limits.repair,
+        &query,
+        chunks,
+        question,
+        room,
+        limits.cache_dtype,
+    )?;
     m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
     for wbm in a.writebacks {
@@ -290,9 +300,8 @@ fn join<'m>(
             tracing::warn!("write-back queue full; chunk stays unmaterialized");
         }
     }
-    debug_assert_eq!(prompt_tokens, a.kv.len() + a.pending.len());
-    let room = a.pending.len() + query.params.max_tokens + 1;
-    let cache = KvCache::from_kv_in(&a.kv, room, limits.cache_dtype).map_err(internal)?;
+    debug_assert_eq!(prompt_tokens, a.cache.len() + a.pending.len());
+    let cache = a.cache;
     timings.assemble_ms = ms(t.elapsed());
     let decoding = Decoding::new(engine.model.tokenizer(), &query.params)
         .map_err(|e| (FailKind::Invalid, e.to_string()))?;

@@ -6,10 +6,10 @@
 use std::sync::atomic::Ordering;
 
 use ingest::Engine;
-use model::{Kv, Tensor};
+use model::{DType, Kv, KvCache, Tensor};
 use retrieval::Hit;
 
-use crate::assembly::{assemble, Assembly, Repair};
+use crate::assembly::{assemble_into, Assembly, Repair};
 use crate::events::{Citation, KvSource};
 use crate::metrics::Metrics;
 use crate::rag::{internal, Failure, KvMode, Prefix, Query};
@@ -192,9 +192,10 @@ fn fetch_remote(engine: &Engine, m: &Metrics, assembly: Assembly, chunks: &mut [
 
 /// A query's assembled prompt cache.
 pub(crate) struct Assembled {
-    pub kv: Kv,
-    /// What to feed after `kv`: the question's tokens; with `full`, the chunks' and the
-    /// question's; none after a repair, which ran the question in its pass.
+    /// The decoding cache, holding the prompt so far, with room for `pending` and the answer.
+    pub cache: KvCache,
+    /// What to feed after the cache's rows: the question's tokens; with `full`, the chunks'
+    /// and the question's; none after a repair, which ran the question in its pass.
     pub pending: Vec<u32>,
     /// The logits after the question when the repair ran it (`pending` is then empty).
     pub logits: Option<Tensor>,
@@ -209,7 +210,9 @@ pub(crate) struct Assembled {
 
 /// The prompt cache of `query`: the exact system prefix, then each chunk at its place (stored
 /// KV as read, or prefilled now exactly as ingest stores it), repaired as the strategy says;
-/// with `full`, just the prefix, the chunks to be prefilled with the question.
+/// with `full`, just the prefix, the chunks to be prefilled with the question. The cache is
+/// in `dtype` (`serve.cache_dtype`), with room for what is pending and `room` more tokens.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn assemble_query(
     engine: &Engine,
     prefix: &Prefix,
@@ -217,6 +220,8 @@ pub(crate) fn assemble_query(
     query: &Query,
     chunks: Vec<Loaded>,
     mut question: Vec<u32>,
+    room: usize,
+    dtype: DType,
 ) -> Result<Assembled, Failure> {
     let model = &engine.model;
     let full = query.assembly == Assembly::Full;
@@ -266,12 +271,14 @@ pub(crate) fn assemble_query(
         citations.push(citation(source));
         parts.push(kv);
     }
-    let (kv, recomputed, logits) = if full {
+    let (cache, recomputed, logits) = if full {
         // The reference: the chunks are prefilled with the question, after the exact prefix.
         question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
-        (prefix.kv.clone(), 0, None)
+        let extra = question.len() + room;
+        let cache = KvCache::from_kv_in(&prefix.kv, extra, dtype).map_err(internal)?;
+        (cache, 0, None)
     } else {
-        let r = assemble(
+        let r = assemble_into(
             model,
             query.assembly,
             repair,
@@ -279,15 +286,17 @@ pub(crate) fn assemble_query(
             parts,
             &context,
             &question,
+            room,
+            dtype,
         )
         .map_err(internal)?;
         if r.logits.is_some() {
             question.clear();
         }
-        (r.kv, r.positions.len(), r.logits)
+        (r.cache, r.positions.len(), r.logits)
     };
     Ok(Assembled {
-        kv,
+        cache,
         pending: question,
         logits,
         citations,

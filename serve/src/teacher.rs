@@ -125,11 +125,11 @@ impl Rag {
             query,
             chunks,
             question,
+            room,
+            self.config.cache_dtype.dtype(),
         )
         .map_err(|(_, e)| e)?;
-        let dtype = self.config.cache_dtype.dtype();
-        let cache = KvCache::from_kv_in(&a.kv, a.pending.len() + room, dtype).map_err(err)?;
-        Ok((cache, a.pending, a.logits))
+        Ok((a.cache, a.pending, a.logits))
     }
 
     /// Feeds `tokens` in `serve.prefill_chunk` pieces; the logits after the last.

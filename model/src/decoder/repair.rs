@@ -1,7 +1,8 @@
 //! Repairing an assembled context: chunks computed alone never attended to each other, so
 //! some of their tokens are recomputed with full attention over the whole context.
 //!
-//! [`Decoder::recompute`] does the recomputing; what differs between the published repairs is
+//! [`Decoder::recompute`] (or [`Decoder::recompute_in`], in a decoding cache) does the
+//! recomputing; what differs between the published repairs is
 //! which tokens it is given:
 //!
 //! | selection | recomputes | cost beyond loading |
@@ -16,7 +17,7 @@ use candle_core::{DType, Tensor};
 
 use super::Decoder;
 use crate::error::{Ctx, Error, Result};
-use crate::kv::Kv;
+use crate::kv::{Kv, KvCache};
 
 /// The first `k` positions of every chunk, for chunks of `lens` tokens that follow each other
 /// from position `exact`: EPIC's selection. Ascending.
@@ -64,7 +65,8 @@ impl Decoder {
     /// other rows keep their KV. The question's tokens (positions `n..`) run in the same pass
     /// and attend to the repaired rows, so the result is what recomputing first and then
     /// prefilling the question gives, with one pass's fixed cost instead of two (on the CPU
-    /// each pass reads every weight at least once).
+    /// each pass reads every weight at least once). [`Decoder::recompute_in`] on a copy of
+    /// `kv` in its dtype.
     pub fn recompute(
         &self,
         kv: &Kv,
@@ -72,18 +74,44 @@ impl Decoder {
         positions: &[usize],
         question: &[u32],
     ) -> Result<Repaired> {
-        let n = kv.len();
-        if tokens.len() != n {
-            return Err(Error::Input {
-                why: format!("recompute: {} tokens for a KV of {n}", tokens.len()),
-            });
-        }
         if positions.is_empty() && question.is_empty() {
             return Ok(Repaired {
                 kv: kv.clone(),
                 positions: Vec::new(),
                 logits: None,
             });
+        }
+        let mut cache = KvCache::from_kv(kv, question.len())?;
+        let logits = self.recompute_in(&mut cache, tokens, positions, question)?;
+        Ok(Repaired {
+            kv: cache.to_kv()?,
+            positions: positions.to_vec(),
+            logits,
+        })
+    }
+
+    /// [`Decoder::recompute`] in place: `cache` holds `tokens` at positions `0..n`; the rows
+    /// at `positions` are overwritten layer by layer and the question's rows appended, in the
+    /// cache's dtype (an f16 decoding cache rounds the fresh rows as it takes them, as it
+    /// does every decoded token's). No copy of the context is made: a query's cache is
+    /// assembled once and repaired where it lies. Returns the logits `(vocab,)` after the
+    /// question's last token, `None` when no question ran. On an error the cache's contents
+    /// are unspecified.
+    pub fn recompute_in(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[usize],
+        question: &[u32],
+    ) -> Result<Option<Tensor>> {
+        let n = cache.len();
+        if tokens.len() != n {
+            return Err(Error::Input {
+                why: format!("recompute: {} tokens for a KV of {n}", tokens.len()),
+            });
+        }
+        if positions.is_empty() && question.is_empty() {
+            return Ok(None);
         }
         if !positions.windows(2).all(|w| w[0] < w[1]) || positions.last().is_some_and(|&p| p >= n) {
             return Err(Error::Input {
@@ -97,60 +125,55 @@ impl Decoder {
         let ids = Tensor::new(ids.as_slice(), &self.device).ctx("token ids")?;
         let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
         let at: Vec<usize> = positions.iter().copied().chain(n..n + s).collect();
-        let abs = Tensor::new(
-            positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
-            &self.device,
-        )
-        .ctx("selection")?;
+        // Where the recomputed rows go: cache index `positions[j]` for row `j` of every head
+        // and element (the shape `scatter_set` takes).
+        let (kvh, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let rows_at = if r > 0 {
+            let idx: Vec<u32> = (0..kvh)
+                .flat_map(|_| {
+                    positions
+                        .iter()
+                        .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
+                })
+                .collect();
+            Some(Tensor::from_vec(idx, (1, kvh, r, hd), &self.device).ctx("selection")?)
+        } else {
+            None
+        };
         // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i. On
-        // the CPU with f32 KV the queries attend in place at those cache indices
-        // ([`crate::attention`]); elsewhere through the general path with a mask.
+        // the CPU with f32 compute and an f32 or f16 cache the queries attend in place at
+        // those cache indices ([`crate::attention`]); elsewhere through the general path with
+        // a mask.
         let in_place = self.device.is_cpu()
             && self.dtype == DType::F32
-            && kv
-                .layers
-                .iter()
-                .all(|(k, _)| crate::attention::takes(k.dtype()));
+            && crate::attention::takes(cache.dtype());
         let mask = if in_place {
             None
         } else {
             Some(self.mask_at(at.iter().copied(), n + s)?)
         };
         let scale = 1.0 / (self.cfg.head_dim as f32).sqrt();
-        // `base` with the chosen rows replaced by the first `r` fresh rows (one copy of
-        // `base` plus the difference at those rows: exact up to one rounding of
-        // `base + (rows - base)`), then the question's fresh rows appended.
-        let splice = |base: &Tensor, fresh: &Tensor| -> Result<Tensor> {
-            let fresh = fresh
-                .contiguous()
-                .and_then(|f| f.to_dtype(base.dtype()))
-                .ctx("fresh rows")?;
-            let mut out = base.clone();
-            if r > 0 {
-                let rows = fresh.narrow(2, 0, r).ctx("recomputed rows")?;
-                let old = base.index_select(&abs, 2).ctx("old rows")?;
-                let delta = (rows - old).ctx("row difference")?;
-                out = base.index_add(&abs, &delta, 2).ctx("replace rows")?;
-            }
-            if s > 0 {
-                let q = fresh.narrow(2, r, s).ctx("question rows")?;
-                out = Tensor::cat(&[&out, &q], 2).ctx("append question")?;
-            }
-            Ok(out)
-        };
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (layer, (ks, vs)) in self.layers.iter().zip(&kv.layers) {
+        for (l, layer) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &layer.attn_norm)?;
             let (q, k, v) = self.qkv(layer, &h)?;
             let q = self.rope.at(&q, &at)?;
             let k = self.rope.at(&k, &at)?;
-            let (k, v) = (splice(ks, &k)?, splice(vs, &v)?);
+            if let Some(idx) = &rows_at {
+                let fresh = |t: &Tensor| t.narrow(2, 0, r).ctx("recomputed rows");
+                cache.set_rows(l, &fresh(&k)?, &fresh(&v)?, idx)?;
+            }
+            let (kc, vc) = if s > 0 {
+                let asked = |t: &Tensor| t.narrow(2, r, s).ctx("question rows");
+                cache.append(l, &asked(&k)?, &asked(&v)?)?
+            } else {
+                cache.rows(l, n)?
+            };
             let a = if in_place {
                 let seq = crate::attention::Seq {
                     row: 0,
                     len: r + s,
-                    k: &k,
-                    v: &v,
+                    k: &kc,
+                    v: &vc,
                     pos: Some(&at),
                 };
                 let y = crate::attention::attend(&q, &[seq], self.cfg.sliding_window, scale)
@@ -158,25 +181,20 @@ impl Decoder {
                     .ctx("attention")?;
                 layer.o.forward(&y)?
             } else {
-                self.attend(layer, &q, &k, &v, mask.as_ref())?
+                let wide = |t: &Tensor| t.to_dtype(self.dtype).ctx("cache rows");
+                self.attend(layer, &q, &wide(&kc)?, &wide(&vc)?, mask.as_ref())?
             };
             x = self.mlp(layer, (x + a).ctx("residual")?)?;
-            layers.push((k, v));
         }
-        let logits = if s > 0 {
-            let last = x
-                .squeeze(0)
-                .and_then(|x| x.narrow(0, r + s - 1, 1))
-                .ctx("last row")?;
-            Some(self.logits(&last)?.squeeze(0).ctx("logits")?)
-        } else {
-            None
-        };
-        Ok(Repaired {
-            kv: Kv::new(layers)?,
-            positions: positions.to_vec(),
-            logits,
-        })
+        cache.advance(s);
+        if s == 0 {
+            return Ok(None);
+        }
+        let last = x
+            .squeeze(0)
+            .and_then(|x| x.narrow(0, r + s - 1, 1))
+            .ctx("last row")?;
+        Ok(Some(self.logits(&last)?.squeeze(0).ctx("logits")?))
     }
 
     /// Selective recompute with CacheBlend's selection: brings the KV of independently
