@@ -541,7 +541,8 @@ impl Decoder {
         caches.iter().map(KvCache::to_kv).collect()
     }
 
-    /// Moves `kv` by `delta` positions: keys are rotated, values are unchanged.
+    /// Moves `kv` by `delta` positions: keys are rotated (in f32, the result in their own
+    /// dtype), values are unchanged.
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
         let keys: Vec<Tensor> = kv.layers.iter().map(|(k, _)| k.clone()).collect();
         let keys = self.rope.shift_all(&keys, delta, kv.len())?;

@@ -286,28 +286,51 @@ impl KvCache {
     }
 
     /// A cache in `dtype` holding `parts` one after the other (converted as they are
-    /// copied in: no concatenated copy first), with room for `extra` more tokens.
+    /// copied in, once, into a fresh buffer: neither a concatenated copy first nor a zeroed
+    /// cache to copy into), with room for `extra` more tokens.
     pub fn from_parts_in(parts: &[Kv], extra: usize, dtype: DType) -> Result<KvCache> {
         let first = parts.first().ok_or_else(|| Error::Kv {
             why: "no KV to hold".into(),
         })?;
         let k0 = &first.layers[0].0;
         let (_, heads, _, dim) = k0.dims4().ctx("kv dims")?;
-        let total: usize = parts.iter().map(Kv::len).sum();
-        let layers = first.layers.len();
-        let mut cache = KvCache::new(layers, heads, dim, total + extra, dtype, k0.device())?;
-        for kv in parts.iter().filter(|kv| !kv.is_empty()) {
-            if kv.layers.len() != layers {
-                return Err(Error::Kv {
-                    why: format!("parts of {} and {layers} layers", kv.layers.len()),
-                });
-            }
-            for (l, (k, v)) in kv.layers.iter().enumerate() {
-                cache.write(l, k, v)?;
-            }
-            cache.len += kv.len();
+        let n_layers = first.layers.len();
+        let parts: Vec<&Kv> = parts.iter().filter(|kv| !kv.is_empty()).collect();
+        if let Some(bad) = parts.iter().find(|kv| kv.layers.len() != n_layers) {
+            return Err(Error::Kv {
+                why: format!("parts of {} and {n_layers} layers", bad.layers.len()),
+            });
         }
-        Ok(cache)
+        let total: usize = parts.iter().map(|kv| kv.len()).sum();
+        let capacity = (total + extra).max(16);
+        if total == 0 {
+            return KvCache::new(n_layers, heads, dim, capacity, dtype, k0.device());
+        }
+        let pad = Tensor::zeros((1, heads, capacity - total, dim), dtype, k0.device())
+            .ctx("kv cache alloc")?;
+        let side = |l: usize, values: bool| -> Result<Tensor> {
+            let mut ts = parts
+                .iter()
+                .map(|kv| {
+                    let (k, v) = &kv.layers[l];
+                    if values { v } else { k }.to_dtype(dtype)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()
+                .ctx("kv cache fill")?;
+            if capacity > total {
+                ts.push(pad.clone());
+            }
+            Tensor::cat(&ts, 2).ctx("kv cache fill")
+        };
+        let layers = (0..n_layers)
+            .map(|l| Ok((side(l, false)?, side(l, true)?)))
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            len: total,
+            capacity,
+            start_pos: 0,
+        })
     }
 
     pub fn len(&self) -> usize {

@@ -108,7 +108,10 @@ impl Rope {
     /// Moves keys (batch, heads, seq, head_dim), `seq` rows in each of `ks` (a chunk's
     /// layers), already rotated for their positions, by `delta` positions (which may be
     /// negative). Every row turns by the same angles, so the sines and cosines are taken once
-    /// (for a 512-token chunk of a 30-layer model, 32 of each instead of ~1M).
+    /// (for a 512-token chunk of a 30-layer model, 32 of each instead of ~1M). On the CPU
+    /// the rows turn in one f32 pass on the calling thread ([`Rope::turn_rows`]: the loader
+    /// thread, whose work must not spread over the compute threads), the result in each
+    /// key's dtype (an f16 key is widened, turned and rounded once); elsewhere candle's rope.
     pub fn shift_all(&self, ks: &[Tensor], delta: i64, seq: usize) -> Result<Vec<Tensor>> {
         let Some(k0) = ks.first() else {
             return Ok(Vec::new());
@@ -117,6 +120,24 @@ impl Rope {
             return Ok(ks.to_vec());
         }
         let (cos1, sin1) = self.tables(std::iter::once(delta), k0.device(), DType::F32)?;
+        if k0.device().is_cpu() {
+            let one = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+            let (cos, sin) = (one(&cos1).ctx("rope shift")?, one(&sin1).ctx("rope shift")?);
+            return ks
+                .iter()
+                .map(|k| {
+                    let mut x = k
+                        .to_dtype(DType::F32)
+                        .and_then(|t| t.flatten_all())
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .ctx("rope shift")?;
+                    self.turn_rows(&mut x, &cos, &sin);
+                    Tensor::from_vec(x, k.shape(), k.device())
+                        .and_then(|t| t.to_dtype(k.dtype()))
+                        .ctx("rope shift")
+                })
+                .collect();
+        }
         let rows = |t: Tensor| {
             t.broadcast_as((seq, self.inv_freq.len()))
                 .and_then(|t| t.contiguous())
@@ -125,6 +146,32 @@ impl Rope {
         };
         let (cos, sin) = (rows(cos1)?, rows(sin1)?);
         ks.iter().map(|k| self.apply(k, &cos, &sin)).collect()
+    }
+
+    /// Turns every row (`2 * cos.len()` elements) of `x` by the angles whose cosines and
+    /// sines are given, pairing elements as the model's style does (candle's `rope` and
+    /// `rope_i`, the same arithmetic).
+    fn turn_rows(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+        let h = cos.len();
+        for row in x.chunks_exact_mut(2 * h) {
+            match self.style {
+                RopeStyle::Half => {
+                    let (a, b) = row.split_at_mut(h);
+                    for i in 0..h {
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * cos[i] - x2 * sin[i];
+                        b[i] = x1 * sin[i] + x2 * cos[i];
+                    }
+                }
+                RopeStyle::Interleaved => {
+                    for (i, p) in row.chunks_exact_mut(2).enumerate() {
+                        let (x1, x2) = (p[0], p[1]);
+                        p[0] = x1 * cos[i] - x2 * sin[i];
+                        p[1] = x1 * sin[i] + x2 * cos[i];
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -180,6 +227,40 @@ mod tests {
         for ((got, base), d) in f.inv_freq.iter().zip(&plain.inv_freq).zip(&factors) {
             assert!((got - base / d).abs() < 1e-15);
         }
+    }
+
+    /// The loader's own turn of the rows is candle's rope on tables of the same angle, in
+    /// both pairings, for f32 keys and (rounded once) f16 ones.
+    #[test]
+    fn turning_rows_is_candles_rope() -> Result<()> {
+        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+            let rope = Rope::new(&ModelConfig {
+                rope_style: style,
+                ..cfg()
+            });
+            let x = Tensor::randn(0f32, 1.0, (1, 3, 7, 64), &Device::Cpu).ctx("randn")?;
+            let (cos, sin) = rope.tables(std::iter::repeat_n(-41, 7), &Device::Cpu, DType::F32)?;
+            let want = rope.apply(&x, &cos, &sin)?;
+            let diff = |a: &Tensor, b: &Tensor| {
+                (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()
+            };
+            let got = rope.shift_all(std::slice::from_ref(&x), -41, 7)?.remove(0);
+            assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?}");
+            let half = x.to_dtype(DType::F16).ctx("f16")?;
+            let got = rope
+                .shift_all(std::slice::from_ref(&half), -41, 7)?
+                .remove(0);
+            assert_eq!(got.dtype(), DType::F16);
+            let want = rope
+                .apply(&half.to_dtype(DType::F32).ctx("f32")?, &cos, &sin)?
+                .to_dtype(DType::F16)
+                .ctx("f16")?;
+            assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?} f16");
+        }
+        Ok(())
     }
 
     #[test]

@@ -124,6 +124,17 @@ impl Assembly {
         self.name() == other.name()
     }
 
+    /// The dtype a chunk's placed KV is best delivered in: the decoding cache's (`cache`)
+    /// where chunks go into the cache as they are (`naive`, `reposition`, `link`: the loader
+    /// thread converts them, the model thread only copies), the compute dtype where the
+    /// whole context is scored first (`reposition+recompute`, `query-aware`).
+    pub fn chunk_dtype(self, compute: DType, cache: DType) -> DType {
+        match self {
+            Assembly::Naive | Assembly::Reposition | Assembly::Link(_) => cache,
+            Assembly::Recompute(_) | Assembly::QueryAware(_) | Assembly::Full => compute,
+        }
+    }
+
     /// Whether stored chunk KV is used at all.
     pub fn uses_stored_kv(self) -> bool {
         self != Assembly::Full

@@ -33,18 +33,22 @@ pub(crate) struct Writeback {
     pub replace: bool,
 }
 
-/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in the model's dtype on the
+/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in `dtype` on the
 /// model's device (the host-to-device copy happens here, on the loader thread, overlapping
-/// the decoder's work), placed for a prompt where the chunk starts at `pos`.
+/// the decoder's work), placed for a prompt where the chunk starts at `pos`. `dtype` is
+/// [`Assembly::chunk_dtype`]'s: with the decoding cache's f16 the stored f16 values are used
+/// as they are and only the keys are widened, turned and rounded (on the CPU in one pass on
+/// this thread, [`model::Decoder::reposition`]), so the model thread just copies them in.
 pub(crate) fn import(
     engine: &Engine,
     bytes: &[u8],
     assembly: Assembly,
     pos: usize,
+    dtype: DType,
 ) -> model::Result<Kv> {
     let model = &engine.model;
     Kv::from_bytes(bytes, &engine.layout(), model.device())
-        .and_then(|kv| kv.to(model.device(), model.dtype()))
+        .and_then(|kv| kv.to(model.device(), dtype))
         .and_then(|kv| assembly.place(model, kv, pos))
 }
 
@@ -58,7 +62,11 @@ pub(crate) fn read_chunks(
     hits: Vec<Hit>,
     mut pos: usize,
     buf: &mut Vec<u8>,
+    cache_dtype: DType,
 ) -> Result<Vec<Loaded>, String> {
+    let dtype = query
+        .assembly
+        .chunk_dtype(engine.model.dtype(), cache_dtype);
     let mut chunks = Vec::with_capacity(hits.len());
     for hit in hits {
         let tokens = match engine.chunk_tokens(&hit.payload.text) {
@@ -75,7 +83,7 @@ pub(crate) fn read_chunks(
                 Ok(_) => {
                     m.kv_bytes_loaded
                         .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    match import(engine, buf, query.assembly, pos) {
+                    match import(engine, buf, query.assembly, pos, dtype) {
                         Ok(kv) => Some(kv),
                         Err(e) => {
                             tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
@@ -114,7 +122,7 @@ pub(crate) fn read_chunks(
         pos += chunks.last().map_or(0, |(_, c)| c.tokens.len());
     }
     if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-        fetch_remote(engine, m, query.assembly, &mut chunks);
+        fetch_remote(engine, m, query.assembly, dtype, &mut chunks);
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
 }
@@ -123,7 +131,13 @@ pub(crate) fn read_chunks(
 /// flight at once: each one found is verified, kept in the local store (a cache of the tier,
 /// under its quota) and placed at its prompt position `pos`. Whatever the tier misses or
 /// fails to give stays missing, to be recomputed: a remote failure is never a query's error.
-fn fetch_remote(engine: &Engine, m: &Metrics, assembly: Assembly, chunks: &mut [(usize, Loaded)]) {
+fn fetch_remote(
+    engine: &Engine,
+    m: &Metrics,
+    assembly: Assembly,
+    dtype: DType,
+    chunks: &mut [(usize, Loaded)],
+) {
     let Some(tier) = engine.remote.as_deref().filter(|r| r.reads()) else {
         return;
     };
@@ -161,7 +175,7 @@ fn fetch_remote(engine: &Engine, m: &Metrics, assembly: Assembly, chunks: &mut [
         m.remote_fetch.observe(f.ms / 1e3);
         m.remote_bytes
             .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
-        let kv = match import(engine, &f.kv, assembly, *pos) {
+        let kv = match import(engine, &f.kv, assembly, *pos, dtype) {
             Ok(kv) => kv,
             Err(e) => {
                 tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
@@ -252,7 +266,9 @@ pub(crate) fn assemble_query(
             None => {
                 // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
                 let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
-                let kv = import(engine, &bytes, query.assembly, pos).map_err(internal)?;
+                let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
+                let kv =
+                    import(engine, &bytes, query.assembly, pos, chunk_dtype).map_err(internal)?;
                 if query.kv == KvMode::On {
                     misses += 1;
                     writebacks.push(Writeback {

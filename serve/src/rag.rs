@@ -212,6 +212,7 @@ impl Rag {
         };
         let worker = || Worker {
             engine: engine.clone(),
+            cache_dtype: config.cache_dtype.dtype(),
             metrics: metrics.clone(),
             faults: faults.clone(),
         };
@@ -391,6 +392,8 @@ fn fits_context(
 /// What each pipeline thread works with.
 pub(crate) struct Worker {
     pub engine: Arc<Engine>,
+    /// `serve.cache_dtype`.
+    pub cache_dtype: model::DType,
     pub metrics: Arc<Metrics>,
     pub faults: Arc<Faults>,
 }
@@ -449,7 +452,8 @@ fn load(
     let t = Instant::now();
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
     let hits = std::mem::take(&mut job.hits);
-    let chunks = match read_chunks(engine, m, &job.query, hits, prefix.tokens.len(), buf) {
+    let start = prefix.tokens.len();
+    let chunks = match read_chunks(engine, m, &job.query, hits, start, buf, w.cache_dtype) {
         Ok(c) => c,
         Err(e) => {
             finish_err(m, &job.events, internal(e));

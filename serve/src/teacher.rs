@@ -116,7 +116,8 @@ impl Rag {
         let engine = &*self.engine;
         let mut buf = Vec::new();
         let start = self.prefix.tokens.len();
-        let chunks = read_chunks(engine, &self.metrics, query, hits, start, &mut buf)?;
+        let dtype = self.config.cache_dtype.dtype();
+        let chunks = read_chunks(engine, &self.metrics, query, hits, start, &mut buf, dtype)?;
         let question = self.prefix.question(engine, &query.question).map_err(err)?;
         let a = assemble_query(
             engine,
@@ -126,7 +127,7 @@ impl Rag {
             chunks,
             question,
             room,
-            self.config.cache_dtype.dtype(),
+            dtype,
         )
         .map_err(|(_, e)| e)?;
         Ok((a.cache, a.pending, a.logits))
