@@ -82,8 +82,15 @@ impl Rope {
 
     /// Rotates `x` (batch, heads, seq, head_dim) by tables from [`Rope::tables`] (one row
     /// per `seq` row).
+    ///
+    /// f32 on the CPU: [`Rope::turn_rows`] on the calling thread, or on candle's barrier pool
+    /// for large inputs (candle's own rope spreads even a decode step's few rows over the
+    /// rayon pool: threads beside the barrier pool's, competing for the same cores).
     pub(crate) fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous().ctx("rope input")?;
+        if x.device().is_cpu() && x.dtype() == DType::F32 && cos.dtype() == DType::F32 {
+            return self.apply_cpu(&x, cos, sin);
+        }
         match self.style {
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
             RopeStyle::Half => candle_nn::rotary_emb::rope(&x, cos, sin),
@@ -146,6 +153,51 @@ impl Rope {
         };
         let (cos, sin) = (rows(cos1)?, rows(sin1)?);
         ks.iter().map(|k| self.apply(k, &cos, &sin)).collect()
+    }
+
+    /// [`Rope::apply`] of contiguous f32 `x` (batch, heads, seq, d) with f32 tables
+    /// `(seq, d / 2)`.
+    fn apply_cpu(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (_, _, s, d) = x.dims4().ctx("rope input")?;
+        let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+        let mut data = flat(x).ctx("rope input")?;
+        let (cos, sin) = (flat(cos).ctx("rope cos")?, flat(sin).ctx("rope sin")?);
+        let h = d / 2;
+        if cos.len() != s * h || sin.len() != s * h {
+            return Err(crate::error::Error::Input {
+                why: format!("rope: tables of {} for {s} rows of {d}", cos.len()),
+            });
+        }
+        // Row r of the data is row r % s of the sequence.
+        let turn = |rows: &mut [f32], first: usize| {
+            for (i, row) in rows.chunks_exact_mut(d).enumerate() {
+                let p = (first + i) % s;
+                self.turn_rows(row, &cos[p * h..(p + 1) * h], &sin[p * h..(p + 1) * h]);
+            }
+        };
+        const BLOCK_ROWS: usize = 64;
+        let rows = data.len() / d;
+        if data.len() < 1 << 16 {
+            turn(&mut data, 0);
+        } else {
+            let out = crate::quant::SharedOut(data.as_mut_ptr());
+            candle_core::utils::barrier_pool().execute_chunked(
+                rows.div_ceil(BLOCK_ROWS),
+                |range| {
+                    let out = &out;
+                    for b in range {
+                        let (r0, r1) = (b * BLOCK_ROWS, ((b + 1) * BLOCK_ROWS).min(rows));
+                        // SAFETY: blocks are disjoint row ranges of `data`, which outlives
+                        // `execute_chunked`.
+                        let block = unsafe {
+                            std::slice::from_raw_parts_mut(out.0.add(r0 * d), (r1 - r0) * d)
+                        };
+                        turn(block, r0);
+                    }
+                },
+            );
+        }
+        Tensor::from_vec(data, x.shape(), x.device()).ctx("rope")
     }
 
     /// Turns every row (`2 * cos.len()` elements) of `x` by the angles whose cosines and
@@ -229,24 +281,37 @@ mod tests {
         }
     }
 
-    /// The loader's own turn of the rows is candle's rope on tables of the same angle, in
-    /// both pairings, for f32 keys and (rounded once) f16 ones.
+    /// The CPU's own turn of the rows is candle's rope, bit for bit, in both pairings: per
+    /// row positions (small inputs on the calling thread, large ones on the pool), and a
+    /// shift by one angle for f32 keys and (rounded once) f16 ones.
     #[test]
     fn turning_rows_is_candles_rope() -> Result<()> {
+        let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
+            (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()
+        };
         for style in [RopeStyle::Half, RopeStyle::Interleaved] {
             let rope = Rope::new(&ModelConfig {
                 rope_style: style,
                 ..cfg()
             });
+            let candle = |x: &Tensor, cos: &Tensor, sin: &Tensor| match style {
+                RopeStyle::Half => candle_nn::rotary_emb::rope(x, cos, sin),
+                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(x, cos, sin),
+            };
+            for (heads, s) in [(3, 7), (4, 300)] {
+                let x = Tensor::randn(0f32, 1.0, (1, heads, s, 64), &Device::Cpu).ctx("randn")?;
+                let at = (0..s as i64).map(|p| p * 37 % 1000);
+                let (cos, sin) = rope.tables(at, &Device::Cpu, DType::F32)?;
+                let got = rope.apply(&x, &cos, &sin)?;
+                let want = candle(&x, &cos, &sin).ctx("rope")?;
+                assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?} {s} rows");
+            }
             let x = Tensor::randn(0f32, 1.0, (1, 3, 7, 64), &Device::Cpu).ctx("randn")?;
             let (cos, sin) = rope.tables(std::iter::repeat_n(-41, 7), &Device::Cpu, DType::F32)?;
-            let want = rope.apply(&x, &cos, &sin)?;
-            let diff = |a: &Tensor, b: &Tensor| {
-                (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-                    .abs()?
-                    .max_all()?
-                    .to_scalar::<f32>()
-            };
+            let want = candle(&x, &cos, &sin).ctx("rope")?;
             let got = rope.shift_all(std::slice::from_ref(&x), -41, 7)?.remove(0);
             assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?}");
             let half = x.to_dtype(DType::F16).ctx("f16")?;
@@ -254,9 +319,8 @@ mod tests {
                 .shift_all(std::slice::from_ref(&half), -41, 7)?
                 .remove(0);
             assert_eq!(got.dtype(), DType::F16);
-            let want = rope
-                .apply(&half.to_dtype(DType::F32).ctx("f32")?, &cos, &sin)?
-                .to_dtype(DType::F16)
+            let want = candle(&half.to_dtype(DType::F32).ctx("f32")?, &cos, &sin)
+                .and_then(|t| t.to_dtype(DType::F16))
                 .ctx("f16")?;
             assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?} f16");
         }
