@@ -31,6 +31,10 @@
 //! | `query-aware:0.15` | 16.4 | 90.0 % | 0.151 | 5.64× |
 //! | `full` | 21.3 | 100 % | 0 | 26.9× |
 //!
+//! (Measured with f32 decoding caches. With f16 ones, the default since: `reposition` 86.8 %,
+//! `link:2` 87.7 % and KL 0.187 at 0.98× `reposition`'s TTFT, `link:32` 90.1 % at 3.1×, full
+//! prefill's answers unchanged; docs/BENCHMARKS.md.)
+//!
 //! `link:2` is the default: the only repair within 1.5× `reposition`'s time to first token,
 //! and measurably closer to full prefill than it (F1 differences of a few points are within
 //! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.

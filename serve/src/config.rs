@@ -62,8 +62,11 @@ pub struct ServeConfig {
     pub link_tokens: usize,
     /// Dtype of a query's KV cache while the batch decodes it: `f16` (default: half the
     /// memory per query under `kv_budget_mb`, half the bytes each decode step's attention
-    /// reads; llama.cpp's default too) or `f32`. The prompt's KV is assembled and repaired
-    /// in the compute dtype and rounded once into the cache; stored KV is `model.kv_dtype`.
+    /// reads; llama.cpp's default too) or `f32`. Stored chunk KV goes into it as read (keys
+    /// turned to their prompt positions in f32, rounded once); `link` writes its recomputed
+    /// rows there, and the question's and answer's rows are rounded as they are appended
+    /// (`reposition+recompute` and `query-aware` score and repair in the compute dtype
+    /// first). Stored KV's own dtype is `model.kv_dtype`.
     pub cache_dtype: CacheDtype,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
