@@ -106,6 +106,19 @@ fn norm(w: &Weights, name: &str, wanted: bool, dim: usize) -> Result<Option<Tens
     Ok(Some(t))
 }
 
+/// One sequence of a step, as [`Decoder::layers_over`] lays it out: its first row among the
+/// step's, how many rows it recomputes and appends, the cache index of every row when it
+/// recomputes any (else its rows are the cache's last), its mask on the general path, and
+/// the scatter index of its recomputed rows.
+struct Span {
+    first: usize,
+    redo: usize,
+    appended: usize,
+    at: Option<Vec<usize>>,
+    mask: Option<Tensor>,
+    scatter: Option<Tensor>,
+}
+
 impl Decoder {
     pub(crate) fn new(
         cfg: ModelConfig,
@@ -234,7 +247,7 @@ impl Decoder {
     /// Runs `tokens` through the model after what `cache` holds, appending their KV.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Tensor> {
         let s = tokens.len();
-        let x = self.layers_over(&mut [(cache, tokens)])?;
+        let x = self.layers_over(&mut [(cache, tokens, &[])])?;
         let x = match logits {
             Logits::Last => x.narrow(0, s.saturating_sub(1), 1).ctx("last")?,
             Logits::All => x,
@@ -254,10 +267,23 @@ impl Decoder {
     /// `(sequences, vocab)`. A sequence's logits do not depend on the others in the step
     /// beyond float rounding of the batched products.
     pub fn step(&self, seqs: &mut [(&mut KvCache, &[u32])]) -> Result<Tensor> {
+        let mut seqs: Vec<_> = seqs
+            .iter_mut()
+            .map(|(c, t)| (&mut **c, *t, &[][..]))
+            .collect();
+        self.step_repairing(&mut seqs)
+    }
+
+    /// [`Decoder::step`] where a sequence may also repair its cache: the first `redo.len()`
+    /// of its tokens are recomputed at the cache indices `redo` (ascending, below the cache's
+    /// length: their rows are overwritten layer by layer, as [`Decoder::recompute_in`] does),
+    /// the rest appended. A query joining a batch runs its repair and its question this way,
+    /// beside the others' decoding tokens, in one read of the weights.
+    pub fn step_repairing(&self, seqs: &mut [(&mut KvCache, &[u32], &[usize])]) -> Result<Tensor> {
         let x = self.layers_over(seqs)?;
         let mut last = Vec::with_capacity(seqs.len());
         let mut end = 0u32;
-        for (_, t) in seqs.iter() {
+        for (_, t, _) in seqs.iter() {
             end += t.len() as u32;
             last.push(end - 1);
         }
@@ -274,9 +300,10 @@ impl Decoder {
         out.to_dtype(DType::F32).ctx("logits")
     }
 
-    /// Every layer over the sequences' tokens (concatenated, in order), appending each
-    /// sequence's KV to its cache: the hidden states `(tokens, hidden)` before the final norm.
-    fn layers_over(&self, seqs: &mut [(&mut KvCache, &[u32])]) -> Result<Tensor> {
+    /// Every layer over the sequences' tokens (concatenated, in order): each sequence's first
+    /// `redo.len()` tokens overwrite the rows at those cache indices, the rest are appended to
+    /// its cache. The hidden states `(tokens, hidden)` before the final norm.
+    fn layers_over(&self, seqs: &mut [(&mut KvCache, &[u32], &[usize])]) -> Result<Tensor> {
         if seqs.is_empty() {
             return Err(Error::Input {
                 why: "no sequences".into(),
@@ -288,23 +315,56 @@ impl Decoder {
         // per windowed token), the cache's rows converted to the compute dtype.
         let in_place = self.device.is_cpu()
             && self.dtype == DType::F32
-            && seqs.iter().all(|(c, _)| crate::attention::takes(c.dtype()));
+            && seqs
+                .iter()
+                .all(|(c, _, _)| crate::attention::takes(c.dtype()));
+        let (kvh, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
         let mut all = Vec::new();
         let mut positions = Vec::new();
-        // Per sequence: its first row in the batch, its tokens, its mask.
         let mut spans = Vec::with_capacity(seqs.len());
-        for (cache, tokens) in seqs.iter() {
+        for (cache, tokens, redo) in seqs.iter() {
             self.check_tokens(tokens)?;
-            let (s, past, pos) = (tokens.len(), cache.len(), cache.next_pos());
+            let (r, past) = (redo.len(), cache.len());
+            if r > tokens.len()
+                || !redo.windows(2).all(|w| w[0] < w[1])
+                || redo.last().is_some_and(|&p| p >= past)
+            {
+                return Err(Error::Input {
+                    why: format!(
+                        "{r} rows to recompute for {} tokens: they must ascend within 0..{past}",
+                        tokens.len()
+                    ),
+                });
+            }
+            let s = tokens.len() - r;
+            // Cache index of every row: the recomputed ones, then the appended ones.
+            let at: Vec<usize> = redo.iter().copied().chain(past..past + s).collect();
             let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
-            let mask = if !in_place && (s > 1 || windowed) {
-                Some(self.mask(s, past + s)?)
+            let mask = if !in_place && (tokens.len() > 1 || windowed) {
+                Some(self.mask_at(at.iter().copied(), past + s)?)
             } else {
                 None
             };
-            spans.push((all.len(), s, mask));
+            // Where the recomputed rows go (`scatter_set`'s index: every head and element).
+            let scatter = if r > 0 {
+                let idx: Vec<u32> = (0..kvh)
+                    .flat_map(|_| redo.iter().flat_map(|&p| std::iter::repeat_n(p as u32, hd)))
+                    .collect();
+                Some(Tensor::from_vec(idx, (1, kvh, r, hd), &self.device).ctx("selection")?)
+            } else {
+                None
+            };
+            let start = cache.start_pos();
+            positions.extend(at.iter().map(|&i| (start + i) as i64));
+            spans.push(Span {
+                first: all.len(),
+                redo: r,
+                appended: s,
+                at: (r > 0).then_some(at),
+                mask,
+                scatter,
+            });
             all.extend_from_slice(tokens);
-            positions.extend((pos..pos + s).map(|p| p as i64));
         }
         let ids = Tensor::new(all.as_slice(), &self.device).ctx("token ids")?;
         let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
@@ -319,22 +379,34 @@ impl Decoder {
             let (q, k, v) = self.qkv(layer, &h)?;
             let q = self.rope.apply(&q, &cos, &sin)?;
             let k = self.rope.apply(&k, &cos, &sin)?;
-            // Every sequence's new keys and values go into its cache; its live rows come back.
+            // Every sequence's fresh keys and values go into its cache (recomputed rows in
+            // place, the others appended); its live rows come back.
             let mut views = Vec::with_capacity(spans.len());
-            for ((cache, _), (first, s, _)) in seqs.iter_mut().zip(&spans) {
-                let rows = |t: &Tensor| t.narrow(2, *first, *s).ctx("sequence rows");
-                views.push(cache.append(i, &rows(&k)?, &rows(&v)?)?);
+            for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
+                let rows = |t: &Tensor, from: usize, n: usize| {
+                    t.narrow(2, sp.first + from, n).ctx("sequence rows")
+                };
+                if let Some(idx) = &sp.scatter {
+                    let r = sp.redo;
+                    cache.set_rows(i, &rows(&k, 0, r)?, &rows(&v, 0, r)?, idx)?;
+                }
+                views.push(if sp.appended > 0 {
+                    let (r, s) = (sp.redo, sp.appended);
+                    cache.append(i, &rows(&k, r, s)?, &rows(&v, r, s)?)?
+                } else {
+                    cache.rows(i, cache.len())?
+                });
             }
             let y = if in_place {
                 let parts: Vec<_> = spans
                     .iter()
                     .zip(&views)
-                    .map(|((row, len, _), (k, v))| crate::attention::Seq {
-                        row: *row,
-                        len: *len,
+                    .map(|(sp, (k, v))| crate::attention::Seq {
+                        row: sp.first,
+                        len: sp.redo + sp.appended,
                         k,
                         v,
-                        pos: None,
+                        pos: sp.at.as_deref(),
                     })
                     .collect();
                 crate::attention::attend(&q, &parts, self.cfg.sliding_window, scale)
@@ -342,13 +414,15 @@ impl Decoder {
                     .ctx("attention")?
             } else {
                 let mut ys = Vec::with_capacity(spans.len());
-                for ((first, s, mask), (ck, cv)) in spans.iter().zip(&views) {
-                    let q = q.narrow(2, *first, *s).ctx("sequence rows")?;
+                for (sp, (ck, cv)) in spans.iter().zip(&views) {
+                    let q = q
+                        .narrow(2, sp.first, sp.redo + sp.appended)
+                        .ctx("sequence rows")?;
                     let (ck, cv) = (
                         ck.to_dtype(self.dtype).ctx("cache rows")?,
                         cv.to_dtype(self.dtype).ctx("cache rows")?,
                     );
-                    ys.push(self.attend_heads(&q, &ck, &cv, mask.as_ref())?);
+                    ys.push(self.attend_heads(&q, &ck, &cv, sp.mask.as_ref())?);
                 }
                 if ys.len() == 1 {
                     ys.pop().expect("one")
@@ -359,8 +433,8 @@ impl Decoder {
             x = (x + layer.o.forward(&y)?).ctx("residual")?;
             x = self.mlp(layer, x)?;
         }
-        for ((cache, _), (_, s, _)) in seqs.iter_mut().zip(&spans) {
-            cache.advance(*s);
+        for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
+            cache.advance(sp.appended);
         }
         x.squeeze(0).ctx("squeeze")
     }

@@ -106,12 +106,6 @@ impl Rope {
         self.apply(x, &cos, &sin)
     }
 
-    /// Rotates `x` (batch, heads, seq, head_dim) for the given positions, one per row.
-    pub fn at(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
-        let (cos, sin) = self.tables(positions.iter().map(|&p| p as i64), x.device(), x.dtype())?;
-        self.apply(x, &cos, &sin)
-    }
-
     /// Moves keys (batch, heads, seq, head_dim), `seq` rows in each of `ks` (a chunk's
     /// layers), already rotated for their positions, by `delta` positions (which may be
     /// negative). Every row turns by the same angles, so the sines and cosines are taken once

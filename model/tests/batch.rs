@@ -202,3 +202,66 @@ fn prefill_many_matches_each_chunk_prefilled_alone() {
         }
     }
 }
+
+/// A deferred repair ([`Decoder::step_repairing`]): rows recomputed in place and a question
+/// appended in a step beside another sequence's decoding token give the logits and the cache
+/// that [`Decoder::recompute_in`] gives alone, and the other sequence's logits are its solo
+/// ones.
+#[test]
+fn a_repair_in_a_batch_step_matches_the_repair_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = synthetic::write(&SyntheticSpec::new(Arch::Llama), dir.path()).unwrap();
+    let m = Model::load(&ModelSource::Gguf(files.gguf), &LoadOptions::default()).unwrap();
+    let d = m.decoder();
+    let p = prompts(m.config().vocab_size);
+    let (context, question, other) = (&p[2], &p[3], &p[0]);
+    for dtype in [DType::F32, DType::F16] {
+        let fresh = || {
+            let mut c = cache(&m, context.len() + question.len(), dtype);
+            d.forward(&mut c, context, Logits::Last).unwrap();
+            c
+        };
+        let redo = [0usize, 5, 6, 17];
+        let mut alone = fresh();
+        let want = d
+            .recompute_in(&mut alone, context, &redo, question)
+            .unwrap()
+            .unwrap();
+        let mut batched = fresh();
+        let mut beside = cache(&m, other.len() + 1, dtype);
+        let solo = d.forward(&mut beside, other, Logits::Last).unwrap();
+        let next = Decoder::argmax(&solo).unwrap();
+        let mut solo_cache = cache(&m, other.len() + 1, dtype);
+        d.forward(&mut solo_cache, other, Logits::Last).unwrap();
+        let solo_next = d.forward(&mut solo_cache, &[next], Logits::Last).unwrap();
+        let mut ids: Vec<u32> = redo.iter().map(|&i| context[i]).collect();
+        ids.extend_from_slice(question);
+        let logits = d
+            .step_repairing(&mut [
+                (&mut beside, &[next][..], &[][..]),
+                (&mut batched, &ids, &redo),
+            ])
+            .unwrap();
+        assert!(max_diff(&logits.get(1).unwrap(), &want) < 1e-4, "{dtype:?}");
+        assert!(
+            max_diff(&logits.get(0).unwrap(), &solo_next) < 1e-4,
+            "{dtype:?}"
+        );
+        assert_eq!(batched.len(), alone.len());
+        for ((bk, bv), (ak, av)) in batched
+            .to_kv()
+            .unwrap()
+            .layers
+            .iter()
+            .zip(&alone.to_kv().unwrap().layers)
+        {
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let diff = max_diff(&f(bk), &f(ak)).max(max_diff(&f(bv), &f(av)));
+            assert!(diff < 2e-3, "{dtype:?}: caches differ by {diff}");
+        }
+        // Rows to recompute must ascend within the cache.
+        let mut bad = fresh();
+        let err = d.step_repairing(&mut [(&mut bad, &ids, &[6, 5, 0, 17][..])]);
+        assert!(err.is_err());
+    }
+}

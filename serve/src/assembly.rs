@@ -257,6 +257,7 @@ pub fn assemble(
         question,
         0,
         model.dtype(),
+        false,
     )?;
     Ok(Repaired {
         kv: r.cache.to_kv()?,
@@ -274,6 +275,9 @@ pub struct Ready {
     pub positions: Vec<usize>,
     /// Logits `(vocab,)` after the question when a repair ran it.
     pub logits: Option<Tensor>,
+    /// The recompute of `positions` and the question is left to the caller (see
+    /// [`assemble_into`]'s `defer`).
+    pub deferred: bool,
 }
 
 /// [`assemble`] straight into a decoding cache in `dtype` with room for the question and
@@ -282,6 +286,11 @@ pub struct Ready {
 /// repaired copy and the cache's own copy were made before. `reposition+recompute` and
 /// `query-aware` score the whole context first, so they still assemble it once in the
 /// compute dtype.
+///
+/// With `defer`, `link` only chooses its rows: the cache holds the context unrepaired,
+/// `positions` the rows to recompute, and the caller feeds their tokens, then the question,
+/// through [`model::Decoder::step_repairing`] (the batch does, in a step beside the other
+/// queries' decoding tokens: one read of the weights for both).
 #[allow(clippy::too_many_arguments)]
 pub fn assemble_into(
     model: &Model,
@@ -293,6 +302,7 @@ pub fn assemble_into(
     question: &[u32],
     room: usize,
     dtype: DType,
+    defer: bool,
 ) -> model::Result<Ready> {
     let exact = prefix.len();
     let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
@@ -307,6 +317,7 @@ pub fn assemble_into(
                 cache: KvCache::from_parts_in(&parts, extra, dtype)?,
                 positions: Vec::new(),
                 logits: None,
+                deferred: false,
             })
         }
         Assembly::Recompute(s) => {
@@ -316,6 +327,7 @@ pub fn assemble_into(
                 cache: KvCache::from_kv_in(&r.kv, room, dtype)?,
                 positions: r.positions,
                 logits: r.logits,
+                deferred: false,
             });
         }
         Assembly::Link(k) => {
@@ -329,13 +341,19 @@ pub fn assemble_into(
         }
     };
     let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;
-    let logits = model
-        .decoder()
-        .recompute_in(&mut cache, tokens, &positions, question)?;
+    let deferred = defer && matches!(assembly, Assembly::Link(_)) && !positions.is_empty();
+    let logits = if deferred {
+        None
+    } else {
+        model
+            .decoder()
+            .recompute_in(&mut cache, tokens, &positions, question)?
+    };
     Ok(Ready {
         cache,
         positions,
         logits,
+        deferred,
     })
 }
 

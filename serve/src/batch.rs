@@ -84,6 +84,9 @@ struct Active<'m> {
     /// Logits its assembly already computed (a repair runs the question in its own pass):
     /// its first step samples from them instead of feeding anything.
     ready: Option<Tensor>,
+    /// Cache rows its `link` repair still has to recompute: the first `redo.len()` tokens of
+    /// `pending` are theirs, fed in the query's first step with the start of its question.
+    redo: Vec<usize>,
     /// Budget bytes held.
     reserved: u64,
     /// When its first step began; when its first and latest text came.
@@ -292,6 +295,7 @@ fn join<'m>(
         question,
         room,
         limits.cache_dtype,
+        true,
     )?;
     m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
@@ -300,7 +304,10 @@ fn join<'m>(
             tracing::warn!("write-back queue full; chunk stays unmaterialized");
         }
     }
-    debug_assert_eq!(prompt_tokens, a.cache.len() + a.pending.len());
+    debug_assert_eq!(
+        prompt_tokens,
+        a.cache.len() + a.pending.len() - a.redo.len()
+    );
     let cache = a.cache;
     timings.assemble_ms = ms(t.elapsed());
     let decoding = Decoding::new(engine.model.tokenizer(), &query.params)
@@ -326,6 +333,7 @@ fn join<'m>(
         decoding,
         pending: a.pending,
         ready: a.logits,
+        redo: a.redo,
         reserved: 0,
         started: None,
         first: None,
@@ -343,21 +351,24 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
     let mut fed = Vec::with_capacity(active.len());
     for a in active.iter_mut() {
         a.started.get_or_insert(now);
-        // A query whose assembly left logits ready feeds nothing this step.
+        // A query whose assembly left logits ready feeds nothing this step; one whose repair
+        // was deferred feeds all of the repair's rows, then a piece of its question.
+        let r = a.redo.len();
         let n = if a.ready.is_some() {
             0
         } else {
-            a.pending.len().min(prefill_chunk.max(1))
+            r + (a.pending.len() - r).min(prefill_chunk.max(1))
         };
         fed.push(n);
         if n > 0 {
-            seqs.push((&mut a.cache, &a.pending[..n]));
+            seqs.push((&mut a.cache, &a.pending[..n], a.redo.as_slice()));
         }
     }
     let logits = if seqs.is_empty() {
         None
     } else {
-        Some(w.engine.model.decoder().step(&mut seqs).map_err(internal)?)
+        let d = w.engine.model.decoder();
+        Some(d.step_repairing(&mut seqs).map_err(internal)?)
     };
     drop(seqs);
     let mut row = 0;
@@ -368,6 +379,7 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
                 .ok_or_else(|| internal("a query with nothing to feed"))?
         } else {
             a.pending.drain(..n);
+            a.redo.clear();
             row += 1;
             if !a.pending.is_empty() {
                 continue; // the rest of its prompt runs in the next steps

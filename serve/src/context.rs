@@ -213,6 +213,9 @@ pub(crate) struct Assembled {
     pub pending: Vec<u32>,
     /// The logits after the question when the repair ran it (`pending` is then empty).
     pub logits: Option<Tensor>,
+    /// Cache rows still to recompute (a deferred repair): the first `redo.len()` tokens of
+    /// `pending` are theirs, fed with [`model::Decoder::step_repairing`].
+    pub redo: Vec<usize>,
     pub citations: Vec<Citation>,
     /// Chunks served from stored KV, and chunks prefilled now to be written back.
     pub hits: usize,
@@ -226,6 +229,7 @@ pub(crate) struct Assembled {
 /// KV as read, or prefilled now exactly as ingest stores it), repaired as the strategy says;
 /// with `full`, just the prefix, the chunks to be prefilled with the question. The cache is
 /// in `dtype` (`serve.cache_dtype`), with room for what is pending and `room` more tokens.
+/// With `defer`, a `link` repair is left to the caller's feeding ([`Assembled::redo`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn assemble_query(
     engine: &Engine,
@@ -236,6 +240,7 @@ pub(crate) fn assemble_query(
     mut question: Vec<u32>,
     room: usize,
     dtype: DType,
+    defer: bool,
 ) -> Result<Assembled, Failure> {
     let model = &engine.model;
     let full = query.assembly == Assembly::Full;
@@ -287,12 +292,12 @@ pub(crate) fn assemble_query(
         citations.push(citation(source));
         parts.push(kv);
     }
-    let (cache, recomputed, logits) = if full {
+    let (cache, recomputed, logits, redo) = if full {
         // The reference: the chunks are prefilled with the question, after the exact prefix.
         question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
         let extra = question.len() + room;
         let cache = KvCache::from_kv_in(&prefix.kv, extra, dtype).map_err(internal)?;
-        (cache, 0, None)
+        (cache, 0, None, Vec::new())
     } else {
         let r = assemble_into(
             model,
@@ -304,15 +309,24 @@ pub(crate) fn assemble_query(
             &question,
             room,
             dtype,
+            defer,
         )
         .map_err(internal)?;
-        if r.logits.is_some() {
-            question.clear();
-        }
-        (r.cache, r.positions.len(), r.logits)
+        let redo = if r.deferred {
+            // The repair's tokens go first, then the question.
+            question.splice(0..0, r.positions.iter().map(|&p| context[p]));
+            r.positions.clone()
+        } else {
+            if r.logits.is_some() {
+                question.clear();
+            }
+            Vec::new()
+        };
+        (r.cache, r.positions.len(), r.logits, redo)
     };
     Ok(Assembled {
         cache,
+        redo,
         pending: question,
         logits,
         citations,

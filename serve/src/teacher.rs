@@ -128,6 +128,7 @@ impl Rag {
             question,
             room,
             dtype,
+            false,
         )
         .map_err(|(_, e)| e)?;
         Ok((a.cache, a.pending, a.logits))

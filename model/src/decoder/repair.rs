@@ -118,82 +118,15 @@ impl Decoder {
                 why: format!("recompute: positions must ascend within 0..{n}"),
             });
         }
-        let (r, s) = (positions.len(), question.len());
         let mut ids: Vec<u32> = positions.iter().map(|&p| tokens[p]).collect();
         ids.extend_from_slice(question);
-        self.check_tokens(&ids)?;
-        let ids = Tensor::new(ids.as_slice(), &self.device).ctx("token ids")?;
-        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
-        let at: Vec<usize> = positions.iter().copied().chain(n..n + s).collect();
-        // Where the recomputed rows go: cache index `positions[j]` for row `j` of every head
-        // and element (the shape `scatter_set` takes).
-        let (kvh, hd) = (self.cfg.kv_heads, self.cfg.head_dim);
-        let rows_at = if r > 0 {
-            let idx: Vec<u32> = (0..kvh)
-                .flat_map(|_| {
-                    positions
-                        .iter()
-                        .flat_map(|&p| std::iter::repeat_n(p as u32, hd))
-                })
-                .collect();
-            Some(Tensor::from_vec(idx, (1, kvh, r, hd), &self.device).ctx("selection")?)
-        } else {
-            None
-        };
-        // Query j (at position p_j) sees keys 0..=p_j; question token i sees 0..=n + i. On
-        // the CPU with f32 compute and an f32 or f16 cache the queries attend in place at
-        // those cache indices ([`crate::attention`]); elsewhere through the general path with
-        // a mask.
-        let in_place = self.device.is_cpu()
-            && self.dtype == DType::F32
-            && crate::attention::takes(cache.dtype());
-        let mask = if in_place {
-            None
-        } else {
-            Some(self.mask_at(at.iter().copied(), n + s)?)
-        };
-        let scale = 1.0 / (self.cfg.head_dim as f32).sqrt();
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = self.rms(&x, &layer.attn_norm)?;
-            let (q, k, v) = self.qkv(layer, &h)?;
-            let q = self.rope.at(&q, &at)?;
-            let k = self.rope.at(&k, &at)?;
-            if let Some(idx) = &rows_at {
-                let fresh = |t: &Tensor| t.narrow(2, 0, r).ctx("recomputed rows");
-                cache.set_rows(l, &fresh(&k)?, &fresh(&v)?, idx)?;
-            }
-            let (kc, vc) = if s > 0 {
-                let asked = |t: &Tensor| t.narrow(2, r, s).ctx("question rows");
-                cache.append(l, &asked(&k)?, &asked(&v)?)?
-            } else {
-                cache.rows(l, n)?
-            };
-            let a = if in_place {
-                let seq = crate::attention::Seq {
-                    row: 0,
-                    len: r + s,
-                    k: &kc,
-                    v: &vc,
-                    pos: Some(&at),
-                };
-                let y = crate::attention::attend(&q, &[seq], self.cfg.sliding_window, scale)
-                    .and_then(|y| y.unsqueeze(0))
-                    .ctx("attention")?;
-                layer.o.forward(&y)?
-            } else {
-                let wide = |t: &Tensor| t.to_dtype(self.dtype).ctx("cache rows");
-                self.attend(layer, &q, &wide(&kc)?, &wide(&vc)?, mask.as_ref())?
-            };
-            x = self.mlp(layer, (x + a).ctx("residual")?)?;
-        }
-        cache.advance(s);
-        if s == 0 {
+        // One step of one sequence: the chosen rows recomputed in place, the question
+        // appended ([`Decoder::step_repairing`]'s path).
+        let x = self.layers_over(&mut [(cache, &ids, positions)])?;
+        if question.is_empty() {
             return Ok(None);
         }
-        let last = x
-            .squeeze(0)
-            .and_then(|x| x.narrow(0, r + s - 1, 1))
-            .ctx("last row")?;
+        let last = x.narrow(0, ids.len() - 1, 1).ctx("last row")?;
         Ok(Some(self.logits(&last)?.squeeze(0).ctx("logits")?))
     }
 
