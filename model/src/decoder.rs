@@ -619,7 +619,7 @@ impl Decoder {
     /// dtype), values are unchanged.
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
         let keys: Vec<Tensor> = kv.layers.iter().map(|(k, _)| k.clone()).collect();
-        let keys = self.rope.shift_all(&keys, delta, kv.len())?;
+        let keys = self.rope.shift_all(&keys, delta)?;
         let layers = keys
             .into_iter()
             .zip(&kv.layers)

@@ -106,14 +106,14 @@ impl Rope {
         self.apply(x, &cos, &sin)
     }
 
-    /// Moves keys (batch, heads, seq, head_dim), `seq` rows in each of `ks` (a chunk's
-    /// layers), already rotated for their positions, by `delta` positions (which may be
+    /// Moves keys (batch, heads, seq, head_dim), the same number of rows in each of `ks` (a
+    /// chunk's layers), already rotated for their positions, by `delta` positions (which may be
     /// negative). Every row turns by the same angles, so the sines and cosines are taken once
     /// (for a 512-token chunk of a 30-layer model, 32 of each instead of ~1M). On the CPU
     /// the rows turn in one f32 pass on the calling thread ([`Rope::turn_rows`]: the loader
     /// thread, whose work must not spread over the compute threads), the result in each
     /// key's dtype (an f16 key is widened, turned and rounded once); elsewhere candle's rope.
-    pub fn shift_all(&self, ks: &[Tensor], delta: i64, seq: usize) -> Result<Vec<Tensor>> {
+    pub fn shift_all(&self, ks: &[Tensor], delta: i64) -> Result<Vec<Tensor>> {
         let Some(k0) = ks.first() else {
             return Ok(Vec::new());
         };
@@ -139,6 +139,7 @@ impl Rope {
                 })
                 .collect();
         }
+        let seq = k0.dim(2).ctx("rope dims")?;
         let rows = |t: Tensor| {
             t.broadcast_as((seq, self.inv_freq.len()))
                 .and_then(|t| t.contiguous())
@@ -306,12 +307,10 @@ mod tests {
             let x = Tensor::randn(0f32, 1.0, (1, 3, 7, 64), &Device::Cpu).ctx("randn")?;
             let (cos, sin) = rope.tables(std::iter::repeat_n(-41, 7), &Device::Cpu, DType::F32)?;
             let want = candle(&x, &cos, &sin).ctx("rope")?;
-            let got = rope.shift_all(std::slice::from_ref(&x), -41, 7)?.remove(0);
+            let got = rope.shift_all(std::slice::from_ref(&x), -41)?.remove(0);
             assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?}");
             let half = x.to_dtype(DType::F16).ctx("f16")?;
-            let got = rope
-                .shift_all(std::slice::from_ref(&half), -41, 7)?
-                .remove(0);
+            let got = rope.shift_all(std::slice::from_ref(&half), -41)?.remove(0);
             assert_eq!(got.dtype(), DType::F16);
             let want = candle(&half.to_dtype(DType::F32).ctx("f32")?, &cos, &sin)
                 .and_then(|t| t.to_dtype(DType::F16))
@@ -326,7 +325,7 @@ mod tests {
         let rope = Rope::new(&cfg());
         let x = Tensor::randn(0f32, 1.0, (1, 2, 5, 64), &Device::Cpu).ctx("randn")?;
         let at3 = rope.forward(&x, 3)?;
-        let shifted = rope.shift_all(&[rope.forward(&x, 0)?], 3, 5)?.remove(0);
+        let shifted = rope.shift_all(&[rope.forward(&x, 0)?], 3)?.remove(0);
         let d = (at3 - shifted)
             .and_then(|t| t.abs())
             .and_then(|t| t.max_all())
