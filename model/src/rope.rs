@@ -5,10 +5,12 @@
 //! them once more by `δ`: [`Rope::shift`]. Angles are computed in f64 and rounded once, so a
 //! shifted key differs from one computed at `p + δ` only by float rounding of the rotation.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::{Ctx, Result};
+
+mod f16_rows;
 
 /// Precomputed inverse frequencies for one model.
 #[derive(Debug, Clone)]
@@ -110,9 +112,10 @@ impl Rope {
     /// chunk's layers), already rotated for their positions, by `delta` positions (which may be
     /// negative). Every row turns by the same angles, so the sines and cosines are taken once
     /// (for a 512-token chunk of a 30-layer model, 32 of each instead of ~1M). On the CPU
-    /// the rows turn in one f32 pass on the calling thread ([`Rope::turn_rows`]: the loader
-    /// thread, whose work must not spread over the compute threads), the result in each
-    /// key's dtype (an f16 key is widened, turned and rounded once); elsewhere candle's rope.
+    /// the rows turn in one pass on the calling thread (the loader thread, whose work must not
+    /// spread over the compute threads), the result in each key's dtype: f32 keys by
+    /// [`Rope::turn_rows`], f16 ones widened, turned and rounded once, element by element
+    /// ([`f16_rows`]); elsewhere candle's rope.
     pub fn shift_all(&self, ks: &[Tensor], delta: i64) -> Result<Vec<Tensor>> {
         let Some(k0) = ks.first() else {
             return Ok(Vec::new());
@@ -127,6 +130,9 @@ impl Rope {
             return ks
                 .iter()
                 .map(|k| {
+                    if k.dtype() == DType::F16 {
+                        return self.shift_f16(k, &cos, &sin);
+                    }
                     let mut x = k
                         .to_dtype(DType::F32)
                         .and_then(|t| t.flatten_all())
@@ -148,6 +154,26 @@ impl Rope {
         };
         let (cos, sin) = (rows(cos1)?, rows(sin1)?);
         ks.iter().map(|k| self.apply(k, &cos, &sin)).collect()
+    }
+
+    /// An f16 tensor's rows turned by one angle, in one pass ([`f16_rows`]).
+    fn shift_f16(&self, k: &Tensor, cos: &[f32], sin: &[f32]) -> Result<Tensor> {
+        let k = k.contiguous().ctx("rope shift")?;
+        let out = {
+            let (store, layout) = k.storage_and_layout();
+            let (Storage::Cpu(CpuStorage::F16(data)), Some((a, b))) =
+                (&*store, layout.contiguous_offsets())
+            else {
+                return Err(crate::error::Error::Input {
+                    why: "rope shift: the keys are not a contiguous f16 CPU tensor".into(),
+                });
+            };
+            let x = &data[a..b];
+            let mut out = vec![half::f16::ZERO; x.len()];
+            f16_rows::turn(self.style, x, &mut out, cos, sin);
+            out
+        };
+        Tensor::from_vec(out, k.shape(), k.device()).ctx("rope shift")
     }
 
     /// [`Rope::apply`] of contiguous f32 `x` (batch, heads, seq, d) with f32 tables
@@ -316,6 +342,41 @@ mod tests {
                 .and_then(|t| t.to_dtype(DType::F16))
                 .ctx("f16")?;
             assert_eq!(diff(&got, &want).ctx("diff")?, 0.0, "{style:?} f16");
+        }
+        Ok(())
+    }
+
+    /// f16 keys shift in one pass, vectorized where pairs come in eights and element by element
+    /// otherwise (here 12- and 20-element heads), both bit for bit the f32 turn rounded once.
+    #[test]
+    fn f16_keys_shift_as_the_f32_turn_rounded_once() -> Result<()> {
+        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+            for head_dim in [12, 16, 20, 64, 128] {
+                let rope = Rope::new(&ModelConfig {
+                    rope_style: style,
+                    head_dim,
+                    ..cfg()
+                });
+                let x = (Tensor::randn(0f32, 3.0, (1, 2, 9, head_dim), &Device::Cpu)
+                    .and_then(|t| t.to_dtype(DType::F16)))
+                .ctx("randn")?;
+                for delta in [-700, 1, 5_000] {
+                    let got = rope.shift_all(std::slice::from_ref(&x), delta)?.remove(0);
+                    let wide = x.to_dtype(DType::F32).ctx("f32")?;
+                    let want = rope.shift_all(&[wide], delta)?.remove(0);
+                    let want = want.to_dtype(DType::F16).ctx("f16")?;
+                    let bits = |t: &Tensor| {
+                        t.flatten_all()
+                            .and_then(|t| t.to_vec1::<half::f16>())
+                            .map(|v| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>())
+                    };
+                    assert_eq!(
+                        bits(&got).ctx("bits")?,
+                        bits(&want).ctx("bits")?,
+                        "{style:?} head {head_dim}, delta {delta}"
+                    );
+                }
+            }
         }
         Ok(())
     }
