@@ -495,11 +495,8 @@ impl Decoder {
     /// `x + mlp(norm(x))`.
     fn mlp(&self, layer: &Layer, x: Tensor) -> Result<Tensor> {
         let h = self.rms(&x, &layer.ffn_norm)?;
-        let g = layer
-            .gate
-            .forward(&h)
-            .and_then(|t| candle_nn::ops::silu(&t).ctx("silu"))?;
-        let u = layer.up.forward(&h)?;
+        let [g, u] = Proj::forward_many([&layer.gate, &layer.up], &h)?;
+        let g = candle_nn::ops::silu(&g).ctx("silu")?;
         let m = layer.down.forward(&(g * u).ctx("swiglu")?)?;
         (x + m).ctx("residual")
     }
@@ -509,17 +506,16 @@ impl Decoder {
         let cfg = &self.cfg;
         let (b, s, _) = h.dims3().ctx("attn input")?;
         let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
-        let q = layer.q.forward(h)?.reshape((b, s, nh, hd)).ctx("q")?;
-        let k = layer.k.forward(h)?.reshape((b, s, nkv, hd)).ctx("k")?;
+        let [q, k, v] = Proj::forward_many([&layer.q, &layer.k, &layer.v], h)?;
+        let q = q.reshape((b, s, nh, hd)).ctx("q")?;
+        let k = k.reshape((b, s, nkv, hd)).ctx("k")?;
         let (q, k) = match (&layer.q_norm, &layer.k_norm) {
             (Some(qn), Some(kn)) => (self.rms(&q, qn)?, self.rms(&k, kn)?),
             _ => (q, k),
         };
         let q = q.transpose(1, 2).ctx("q")?;
         let k = k.transpose(1, 2).ctx("k")?;
-        let v = layer
-            .v
-            .forward(h)?
+        let v = v
             .reshape((b, s, nkv, hd))
             .and_then(|t| t.transpose(1, 2))
             .and_then(|t| t.contiguous())

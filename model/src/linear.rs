@@ -65,12 +65,67 @@ impl Proj {
         Ok(Proj::Quant { mm, dims, b, dtype })
     }
 
+    fn bias(&self) -> Option<&Tensor> {
+        match self {
+            Proj::Dense { b, .. } | Proj::Quant { b, .. } => b.as_ref(),
+        }
+    }
+
     /// `(out, in)`.
     pub(crate) fn dims(&self) -> Result<(usize, usize)> {
         match self {
             Proj::Dense { w, .. } => w.dims2().ctx("weight dims"),
             Proj::Quant { dims, .. } => Ok(*dims),
         }
+    }
+
+    /// [`Proj::forward`] of each projection over the same `x`: the repacked matrices among
+    /// them (f32 activations on the CPU) in one product ([`Packed::matmul_many`]: `x`
+    /// quantized once, one pass over the thread pool), the others one after the other.
+    pub(crate) fn forward_many<const N: usize>(
+        projs: [&Proj; N],
+        x: &Tensor,
+    ) -> Result<[Tensor; N]> {
+        let packed = |p: &Proj| match p {
+            Proj::Quant {
+                mm: Kernel::Packed(w),
+                dtype: DType::F32,
+                ..
+            } if x.device().is_cpu() && x.dtype() == DType::F32 => Some(w.clone()),
+            _ => None,
+        };
+        let ws: Vec<(usize, Arc<Packed>)> = projs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| packed(p).map(|w| (i, w)))
+            .collect();
+        let mut ys: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+        if ws.len() > 1 {
+            let x = x.contiguous().ctx("x")?;
+            let (n, k) = ws[0].1.dims();
+            let outs = {
+                let (store, layout) = x.storage_and_layout();
+                let xs = match &*store {
+                    candle_core::Storage::Cpu(cpu) => f32_input(cpu, layout, n, k),
+                    _ => Err(candle_core::Error::Msg("not a CPU tensor".into())),
+                }
+                .ctx("quantized matmul")?;
+                let mats: Vec<&Packed> = ws.iter().map(|(_, w)| &**w).collect();
+                Packed::matmul_many(&mats, xs)
+            };
+            let lead = &x.dims()[..x.rank() - 1];
+            for ((i, w), y) in ws.iter().zip(outs) {
+                let shape: Vec<usize> = lead.iter().copied().chain([w.dims().0]).collect();
+                let y = Tensor::from_vec(y, shape, x.device()).ctx("quantized matmul")?;
+                ys[*i] = Some(add_bias(y, projs[*i].bias())?);
+            }
+        }
+        for (y, p) in ys.iter_mut().zip(projs) {
+            if y.is_none() {
+                *y = Some(p.forward(x)?);
+            }
+        }
+        Ok(ys.map(|y| y.expect("every projection computed")))
     }
 
     /// `x @ w.T + b` for `x` of shape `(..., in)`.

@@ -557,6 +557,37 @@ mod tests {
         check(&vals, &x11, n, k);
     }
 
+    /// Matrices of different kinds and heights multiplied together (one quantization of
+    /// the input, one pass) give each one's own product, bit for bit.
+    #[test]
+    fn many_matrices_at_once_are_each_alone() {
+        let k = 96;
+        let x: Vec<f32> = (0..11 * k)
+            .map(|i| ((i * 41 % 103) as f32 - 51.0) / 7.0)
+            .collect();
+        let mats: Vec<packed::Packed> = KINDS
+            .iter()
+            .zip([37, 16, 5, 64, 21])
+            .map(|(&(kind, dtype), n)| {
+                let vals: Vec<f32> = (0..n * k)
+                    .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+                    .collect();
+                packed::Packed::new(kind, &weights(&vals, n, k, dtype).0, n, k)
+            })
+            .collect();
+        let all: Vec<&packed::Packed> = mats.iter().chain(&mats[..2]).collect();
+        for rows in [1, 8, 11] {
+            let x = &x[..rows * k];
+            let together = packed::Packed::matmul_many(&all, x);
+            assert_eq!(together.len(), all.len());
+            for (i, (w, got)) in all.iter().zip(&together).enumerate() {
+                assert_eq!(got, &w.matmul(x), "matrix {i}, {rows} rows");
+                let alone = packed::Packed::matmul_many(&[w], x);
+                assert_eq!(got, &alone[0], "matrix {i}, {rows} rows");
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]

@@ -31,52 +31,71 @@ pub(super) fn available() -> bool {
 /// beside the tile's eight decoded vectors).
 const PACKED_TILE: usize = 8;
 
-/// `x @ w.T` over a repacked matrix ([`super::packed`]): `tiles` of `n` rows (padded to 16)
-/// and `k` columns.
-pub(super) fn packed_matmul(kind: Kind, tiles: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+/// One matrix of a [`packed_matmul`]: `tiles` of `n` rows (padded to 16) in `kind`'s blocks.
+pub(super) struct Mat<'a> {
+    pub kind: Kind,
+    pub tiles: &'a [u8],
+    pub n: usize,
+}
+
+/// `x @ w.T` for each repacked matrix `w` of `mats` (all of `k` columns; [`super::packed`]),
+/// in one pass over the thread pool with `x` quantized once: the Q, K and V projections of a
+/// layer (or its gate and up) share their input, so they share its quantization and one
+/// barrier instead of three.
+pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
     debug_assert!(available());
     let m = x.len() / k;
     let nb = k / super::QK;
-    let tb = kind.tile_bytes();
-    let groups = n.div_ceil(super::packed::ROWS);
-    debug_assert_eq!(tiles.len(), groups * nb * tb);
     let act = quantize_blocks(x, k, m);
-    let kernel = match kind {
+    let kernel = |kind| match kind {
         Kind::Q4_0 => packed_rows::<0>,
         Kind::Q4_1 => packed_rows::<1>,
         Kind::Q5_0 => packed_rows::<2>,
         Kind::Q5_1 => packed_rows::<3>,
         Kind::Q8_0 => packed_rows::<4>,
     };
+    // The matrices' groups of 16 rows, numbered one after the other: `first[w]` is matrix
+    // `w`'s first.
+    let mut first = Vec::with_capacity(mats.len() + 1);
+    first.push(0);
+    for w in mats {
+        let groups = w.n.div_ceil(super::packed::ROWS);
+        debug_assert_eq!(w.tiles.len(), groups * nb * w.kind.tile_bytes());
+        first.push(first.last().copied().unwrap_or(0) + groups);
+    }
+    let groups = first.last().copied().unwrap_or(0);
     // Activation rows are taken in groups that stay in L2 (~256 KiB of blocks) while every
     // weight group a thread owns passes over them.
     let group = (256 * 1024 / (nb * std::mem::size_of::<super::BlockQ8>())).clamp(PACKED_TILE, 256)
         / PACKED_TILE
         * PACKED_TILE;
-    let mut out = vec![0f32; m * n];
-    let dst = SharedOut(out.as_mut_ptr());
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        let dst = &dst;
         for a0 in (0..m).step_by(group) {
             let a1 = (a0 + group).min(m);
-            for g in range.clone() {
-                let t = &tiles[g * nb * tb..(g + 1) * nb * tb];
-                let lanes = (n - g * super::packed::ROWS).min(super::packed::ROWS);
+            for at in range.clone() {
+                let w = first.partition_point(|&f| f <= at) - 1;
+                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
+                let tb = mat.kind.tile_bytes();
+                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
+                let lanes = (mat.n - g * super::packed::ROWS).min(super::packed::ROWS);
                 let mask = ((1u32 << lanes) - 1) as u16;
+                let kernel = kernel(mat.kind);
                 for i in (a0..a1).step_by(PACKED_TILE) {
                     let r = PACKED_TILE.min(a1 - i);
                     // SAFETY: `available()` (the caller's dispatch); `t` holds the group's
                     // `nb` tiles, `act` rows `i..i + r` of `nb` blocks each; outputs
-                    // `16g..16g + lanes` of rows `i..i + r` belong to this task (disjoint
-                    // ranges of groups), and `out` outlives `execute_chunked`.
+                    // `16g..16g + lanes` of rows `i..i + r` of matrix `w` belong to this task
+                    // (disjoint ranges of groups), and `outs` outlives `execute_chunked`.
                     unsafe {
                         kernel(
                             t,
                             &act[i * nb..(i + r) * nb],
                             nb,
                             r,
-                            dst.0.add(i * n + g * super::packed::ROWS),
-                            n,
+                            dst.0.add(i * mat.n + g * super::packed::ROWS),
+                            mat.n,
                             mask,
                         )
                     };
@@ -84,11 +103,15 @@ pub(super) fn packed_matmul(kind: Kind, tiles: &[u8], n: usize, k: usize, x: &[f
             }
         }
     });
-    out
+    outs
 }
 
+/// Activation blocks below which quantizing is not worth a pass over the thread pool (a
+/// block takes ~10 ns: a decode step's eight rows of 576 are 144 blocks).
+const PARALLEL_BLOCKS: usize = 2048;
+
 /// `m` activation rows of `k` elements as 8-bit blocks (as [`super::quantize_row`], ties
-/// rounded to even), on the thread pool when there are several rows.
+/// rounded to even), on the thread pool when there are many.
 fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<super::BlockQ8> {
     let nb = k / super::QK;
     let zero = super::BlockQ8 {
@@ -97,7 +120,7 @@ fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<super::BlockQ8> {
         qs: [0; super::QK],
     };
     let mut out = vec![zero; m * nb];
-    if m < 4 {
+    if m * nb < PARALLEL_BLOCKS {
         for (x, o) in x.chunks_exact(k).zip(out.chunks_exact_mut(nb)) {
             // SAFETY: the caller's dispatch checked `available()`.
             unsafe { quantize_blocks_into(x, o) };

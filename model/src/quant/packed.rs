@@ -191,11 +191,29 @@ impl Packed {
 
     /// `x @ w.T`: `x` holds `m` rows of `k`; the result is `m` rows of `n`.
     pub(crate) fn matmul(&self, x: &[f32]) -> Vec<f32> {
+        Packed::matmul_many(&[self], x).pop().unwrap_or_default()
+    }
+
+    /// [`Packed::matmul`] of each of `ws` (all of the same `k`) over the same `x`, with `x`
+    /// quantized once and one pass over the thread pool for all of them.
+    pub(crate) fn matmul_many(ws: &[&Packed], x: &[f32]) -> Vec<Vec<f32>> {
+        let Some(k) = ws.first().map(|w| w.k) else {
+            return Vec::new();
+        };
+        assert!(ws.iter().all(|w| w.k == k), "matrices of one width");
         #[cfg(target_arch = "x86_64")]
         if Packed::available() {
-            return super::avx512::packed_matmul(self.kind, &self.tiles, self.n, self.k, x);
+            let mats: Vec<_> = ws
+                .iter()
+                .map(|w| super::avx512::Mat {
+                    kind: w.kind,
+                    tiles: &w.tiles,
+                    n: w.n,
+                })
+                .collect();
+            return super::avx512::packed_matmul(&mats, k, x);
         }
-        self.matmul_portable(x)
+        ws.iter().map(|w| w.matmul_portable(x)).collect()
     }
 
     /// [`Packed::matmul`] without SIMD (dequantized rows times quantized activations): the
