@@ -277,18 +277,8 @@ pub(crate) fn attend(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_diff;
     use candle_core::{Device, Tensor};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
 
     /// softmax(q kᵀ · scale) v with candle's operations, for one query row.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, from: usize, scale: f32) -> Tensor {

@@ -485,15 +485,7 @@ mod tests {
             for ((gk, gv), (wk, wv)) in got.layers.iter().zip(&whole.layers) {
                 for (g, w) in [(gk, wk), (gv, wv)] {
                     let w = w.to_dtype(dtype).unwrap();
-                    let d = (g.to_dtype(DType::F32).unwrap() - w.to_dtype(DType::F32).unwrap())
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap();
-                    assert_eq!(d, 0.0, "{dtype:?}");
+                    assert_eq!(crate::test_util::max_diff(g, &w), 0.0, "{dtype:?}");
                 }
             }
             // Rows 2 and 9 of layer 1 replaced by ones.
