@@ -20,7 +20,8 @@
 //!
 //! The first line of each answer is scored against the gold answer with the SQuAD/HotpotQA
 //! normalization. Each strategy's F1 difference from full comes with a 95 % bootstrap interval
-//! over questions (paired).
+//! over questions (paired), and its token agreement with one resampling whole questions (an
+//! answer's token decisions are not independent of each other).
 //!
 //! **Resumable**: with `--dir`, every finished question appends one JSON line to
 //! `<dir>/qa-log.jsonl` (after a header line naming the run's settings); a run with the same
@@ -115,6 +116,8 @@ pub struct QaLine {
     /// Teacher-forced: share of full prefill's answer tokens this strategy also predicts,
     /// over how many tokens, and the mean KL(full ‖ strategy) per token in nats.
     pub agreement_tokens: f64,
+    /// 95 % bootstrap interval of `agreement_tokens`, resampling questions.
+    pub agreement_tokens_ci95: (f64, f64),
     pub forced_tokens: usize,
     pub kl_mean: f64,
     pub ttft_ms_mean: f64,
@@ -470,6 +473,10 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
             let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
             let tokens = xs.iter().map(|a| a.forced_tokens).sum::<usize>();
             let agree = xs.iter().map(|a| a.forced_agree).sum::<usize>();
+            let per_question: Vec<(f64, f64)> = xs
+                .iter()
+                .map(|a| (a.forced_agree as f64, a.forced_tokens as f64))
+                .collect();
             QaLine {
                 eval: "qa",
                 strategy: name.clone(),
@@ -480,6 +487,7 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 f1_points_ci95: (lo * 100.0, hi * 100.0),
                 agreement_answers: sum(&|a| f64::from(u8::from(a.identical))) / n,
                 agreement_tokens: agree as f64 / tokens.max(1) as f64,
+                agreement_tokens_ci95: score::bootstrap_ratio_ci95(&per_question, 10_000),
                 forced_tokens: tokens,
                 kl_mean: sum(&|a| a.kl_sum) / tokens.max(1) as f64,
                 ttft_ms_mean: sum(&|a| a.ttft_ms) / n,
@@ -586,6 +594,8 @@ mod tests {
         // Every question loses 0.5: no spread, the interval is the point.
         assert_eq!(r.f1_points_ci95, (-50.0, -50.0));
         assert!((r.agreement_tokens - 0.75).abs() < 1e-12 && r.forced_tokens == 16);
+        assert_eq!(r.agreement_tokens_ci95, (0.75, 0.75));
+        assert_eq!(lines[2].agreement_tokens_ci95, (1.0, 1.0));
         assert!((r.kl_mean - 0.05).abs() < 1e-12);
         assert_eq!((lines[1].f1, lines[1].em), (1.0, 1.0));
         assert_eq!(lines[2].agreement_answers, 1.0);

@@ -121,16 +121,34 @@ pub fn forced(reference: &[Vec<f32>], strategy: &[Vec<f32>], targets: &[u32]) ->
 /// 95 % bootstrap interval (percentile method, `resamples` draws, fixed seed) of the mean of
 /// paired differences `d` (one per question).
 pub fn bootstrap_ci95(d: &[f64], resamples: usize) -> (f64, f64) {
-    if d.is_empty() {
+    let pairs: Vec<(f64, f64)> = d.iter().map(|&x| (x, 1.0)).collect();
+    bootstrap_ratio_ci95(&pairs, resamples)
+}
+
+/// 95 % bootstrap interval (as [`bootstrap_ci95`]) of a ratio of sums `Σ a / Σ b` over
+/// questions `(a, b)`, resampling whole questions: e.g. agreeing tokens over forced tokens,
+/// whose decisions within one answer are not independent.
+pub fn bootstrap_ratio_ci95(pairs: &[(f64, f64)], resamples: usize) -> (f64, f64) {
+    if pairs.is_empty() {
         return (0.0, 0.0);
     }
     let mut rng = SmallRng::seed_from_u64(0x5eed);
-    let n = d.len();
-    let mut means: Vec<f64> = (0..resamples.max(1))
-        .map(|_| (0..n).map(|_| d[rng.gen_range(0..n)]).sum::<f64>() / n as f64)
+    let n = pairs.len();
+    let mut ratios: Vec<f64> = (0..resamples.max(1))
+        .map(|_| {
+            let (a, b) = (0..n).fold((0.0, 0.0), |(a, b), _| {
+                let (x, y) = pairs[rng.gen_range(0..n)];
+                (a + x, b + y)
+            });
+            if b == 0.0 {
+                0.0
+            } else {
+                a / b
+            }
+        })
         .collect();
-    means.sort_by(f64::total_cmp);
-    let at = |q: f64| means[((means.len() - 1) as f64 * q).round() as usize];
+    ratios.sort_by(f64::total_cmp);
+    let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
     (at(0.025), at(0.975))
 }
 
@@ -201,5 +219,30 @@ mod tests {
         assert_eq!(bootstrap_ci95(&[0.25; 7], 500), (0.25, 0.25));
         assert_eq!(bootstrap_ci95(&d, 2000), (lo, hi));
         assert_eq!(bootstrap_ci95(&[], 10), (0.0, 0.0));
+    }
+
+    #[test]
+    fn ratio_bootstrap_weighs_questions_by_their_tokens() {
+        // Agreeing tokens over forced tokens: 90 % overall, one long answer carries most.
+        let pairs: Vec<(f64, f64)> = (0..60)
+            .map(|i| {
+                if i % 3 == 0 {
+                    (8.0, 10.0)
+                } else {
+                    (10.0, 10.0)
+                }
+            })
+            .chain([(0.0, 2.0)])
+            .collect();
+        let (a, b) = pairs.iter().fold((0.0, 0.0), |s, p| (s.0 + p.0, s.1 + p.1));
+        let ratio = a / b;
+        let (lo, hi) = bootstrap_ratio_ci95(&pairs, 2000);
+        assert!(lo < ratio && ratio < hi, "{lo} {ratio} {hi}");
+        assert!(lo > 0.88 && hi < 0.97, "{lo} {hi}");
+        // The pooled ratio (0.930), not the mean of per-question ratios (0.918).
+        let mean_of_ratios = pairs.iter().map(|p| p.0 / p.1).sum::<f64>() / pairs.len() as f64;
+        assert!((mean_of_ratios - ratio).abs() > 0.01);
+        assert_eq!(bootstrap_ratio_ci95(&[(3.0, 4.0); 5], 100), (0.75, 0.75));
+        assert_eq!(bootstrap_ratio_ci95(&[(0.0, 0.0)], 10), (0.0, 0.0));
     }
 }
