@@ -35,6 +35,12 @@
 //! `link:2` 87.7 % and KL 0.187 at 0.98× `reposition`'s TTFT, `link:32` 90.1 % at 3.1×, full
 //! prefill's answers unchanged; docs/BENCHMARKS.md.)
 //!
+//! What more recomputation buys (same index and questions, f16 caches, one later run):
+//! `link:32` 90.3 % at 3.1× `reposition`'s TTFT, `query-aware:0.3` 91.3 % at 10.9×, `link:128`
+//! 92.8 % at 10×, `reposition+recompute:0.5` 94.5 % at 21× (69 % of full prefill's); the
+//! heavy ones lose F1 (−5 to −6 points against full, intervals excluding zero).
+//! APE's attention temperature and scale moved agreement by less than a point (not landed).
+//!
 //! `link:2` is the default: the only repair within 1.5× `reposition`'s time to first token,
 //! and measurably closer to full prefill than it (F1 differences of a few points are within
 //! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.
