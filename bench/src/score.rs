@@ -223,7 +223,7 @@ mod tests {
 
     #[test]
     fn ratio_bootstrap_weighs_questions_by_their_tokens() {
-        // Agreeing tokens over forced tokens: 90 % overall, one long answer carries most.
+        // Agreeing tokens over forced tokens, answers of different lengths: 93 % pooled.
         let pairs: Vec<(f64, f64)> = (0..60)
             .map(|i| {
                 if i % 3 == 0 {
