@@ -4,24 +4,16 @@
 //! the stock model's logits within 1e-4, on a prompt and on a decoding step after it; KV
 //! survives export and import bit for bit; re-positioned keys match keys computed in place.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models as stock;
+use common::max_diff;
 use model::synthetic::{self, SyntheticSpec};
 use model::{Arch, Kv, KvCache, LoadOptions, Logits, Model, ModelSource};
 
 const TOL: f32 = 1e-4;
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a.flatten_all().unwrap() - b.flatten_all().unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
 
 /// The stock model of a family, on the HF directory's weights and config.
 enum Stock {

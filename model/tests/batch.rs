@@ -5,9 +5,12 @@
 //! where the batch goes through the 8-bit kernels' four-row path), with f32 caches and f16
 //! ones (`serve.cache_dtype`'s default).
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Tensor};
+use common::max_diff;
 use model::synthetic::{self, SyntheticSpec};
 use model::{Arch, Decoder, KvCache, LoadOptions, Logits, Model, ModelSource};
 
@@ -39,17 +42,6 @@ fn alone(m: &Model, prompt: &[u32], steps: usize, dtype: DType) -> (Vec<Tensor>,
         logits = d.forward(&mut cache, &[next], Logits::Last).unwrap();
     }
     (all, tokens)
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Sequence `i` joins at step `join[i]` (its whole prompt in that step, beside the others'

@@ -2,6 +2,9 @@
 //! Qwen2.5-Coder-0.5B-Instruct. Not in CI, which fetches only SmolLM2: run with
 //! `RAGKV_MODELS=bench scripts/setup.sh && cargo test -p ragkv-model --test qwen2 -- --ignored`.
 
+mod common;
+
+use common::max_diff;
 use model::{GenerateParams, Kv, KvCache, LoadOptions, Logits, Message, Model, ModelSource};
 
 fn qwen() -> Model {
@@ -48,14 +51,7 @@ fn qwen2_answers_and_reuses_stored_kv_exactly() {
         .decoder()
         .forward(&mut cache, &prompt[20..], Logits::All)
         .unwrap();
-    let d = (all.narrow(0, 20, prompt.len() - 20).unwrap() - rest)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_diff(&all.narrow(0, 20, prompt.len() - 20).unwrap(), &rest);
     eprintln!("qwen max |logit diff| {d:e}");
     assert!(d <= 1e-3, "{d}");
     let bytes = kv.to_bytes(m.dtype()).unwrap();

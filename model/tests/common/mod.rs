@@ -1,0 +1,16 @@
+//! Helpers shared by the integration tests.
+
+use candle_core::{DType, Tensor};
+
+/// The largest absolute difference of two tensors of as many elements, compared in f32.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+    (flat(a) - flat(b))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
