@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tower::ServiceExt;
 
-use common::router::{app_with, call, fixture, send_query, start};
+use common::router::{app_with, call, fixture, send_query, serve, start};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -312,9 +312,8 @@ async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
             ..ServeConfig::default()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let server = serve(app).await;
+    let addr = server.addr;
 
     let body = json!({"question": QUESTION, "top_k": 2, "max_tokens": 48});
     let mut sock = send_query(addr, &body).await;
@@ -384,4 +383,5 @@ async fn over_capacity_is_429_and_sse_streams_over_a_real_socket() {
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
+    server.teardown(rag, f).await;
 }

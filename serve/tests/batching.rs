@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use serve::{Rag, ServeConfig};
 use tokio::io::AsyncReadExt;
 
-use common::router::{call, fixture, send_query, start, teardown};
+use common::router::{call, fixture, send_query, serve, start, teardown};
 
 fn questions() -> Vec<Value> {
     [
@@ -108,9 +108,8 @@ async fn a_client_that_leaves_mid_batch_frees_its_place() {
             ..ServeConfig::default()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let server = serve(app).await;
+    let addr = server.addr;
     let long = json!({"question": "Count from 1 to 1000, separated by commas.",
                       "top_k": 1, "max_tokens": 1000});
     // Two long answers fill the batch.
@@ -167,10 +166,7 @@ async fn a_client_that_leaves_mid_batch_frees_its_place() {
     }
     assert_eq!(rag.metrics.batch_size.load(Ordering::SeqCst), 0);
     assert_eq!(rag.metrics.kv_reserved_bytes.load(Ordering::SeqCst), 0);
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    server.teardown(rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -17,10 +17,17 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Waits for the server threads (which hold the engine) to exit once their app is gone.
+    /// Waits for the server threads (which hold the engine) to exit once their app is gone,
+    /// then closes the engine here. A holder left after 30 s fails the test: it would close
+    /// the index on another thread while the process exits, which aborts the test binary
+    /// from RocksDB's static destructors ("pthread lock: Invalid argument").
     pub fn close(self) {
         let start = std::time::Instant::now();
-        while Arc::strong_count(&self.engine) > 1 && start.elapsed() < Duration::from_secs(30) {
+        while Arc::strong_count(&self.engine) > 1 {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the engine is still held 30 s after its server was dropped"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -89,6 +96,50 @@ pub async fn send_query(addr: std::net::SocketAddr, body: &Value) -> tokio::net:
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     sock.write_all(req.as_bytes()).await.unwrap();
     sock
+}
+
+/// A real server for an app on a loopback port, stopped with [`Server::stop`].
+pub struct Server {
+    pub addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Serves `app` on a free loopback port.
+pub async fn serve(app: axum::Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap()
+    });
+    Server { addr, stop, task }
+}
+
+impl Server {
+    /// Stops accepting and waits for the open connections to end, so that nothing holds
+    /// the app (and through it the engine) afterwards.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("a connection was still open 30 s after the server was stopped")
+            .unwrap();
+    }
+
+    /// Stops the server, then drops the pipeline and waits for the engine to be released.
+    pub async fn teardown(self, rag: Arc<Rag>, f: Fixture) {
+        self.stop().await;
+        drop(rag);
+        tokio::task::spawn_blocking(move || f.close())
+            .await
+            .unwrap();
+    }
 }
 
 /// Drops the router and the pipeline, then waits for the engine to be released.
