@@ -425,7 +425,10 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     }
-    if !report.failures.is_empty() {
+    if report.interrupted {
+        eprintln!("interrupted: the server is shutting down; run again to redo the rest");
+    }
+    if !report.failures.is_empty() || report.interrupted {
         std::process::exit(EXIT_PARTIAL);
     }
     Ok(())

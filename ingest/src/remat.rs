@@ -17,6 +17,10 @@
 //! each chunk is probed again just before its prefill: a chunk identical to one redone earlier
 //! in the run (the same text in two documents) is attached to its document, not recomputed.
 //! A second run finds nothing to do.
+//!
+//! A run can be stopped ([`Engine::rematerialize_until`]: the server's shutdown) between two
+//! chunks: every chunk redone so far is stored and synced, the report says `interrupted`, and
+//! the next run picks up what is left.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -103,6 +107,10 @@ pub struct RematReport {
     /// The selected chunks (listed for dry runs; empty otherwise).
     pub plan: Vec<Planned>,
     pub elapsed_s: f64,
+    /// Stopped before the end ([`Engine::rematerialize_until`]): what is counted was done
+    /// and stored; a later run redoes the rest.
+    #[serde(default)]
+    pub interrupted: bool,
 }
 
 /// What [`Engine::gc`] did.
@@ -172,6 +180,17 @@ impl Engine {
     /// Finds chunks whose KV is missing, corrupt or stale and prefills them again; see the
     /// module documentation. `counters` drive a progress display (chunks and tokens).
     pub fn rematerialize(&self, opts: &RematOptions, counters: &Counters) -> Result<RematReport> {
+        self.rematerialize_until(opts, counters, || false)
+    }
+
+    /// [`Engine::rematerialize`], stopping between two chunks once `stop` says so (asked
+    /// before each chunk): the report then says `interrupted`, and what it counts is stored.
+    pub fn rematerialize_until(
+        &self,
+        opts: &RematOptions,
+        counters: &Counters,
+        stop: impl Fn() -> bool,
+    ) -> Result<RematReport> {
         let start = Instant::now();
         let ns = self.namespace();
         let mut report = RematReport {
@@ -194,6 +213,12 @@ impl Engine {
         drop(docs);
         let mut last_doc = String::new();
         for (_, p) in points {
+            if stop() {
+                // Nothing was changed yet: the plan so far is dropped.
+                report.interrupted = true;
+                report.elapsed_s = start.elapsed().as_secs_f64();
+                return Ok(report);
+            }
             counters.chunks_done.fetch_add(1, Ordering::Relaxed);
             if p.doc_id != last_doc {
                 counters.docs_done.fetch_add(1, Ordering::Relaxed);
@@ -295,6 +320,10 @@ impl Engine {
             Ordering::Relaxed,
         );
         for c in &cands {
+            if stop() {
+                report.interrupted = true;
+                break;
+            }
             // The version may have been replaced or deleted since the scan: attaching KV to
             // it now would leave an orphan. Decided under the document's claim.
             let _claim = self.claim(&c.doc_id);
@@ -353,6 +382,7 @@ impl Engine {
             planned = report.planned,
             prefilled = report.prefilled,
             failed = report.failures.len(),
+            interrupted = report.interrupted,
             "rematerialized"
         );
         Ok(report)

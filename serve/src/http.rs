@@ -691,6 +691,9 @@ async fn delete_document(
 fn job_error(e: crate::maintenance::JobError) -> ApiError {
     match e {
         crate::maintenance::JobError::Busy => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        crate::maintenance::JobError::Closing => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
         e => ApiError::internal(e.to_string()),
     }
 }

@@ -5,8 +5,12 @@
 //! One job runs at a time: a request that finds one running gets 409, a scheduled run waits
 //! for it. Jobs share the process with queries but not their threads: the query pipeline keeps
 //! serving (chunks a job has not reached yet are recomputed, as on any miss).
+//!
+//! [`Maintenance::close`] (the server's shutdown) stops the schedule, stops a running
+//! re-materialization at its next chunk (what it redid is stored; the next run does the
+//! rest), waits for a running GC, and refuses later jobs.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -29,6 +33,8 @@ pub struct Schedules {
 pub enum JobError {
     #[error("another maintenance job is running")]
     Busy,
+    #[error("the server is shutting down")]
+    Closing,
     #[error("{0}")]
     Failed(#[from] ingest::Error),
 }
@@ -39,6 +45,9 @@ pub struct Maintenance {
     engine: Arc<Engine>,
     metrics: Arc<Metrics>,
     running: Mutex<()>,
+    /// Set by [`Maintenance::close`]: jobs stop, the schedule ends.
+    closing: AtomicBool,
+    cron: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Maintenance {
@@ -47,13 +56,19 @@ impl Maintenance {
             engine,
             metrics,
             running: Mutex::new(()),
+            closing: AtomicBool::new(false),
+            cron: Mutex::new(None),
         })
     }
 
     /// Re-materializes now (blocking); [`JobError::Busy`] if a job runs, unless `wait`.
     pub fn rematerialize(&self, opts: &RematOptions, wait: bool) -> Result<RematReport, JobError> {
         let _g = self.lock(wait)?;
-        let r = self.engine.rematerialize(opts, &Counters::default());
+        let r = self
+            .engine
+            .rematerialize_until(opts, &Counters::default(), || {
+                self.closing.load(Ordering::Relaxed)
+            });
         self.count(&r);
         let r = r?;
         self.metrics
@@ -77,12 +92,30 @@ impl Maintenance {
         self.running.try_lock()
     }
 
-    fn lock(&self, wait: bool) -> Result<parking_lot::MutexGuard<'_, ()>, JobError> {
-        if wait {
-            Ok(self.running.lock())
-        } else {
-            self.running.try_lock().ok_or(JobError::Busy)
+    /// Stops the schedule and a running re-materialization (at its next chunk), waits for
+    /// them and for a running GC, and refuses later jobs ([`JobError::Closing`]).
+    pub fn close(&self) {
+        self.closing.store(true, Ordering::Relaxed);
+        if let Some(h) = self.cron.lock().take() {
+            h.thread().unpark();
+            if h.join().is_err() {
+                tracing::error!("ragkv-cron had panicked");
+            }
         }
+        drop(self.running.lock());
+    }
+
+    fn lock(&self, wait: bool) -> Result<parking_lot::MutexGuard<'_, ()>, JobError> {
+        let guard = if wait {
+            self.running.lock()
+        } else {
+            self.running.try_lock().ok_or(JobError::Busy)?
+        };
+        // Checked holding the lock: a job that waited for one ended by `close` does not start.
+        if self.closing.load(Ordering::Relaxed) {
+            return Err(JobError::Closing);
+        }
+        Ok(guard)
     }
 
     fn count<T>(&self, r: &ingest::Result<T>) {
@@ -98,17 +131,18 @@ impl Maintenance {
     }
 
     /// Starts the `ragkv-cron` thread for the configured schedules (none: no thread). It
-    /// stops when the last handle to `self` is dropped.
+    /// stops at [`Maintenance::close`], or when the last handle to `self` is dropped.
     pub fn schedule(self: &Arc<Self>, schedules: Schedules) -> Result<(), String> {
         if schedules.rematerialize.is_none() && schedules.gc.is_none() {
             return Ok(());
         }
         let weak: Weak<Maintenance> = Arc::downgrade(self);
-        std::thread::Builder::new()
+        let h = std::thread::Builder::new()
             .name("ragkv-cron".into())
             .spawn(move || cron_loop(weak, schedules))
-            .map(drop)
-            .map_err(|e| format!("spawning ragkv-cron: {e}"))
+            .map_err(|e| format!("spawning ragkv-cron: {e}"))?;
+        *self.cron.lock() = Some(h);
+        Ok(())
     }
 }
 
@@ -125,12 +159,16 @@ fn cron_loop(m: Weak<Maintenance>, schedules: Schedules) {
         let Some(due) = due else {
             return; // neither schedule ever fires again
         };
-        // Sleep in short slices so the thread notices the server going away.
+        // Sleep in short slices so the thread notices the server going away; `close` wakes
+        // it at once.
         let wait = (due - now()).to_std().unwrap_or(Duration::ZERO);
-        std::thread::sleep(wait.min(Duration::from_millis(500)));
+        std::thread::park_timeout(wait.min(Duration::from_millis(500)));
         let Some(m) = m.upgrade() else {
             return;
         };
+        if m.closing.load(Ordering::Relaxed) {
+            return;
+        }
         let t = now();
         if next_remat.is_some_and(|d| d <= t) {
             let (cron, opts) = remat.as_ref().expect("scheduled");
@@ -138,8 +176,10 @@ fn cron_loop(m: Weak<Maintenance>, schedules: Schedules) {
                 Ok(r) => tracing::info!(
                     planned = r.planned,
                     prefilled = r.prefilled,
+                    interrupted = r.interrupted,
                     "scheduled rematerialize done"
                 ),
+                Err(JobError::Closing) => return,
                 Err(e) => tracing::warn!(error = %e, "scheduled rematerialize failed"),
             }
             next_remat = cron.next_after(now());
@@ -147,6 +187,7 @@ fn cron_loop(m: Weak<Maintenance>, schedules: Schedules) {
         if next_gc.is_some_and(|d| d <= t) {
             match m.gc(true) {
                 Ok(r) => tracing::info!(?r, "scheduled gc done"),
+                Err(JobError::Closing) => return,
                 Err(e) => tracing::warn!(error = %e, "scheduled gc failed"),
             }
             next_gc = gc.as_ref().and_then(|c| c.next_after(now()));

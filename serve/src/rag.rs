@@ -270,10 +270,11 @@ impl Rag {
     }
 
     /// Stops taking queries, lets the queued ones finish (or cancel, if their clients left),
-    /// stores every pending write-back, and joins the threads. Later queries fail with
-    /// [`FailKind::Unavailable`].
+    /// stores every pending write-back, stops maintenance ([`crate::Maintenance::close`]),
+    /// and joins the threads. Later queries fail with [`FailKind::Unavailable`].
     pub fn shutdown(&self) {
         self.health.closing();
+        self.maintenance.close();
         drop(self.load_tx.lock().take());
         for h in self.workers.lock().drain(..) {
             let name = h.thread().name().unwrap_or("?").to_string();

@@ -239,9 +239,14 @@ async fn shutdown_stores_pending_write_backs_and_joins_the_threads() {
     .await
     .unwrap();
     assert!(stored, "the pending write-back was lost at shutdown");
-    // After shutdown, queries get 503.
+    // After shutdown, queries and maintenance jobs get 503.
     let (s, _, text) = call(&app, "POST", "/v1/query", Some(ask(2)), None).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    for job in ["/v1/admin/rematerialize", "/v1/admin/gc"] {
+        let (s, _, text) = call(&app, "POST", job, None, None).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{job}: {text}");
+        assert!(text.contains("shutting down"), "{job}: {text}");
+    }
     teardown(app, rag, f).await;
 }
 

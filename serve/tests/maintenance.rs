@@ -1,10 +1,14 @@
 //! Re-materialization and GC over real models: after a model fingerprint change, after segment
 //! files are deleted, after records are corrupted. Each ends with every live chunk verified,
-//! and a second run that finds nothing to do.
+//! and a second run that finds nothing to do. A run stopped midway (the server's shutdown)
+//! keeps what it redid, and the next run does the rest.
 
 mod common;
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ingest::{Counters, IngestConfig, RematOptions, Scope};
 
@@ -242,4 +246,112 @@ fn a_tokenization_change_is_migrated_and_checked_by_the_current_tokens() {
     let c = engine.check(false).unwrap();
     assert!(c.ok(), "{:?}", c.problems);
     assert_eq!((c.retokenized, c.kv_verified), (points, points), "{c:?}");
+}
+
+/// Ingests the twelve documents, deletes every segment file, and reopens: every chunk to redo.
+fn all_missing(dir: &Path) -> (usize, ingest::Engine) {
+    let points = ingest_all(dir);
+    for seg in std::fs::read_dir(dir.join("kv/segments")).unwrap() {
+        std::fs::remove_file(seg.unwrap().path()).unwrap();
+    }
+    let engine = common::open_engine(dir, config(), model::DType::F16);
+    (points, engine)
+}
+
+#[test]
+fn a_stopped_run_keeps_what_it_redid_and_the_next_run_does_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (points, engine) = all_missing(dir.path());
+    let all = RematOptions {
+        scope: Scope::All,
+        limit: None,
+        dry_run: false,
+    };
+    // Stopped before the first chunk: nothing planned, nothing changed.
+    let r = engine
+        .rematerialize_until(&all, &Counters::default(), || true)
+        .unwrap();
+    assert!(r.interrupted, "{r:?}");
+    assert_eq!((r.planned, r.prefilled, r.attached), (0, 0, 0), "{r:?}");
+    assert_eq!(engine.check(false).unwrap().kv_missing, points);
+    // Stopped once the first chunk is stored.
+    let counters = Counters::default();
+    let r = engine
+        .rematerialize_until(&all, &counters, || {
+            counters.tokens_done.load(Ordering::Relaxed) > 0
+        })
+        .unwrap();
+    assert!(r.interrupted, "{r:?}");
+    assert_eq!(
+        (r.planned, r.prefilled, r.attached),
+        (points, 1, 0),
+        "{r:?}"
+    );
+    let c = engine.check(false).unwrap();
+    assert!(c.ok(), "{:?}", c.problems);
+    assert!(c.kv_missing < points && c.kv_verified > 0, "{c:?}");
+    let r = remat(&engine, Scope::All, false);
+    assert!(!r.interrupted, "{r:?}");
+    assert_eq!(r.planned, c.kv_missing, "{r:?}");
+    assert_eq!(all_verified(&engine), points);
+}
+
+#[test]
+fn shutdown_stops_a_scheduled_run_and_refuses_later_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (points, engine) = all_missing(dir.path());
+    let to_redo = unique(&engine) as u64;
+    let engine = Arc::new(engine);
+    let rag = serve::Rag::start(
+        engine.clone(),
+        serve::ServeConfig {
+            rematerialize_cron: "* * * * * *".into(),
+            ..serve::ServeConfig::default()
+        },
+    )
+    .unwrap();
+    // The scheduled run holds the maintenance lock while it works.
+    let t = Instant::now();
+    while rag.maintenance.try_exclusive().is_some() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the scheduled run never started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let t = Instant::now();
+    rag.shutdown();
+    let took = t.elapsed();
+    let runs = rag.metrics.maintenance_runs.load(Ordering::SeqCst);
+    let redone = rag.metrics.maintenance_chunks.load(Ordering::SeqCst);
+    assert!(
+        redone < to_redo,
+        "the run went on to its end ({redone} of {to_redo} chunks) after shutdown ({took:?})"
+    );
+    assert_eq!(runs, 1);
+    let all = RematOptions {
+        scope: Scope::All,
+        limit: None,
+        dry_run: false,
+    };
+    for wait in [false, true] {
+        let e = rag.maintenance.rematerialize(&all, wait).unwrap_err();
+        assert!(matches!(e, serve::maintenance::JobError::Closing), "{e}");
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        rag.metrics.maintenance_runs.load(Ordering::SeqCst),
+        runs,
+        "the schedule ran after shutdown"
+    );
+    drop(rag);
+    assert_eq!(
+        Arc::strong_count(&engine),
+        1,
+        "a maintenance or pipeline thread still holds the engine"
+    );
+    // What the run stored is kept; the next run does the rest.
+    let r = remat(&engine, Scope::All, false);
+    assert_eq!(r.prefilled as u64, to_redo - redone, "{r:?}");
+    assert_eq!(all_verified(&engine), points);
 }
