@@ -2,6 +2,7 @@
 
 mod config;
 mod handoff;
+mod interrupt;
 
 use std::path::PathBuf;
 
@@ -388,9 +389,13 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
         )?;
         serde_json::from_value(v).context("decoding the server's report")?
     } else {
+        let stop = interrupt::flag()?;
         let engine = open_engine(config)?;
+        eprintln!("rematerializing (Ctrl-C stops after the current chunk; a rerun does the rest)");
         let progress = ingest::Progress::start(progress_mode(&args.progress)?);
-        let r = engine.rematerialize(&opts, &progress.counters)?;
+        let r = engine.rematerialize_until(&opts, &progress.counters, || {
+            stop.load(std::sync::atomic::Ordering::Relaxed)
+        })?;
         drop(progress);
         r
     };
@@ -414,6 +419,8 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
         report.planned,
         if report.dry_run {
             "would be redone"
+        } else if report.interrupted {
+            "planned"
         } else {
             "redone"
         },
@@ -426,7 +433,7 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     }
     if report.interrupted {
-        eprintln!("interrupted: the server is shutting down; run again to redo the rest");
+        eprintln!("interrupted before the end: run again to redo the rest");
     }
     if !report.failures.is_empty() || report.interrupted {
         std::process::exit(EXIT_PARTIAL);
