@@ -456,24 +456,10 @@ pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The benchmark model file name inside [`models_dir`].
 pub const QWEN_CODER_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
-/// Helpers the crate's unit tests share.
+/// Helpers the crate's unit tests share with its integration tests (one file for both).
 #[cfg(test)]
-pub(crate) mod test_util {
-    use candle_core::{DType, Tensor};
-
-    /// The largest absolute difference of two tensors of one shape, compared in f32.
-    pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        (f32(a) - f32(b))
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
-}
+#[path = "../tests/common/mod.rs"]
+pub(crate) mod test_util;
 
 #[cfg(test)]
 mod tests {

@@ -1,4 +1,4 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests and, as `crate::test_util`, the unit tests.
 
 use candle_core::{DType, Tensor};
 
