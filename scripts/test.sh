@@ -20,13 +20,15 @@ log="$(mktemp)"
 remote_log="$(mktemp)"
 trap 'rm -f "$log" "$remote_log"' EXIT
 status=0
-cargo test --workspace --locked 2>&1 | tee "$log" || status=$?
+# --no-fail-fast: every test binary runs even after one fails, so one failure never hides
+# another; the exit status still reports it.
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
 # The remote vector-index suite needs a Qdrant server; it is skipped (reported as ignored, with
 # the reason) unless QDRANT_URL names one.
 if [ -n "${QDRANT_URL:-}" ]; then
   # `--workspace`, not `-p`: a one-package build resolves features differently and would
   # compile RocksDB's C++ again.
-  cargo test --workspace --locked --test remote -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
+  cargo test --workspace --locked --no-fail-fast --test remote -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
 fi
 # The remote KV suites need an S3 server: Garage on loopback, when `scripts/test-servers.sh
 # install` has built it (once; it stays in ~/.cache/ragkv/servers).
@@ -35,7 +37,7 @@ if scripts/test-servers.sh installed; then
   trap 'rm -f "$log" "$remote_log"; scripts/test-servers.sh stop' EXIT
   # shellcheck disable=SC1091
   source "${RAGKV_SERVERS:-${TMPDIR:-/tmp}/ragkv-servers}/env"
-  cargo test --workspace --locked --test tier --test remote_tier -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
+  cargo test --workspace --locked --no-fail-fast --test tier --test remote_tier -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
 else
   echo "remote KV suites skipped: no S3 server (scripts/test-servers.sh install builds one)"
 fi

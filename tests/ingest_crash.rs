@@ -5,7 +5,7 @@
 mod common;
 
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 
@@ -32,19 +32,34 @@ fn killing_ingest_at_random_moments_never_breaks_the_invariants() {
         "nature/glacier-station.txt",
         "osterfeld-chess.md",
     ];
-    // Kills land anywhere within the time a whole first ingest takes (start-up included):
-    // with quantized weights a run of this corpus takes a second or two, with f32 ones far
-    // longer, so a fixed window would mostly miss or mostly hit the start-up.
-    let t = std::time::Instant::now();
-    let status = env
-        .cmd(&["ingest", &corpus, "--progress", "quiet"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
+    let edit = |round: usize, note: &str| {
+        for k in 0..3 {
+            let path = env.corpus.join(files[(round * 3 + k) % files.len()]);
+            let mut t = std::fs::read_to_string(&path).unwrap();
+            t.push_str(&format!("\nA note added in round {round}: {note}.\n"));
+            std::fs::write(&path, t).unwrap();
+        }
+    };
+    let ingest = || {
+        env.cmd(&["ingest", &corpus, "--progress", "quiet"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let status = ingest().wait().unwrap();
     assert!(status.success(), "the first ingest failed: {status}");
-    let whole = (t.elapsed().as_millis() as u64).max(200);
-    eprintln!("a whole ingest took {whole} ms");
+    // Kills land anywhere within the time the run being killed takes, measured on this
+    // machine and on exactly that kind of run (start-up and three edited documents), never
+    // assumed: a whole first ingest takes several times as long as an incremental one, and
+    // both vary tenfold between machines and weight formats. The window starts as one
+    // uninterrupted incremental run, and every run that ends before its kill re-measures it.
+    edit(1000, "calibration");
+    let t = Instant::now();
+    let status = ingest().wait().unwrap();
+    assert!(status.success(), "the calibration ingest failed: {status}");
+    let mut window = t.elapsed().max(Duration::from_millis(100));
+    eprintln!("an incremental ingest took {window:?}");
     let mut kills = 0;
     let mut round = 0;
     while kills < 10 {
@@ -52,26 +67,31 @@ fn killing_ingest_at_random_moments_never_breaks_the_invariants() {
             round < 40,
             "only {kills} of {round} runs were killed mid-way"
         );
-        for k in 0..3 {
-            let path = env.corpus.join(files[(round * 3 + k) % files.len()]);
-            let mut t = std::fs::read_to_string(&path).unwrap();
-            t.push_str(&format!(
-                "\nA note added in round {round}: the count was {}.\n",
-                1000 + round
-            ));
-            std::fs::write(&path, t).unwrap();
-        }
-        let mut child = env
-            .cmd(&["ingest", &corpus, "--progress", "quiet"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let wait = Duration::from_millis(rng.gen_range(whole / 20..whole));
-        std::thread::sleep(wait);
-        let _ = child.kill(); // SIGKILL, if still running
-        let status = child.wait().unwrap();
-        let killed = std::os::unix::process::ExitStatusExt::signal(&status) == Some(9);
+        edit(round, &format!("the count was {}", 1000 + round));
+        let wait = window.mul_f64(rng.gen_range(0.05..1.0));
+        let t = Instant::now();
+        let mut child = ingest();
+        let ended = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if t.elapsed() >= wait {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let killed = match ended {
+            Some(status) => {
+                assert!(status.success(), "round {round}: ingest failed: {status}");
+                window = t.elapsed().max(Duration::from_millis(100));
+                false
+            }
+            None => {
+                let _ = child.kill(); // SIGKILL
+                let status = child.wait().unwrap();
+                std::os::unix::process::ExitStatusExt::signal(&status) == Some(9)
+            }
+        };
         kills += usize::from(killed);
         eprintln!(
             "round {round}: after {wait:?}: {}",

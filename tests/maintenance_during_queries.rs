@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{ingested_example, json_out, ragkv, start_server};
 
@@ -64,8 +64,27 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
     assert!(run["failures"].as_array().unwrap().is_empty(), "{run}");
     let gc = json_out(ragkv(&data).arg("gc"));
     assert!(gc.get("namespaces_dropped").is_some(), "{gc}");
-    // Let the built-in schedule run at least once more while queries continue.
-    std::thread::sleep(Duration::from_secs(6));
+    // Let the built-in schedule run at least twice more while queries continue: four runs
+    // were requested (dry run, run, gc, and the dry run below), so wait for six however long
+    // this machine takes for them (rematerialize every 4 s, gc every 5 s).
+    let maintenance_runs = || -> u64 {
+        let (_, metrics) = serve::client::request(addr, "GET", "/metrics", None, None).unwrap();
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("ragkv_maintenance_runs_total "))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let t = Instant::now();
+    while maintenance_runs() < 5 {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the schedule did not run twice in 300 s ({} runs)",
+            maintenance_runs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let done = json_out(ragkv(&data).args(["rematerialize", "--dry-run", "--json"]));
     assert_eq!(done["planned"], 0, "{done}");
     assert_eq!(done["present"], points, "{done}");
@@ -79,16 +98,10 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert!(v["answer"].is_string(), "{v}");
     }
-    let (_, metrics) = serve::client::request(addr, "GET", "/metrics", None, None).unwrap();
-    let runs: u64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("ragkv_maintenance_runs_total "))
-        .unwrap()
-        .parse()
-        .unwrap();
-    // Four were requested (dry run, run, gc, dry run); the schedule fired at least twice more
-    // in the ~10 s the client ran (rematerialize every 4 s, gc every 5 s).
+    let runs = maintenance_runs();
+    // Four were requested (dry run, run, gc, dry run); the schedule fired at least twice more.
     assert!(runs >= 6, "{runs} maintenance runs");
+    let (_, metrics) = serve::client::request(addr, "GET", "/metrics", None, None).unwrap();
     assert!(
         metrics.contains("ragkv_maintenance_failures_total 0"),
         "{metrics}"

@@ -86,6 +86,7 @@ fn sigkill_at_random_moments() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut acknowledged: BTreeSet<u64> = BTreeSet::new();
     let mut total_puts = 0;
+    let mut opening: Option<Duration> = None;
     for round in 0..ROUNDS {
         let mut child = Command::new(&exe)
             .args([
@@ -101,14 +102,34 @@ fn sigkill_at_random_moments() {
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();
+        let (started, first_put) = std::sync::mpsc::sync_channel::<()>(1);
         let reader = std::thread::spawn(move || {
-            BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-                .collect::<Vec<_>>()
+            let mut lines = Vec::new();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines.is_empty() {
+                    let _ = started.try_send(());
+                }
+                lines.push(line);
+            }
+            lines
         });
-        // Let it get going, then kill it at a random moment.
-        std::thread::sleep(Duration::from_millis(rng.gen_range(150..700)));
+        // Every fourth round the kill lands while the child opens (and recovers) the store,
+        // within the time an opening took here; the others let it get going (its first batch
+        // acknowledged, however long that takes on this machine) and kill it at a random
+        // moment of its writing.
+        match opening {
+            Some(took) if round % 4 == 3 => {
+                std::thread::sleep(took.mul_f64(rng.gen_range(0.0..1.0)))
+            }
+            _ => {
+                let t = Instant::now();
+                first_put
+                    .recv_timeout(Duration::from_secs(120))
+                    .expect("the child acknowledged no batch within 120 s");
+                opening = Some(t.elapsed());
+                std::thread::sleep(Duration::from_millis(rng.gen_range(0..550)));
+            }
+        }
         // SAFETY: plain kill(2) on our child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
         let status = child.wait().unwrap();
