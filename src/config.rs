@@ -44,6 +44,10 @@ pub struct ModelConfig {
     /// docs/BENCHMARKS.md, engine) or `dequantized` (f32 at load: the reference path). The
     /// two compute slightly different KV, so they use different KV namespaces.
     pub weights: String,
+    /// Which instruction sets the CPU kernels use: `auto` (default: the best this CPU has),
+    /// `avx512`, `avx2` (never AVX-512: the path of CPUs without it, measurable on one with
+    /// it) or `portable` (no SIMD). Products, attention, RoPE and the KV loader all follow it.
+    pub kernels: String,
 }
 
 impl Default for ModelConfig {
@@ -53,6 +57,7 @@ impl Default for ModelConfig {
             kv_dtype: "f16".into(),
             device: "cpu".into(),
             weights: "quantized".into(),
+            kernels: "auto".into(),
         }
     }
 }
@@ -183,6 +188,7 @@ impl Config {
         self.store_options()?;
         self.kv_dtype()?;
         self.quantized_weights()?;
+        self.kernel_path()?;
         self.device_spec()?;
         let path = self.model_path();
         let path = path.to_string_lossy();
@@ -216,6 +222,15 @@ impl Config {
             "dequantized" => Ok(false),
             other => bail!("model.weights: {other:?} (quantized, dequantized)"),
         }
+    }
+
+    /// `model.kernels`, checked against this CPU.
+    pub fn kernel_path(&self) -> Result<model::KernelPath> {
+        let path: model::KernelPath = self.model.kernels.parse().context("model.kernels")?;
+        if !path.supported() {
+            bail!("model.kernels: {path:?} needs an instruction set this CPU lacks (auto, avx512, avx2, portable)", path = path.name());
+        }
+        Ok(path)
     }
 
     /// `model.kv_dtype` as a candle dtype.
@@ -405,6 +420,11 @@ mod tests {
         let mut c = Config::default();
         c.kvstore.block_tokens = 0;
         assert!(format!("{:#}", c.validate().unwrap_err()).contains("block_tokens"));
+        let mut c = Config::default();
+        c.model.kernels = "sse9".into();
+        assert!(format!("{:#}", c.validate().unwrap_err()).contains("model.kernels"));
+        c.model.kernels = "portable".into();
+        assert_eq!(c.kernel_path().unwrap(), model::KernelPath::Portable);
         assert!(Config::default().validate().is_ok());
     }
 

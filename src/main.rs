@@ -175,6 +175,7 @@ fn run(cli: Cli) -> Result<()> {
         config.data_dir = d;
     }
     config.validate()?;
+    model::set_kernel_path(config.kernel_path()?).context("model.kernels")?;
     match cli.command {
         Command::Config => {
             print!("{}", toml::to_string_pretty(&config.redacted())?);

@@ -47,6 +47,7 @@ pub use generate::{
     generate, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
 };
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
+pub use simd::{kernel_path, set_kernel_path, KernelPath, KERNELS_ENV};
 pub use template::{chatml, Message, Piece, RagPrompt};
 pub use tokenizer::{TokenStream, Tokenizer};
 pub use weights::ModelSource;

@@ -1,4 +1,183 @@
-//! Small SIMD helpers the kernels share ([`crate::quant`], [`crate::attention`]).
+//! Which instruction sets the CPU kernels use, and small SIMD helpers they share
+//! ([`crate::quant`], [`crate::attention`], [`crate::rope`]).
+//!
+//! Every kernel family picks its fastest path at run time from what the CPU has, limited by
+//! the process's [`KernelPath`] (`model.kernels`): `auto` takes the best the CPU has,
+//! `avx2` keeps every kernel off AVX-512 (so the AVX2 path, which CPUs without AVX-512 run,
+//! can be measured on a machine that has both), `portable` keeps them on the plain loops the
+//! SIMD kernels are tested against. The path is read from `RAGKV__MODEL__KERNELS` when no
+//! program set it; weights repacked at load keep the layout of the path they were loaded
+//! under, so set it before loading a model.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// The instruction sets the CPU kernels may use (`model.kernels`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelPath {
+    /// The best this CPU has.
+    #[default]
+    Auto,
+    /// AVX-512 (VNNI for the repacked products); the CPU must have it.
+    Avx512,
+    /// AVX2 + FMA + F16C, never AVX-512; the CPU must have them.
+    Avx2,
+    /// No SIMD kernels: the portable loops.
+    Portable,
+}
+
+impl KernelPath {
+    /// The setting's name (`auto`, `avx512`, `avx2`, `portable`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Auto => "auto",
+            KernelPath::Avx512 => "avx512",
+            KernelPath::Avx2 => "avx2",
+            KernelPath::Portable => "portable",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            KernelPath::Auto => 1,
+            KernelPath::Avx512 => 2,
+            KernelPath::Avx2 => 3,
+            KernelPath::Portable => 4,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<KernelPath> {
+        Some(match c {
+            1 => KernelPath::Auto,
+            2 => KernelPath::Avx512,
+            3 => KernelPath::Avx2,
+            4 => KernelPath::Portable,
+            _ => return None,
+        })
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn supported(self) -> bool {
+        match self {
+            KernelPath::Auto | KernelPath::Portable => true,
+            KernelPath::Avx512 => cpu_has_avx512(),
+            KernelPath::Avx2 => cpu_has_avx2(),
+        }
+    }
+
+    /// What `auto` means on this CPU.
+    pub fn resolved(self) -> KernelPath {
+        match self {
+            KernelPath::Auto if cpu_has_avx512() => KernelPath::Avx512,
+            KernelPath::Auto if cpu_has_avx2() => KernelPath::Avx2,
+            KernelPath::Auto => KernelPath::Portable,
+            other => other,
+        }
+    }
+}
+
+impl std::str::FromStr for KernelPath {
+    type Err = crate::Error;
+
+    fn from_str(s: &str) -> crate::Result<KernelPath> {
+        Ok(match s {
+            "auto" | "" => KernelPath::Auto,
+            "avx512" => KernelPath::Avx512,
+            "avx2" => KernelPath::Avx2,
+            "portable" => KernelPath::Portable,
+            other => {
+                return Err(crate::Error::Config {
+                    why: format!("kernel path {other:?} (auto, avx512, avx2, portable)"),
+                })
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The environment variable read when no program set the path.
+pub const KERNELS_ENV: &str = "RAGKV__MODEL__KERNELS";
+
+/// 0: not set yet (read [`KERNELS_ENV`] on first use); else [`KernelPath::code`].
+static PATH: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the process's kernel path; fails if this CPU cannot run it.
+pub fn set_kernel_path(path: KernelPath) -> crate::Result<()> {
+    if !path.supported() {
+        return Err(crate::Error::Unsupported {
+            what: format!("kernel path {path}: this CPU lacks its instruction set"),
+        });
+    }
+    PATH.store(path.code(), Ordering::Relaxed);
+    Ok(())
+}
+
+/// The process's kernel path (as set, or from [`KERNELS_ENV`], else `auto`). An unusable
+/// value in the environment is reported once and ignored.
+pub fn kernel_path() -> KernelPath {
+    if let Some(p) = KernelPath::from_code(PATH.load(Ordering::Relaxed)) {
+        return p;
+    }
+    let from_env = std::env::var(KERNELS_ENV).ok().map(|v| {
+        v.parse::<KernelPath>().and_then(|p| {
+            if p.supported() {
+                Ok(p)
+            } else {
+                Err(crate::Error::Unsupported {
+                    what: format!("kernel path {p} on this CPU"),
+                })
+            }
+        })
+    });
+    let path = match from_env {
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            tracing::warn!(error = %e, "{KERNELS_ENV} ignored");
+            KernelPath::Auto
+        }
+        None => KernelPath::Auto,
+    };
+    let _ = PATH.compare_exchange(0, path.code(), Ordering::Relaxed, Ordering::Relaxed);
+    KernelPath::from_code(PATH.load(Ordering::Relaxed)).unwrap_or_default()
+}
+
+/// Whether kernels may use AVX-512 (each still checks the features it needs).
+pub(crate) fn allows_avx512() -> bool {
+    matches!(kernel_path(), KernelPath::Auto | KernelPath::Avx512)
+}
+
+/// Whether kernels may use AVX2 (each still checks the features it needs).
+pub(crate) fn allows_avx2() -> bool {
+    kernel_path() != KernelPath::Portable
+}
+
+/// AVX2 + FMA + F16C, allowed by the kernel path: the AVX2 kernels' features.
+pub(crate) fn avx2() -> bool {
+    allows_avx2() && cpu_has_avx2()
+}
+
+fn cpu_has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    #[allow(unreachable_code)]
+    false
+}
+
+fn cpu_has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+        && cpu_has_avx2();
+    #[allow(unreachable_code)]
+    false
+}
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {

@@ -41,7 +41,7 @@ impl Lanes for f16 {
 pub(super) const HEAD: usize = 64;
 
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
+    crate::simd::allows_avx512() && is_x86_feature_detected!("avx512f")
 }
 
 /// Heads `q` (`rep` rows of 64) over the key and value rows `from..=pos` of `k` and `v`

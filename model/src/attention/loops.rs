@@ -13,7 +13,10 @@ pub(super) enum Kernel {
 impl Kernel {
     pub(super) fn best() -> Kernel {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if crate::simd::allows_avx2()
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
             return Kernel::Avx2;
         }
         Kernel::Portable

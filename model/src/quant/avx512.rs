@@ -21,7 +21,8 @@ use std::arch::x86_64::*;
 use super::{Kind, SharedOut};
 
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
+    crate::simd::allows_avx512()
+        && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("f16c")

@@ -13,6 +13,7 @@ pub(super) fn turn(style: RopeStyle, x: &[f16], out: &mut [f16], cos: &[f32], si
     debug_assert_eq!(x.len(), out.len());
     #[cfg(target_arch = "x86_64")]
     if cos.len().is_multiple_of(8)
+        && crate::simd::allows_avx2()
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("f16c")
     {
