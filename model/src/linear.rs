@@ -3,8 +3,8 @@
 //! GGUF weights stay in their quantized blocks (candle's `QTensor`): a decode step multiplies
 //! with them directly (activations quantized to 8 bits per block, llama.cpp's scheme), so
 //! a decoded token reads the GGUF file's bytes instead of 4-8x as many f32 ones. The 32-element
-//! block types run [`crate::quant`]'s kernels on the CPU, K-quants candle's (repacked AVX2
-//! ones), CUDA candle's. Prefill runs the same kernels (four activation rows per decoded weight
+//! block types run [`crate::quant`]'s kernels on the CPU, K-quants (Q4_K, Q5_K, Q6_K)
+//! [`crate::quant::kquant`]'s, CUDA candle's. Prefill runs the same kernels (four activation rows per decoded weight
 //! block): measured against dequantizing each matrix for an f32 GEMM on SmolLM2-135M and
 //! Qwen2.5-0.5B, the quantized path was 1.3-4x faster at 32 and 128 prompt tokens, and at 512
 //! tokens 1.2x faster on Qwen2.5 and 0.86x on SmolLM2 (docs/BENCHMARKS.md, "Quantized weights
@@ -19,6 +19,8 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor};
 
 use crate::error::{Ctx, Result};
+use crate::quant::half_rows::{self, HalfKind};
+use crate::quant::kquant::{self, KKind};
 use crate::quant::packed::Packed;
 use crate::quant::{self, Kind};
 
@@ -54,13 +56,21 @@ impl Proj {
         }
     }
 
-    /// A quantized projection in the file's blocks: the 32-element block types on the CPU run
-    /// [`crate::quant`]'s kernels, K-quants and CUDA candle's.
+    /// A quantized projection in the file's blocks: on the CPU the 32-element block types run
+    /// [`crate::quant`]'s kernels and K-quants [`crate::quant::kquant`]'s; CUDA candle's.
     pub(crate) fn quant(w: Arc<QTensor>, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
         let dims = w.shape().dims2().ctx("weight dims")?;
         let mm = match Kind::of(w.dtype()) {
             Some(kind) if w.device().is_cpu() => Kernel::Blocks(Blocks { w: w.clone(), kind }),
-            _ => Kernel::Candle(QMatMul::from_arc(w.clone()).ctx("quantized weight")?),
+            _ => match (KKind::of(w.dtype()), HalfKind::of(w.dtype())) {
+                (Some(kind), _) if w.device().is_cpu() => {
+                    Kernel::KBlocks(KBlocks { w: w.clone(), kind })
+                }
+                (_, Some(kind)) if w.device().is_cpu() => {
+                    Kernel::Half(HalfRows { w: w.clone(), kind })
+                }
+                _ => Kernel::Candle(QMatMul::from_arc(w.clone()).ctx("quantized weight")?),
+            },
         };
         Ok(Proj::Quant { mm, dims, b, dtype })
     }
@@ -157,7 +167,11 @@ pub(crate) enum Kernel {
     Packed(Arc<Packed>),
     /// [`crate::quant`] (other CPUs, 32-element block types).
     Blocks(Blocks),
-    /// candle's (K-quants, CUDA).
+    /// [`crate::quant::kquant`] (K-quants on the CPU).
+    KBlocks(KBlocks),
+    /// [`crate::quant::half_rows`] (F16 / BF16 matrices on the CPU).
+    Half(HalfRows),
+    /// candle's (CUDA, and the block types the CPU kernels do not take).
     Candle(QMatMul),
 }
 
@@ -168,6 +182,8 @@ impl Kernel {
                 .apply_op1_no_bwd(&PackedOp(p.clone()))
                 .ctx("quantized matmul"),
             Kernel::Blocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
+            Kernel::KBlocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
+            Kernel::Half(h) => x.apply_op1_no_bwd(h).ctx("f16 matmul"),
             Kernel::Candle(mm) => mm.forward(x).ctx("quantized matmul"),
         }
     }
@@ -194,6 +210,60 @@ impl CustomOp1 for Blocks {
         let x = f32_input(storage, layout, n, k)?;
         let data = self.w.data()?;
         let y = quant::matmul(self.kind, &data, n, k, x);
+        let mut out = layout.dims().to_vec();
+        *out.last_mut().expect("rank checked") = n;
+        Ok((CpuStorage::F32(y), Shape::from(out)))
+    }
+}
+
+/// [`kquant::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
+#[derive(Debug)]
+pub(crate) struct KBlocks {
+    w: Arc<QTensor>,
+    kind: KKind,
+}
+
+impl CustomOp1 for KBlocks {
+    fn name(&self) -> &'static str {
+        "ragkv-kquant-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = self.w.shape().dims2()?;
+        let x = f32_input(storage, layout, n, k)?;
+        let data = self.w.data()?;
+        let y = kquant::matmul(self.kind, &data, n, k, x);
+        let mut out = layout.dims().to_vec();
+        *out.last_mut().expect("rank checked") = n;
+        Ok((CpuStorage::F32(y), Shape::from(out)))
+    }
+}
+
+/// [`half_rows::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
+#[derive(Debug)]
+pub(crate) struct HalfRows {
+    w: Arc<QTensor>,
+    kind: HalfKind,
+}
+
+impl CustomOp1 for HalfRows {
+    fn name(&self) -> &'static str {
+        "ragkv-half-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = self.w.shape().dims2()?;
+        let x = f32_input(storage, layout, n, k)?;
+        let data = self.w.data()?;
+        let y = half_rows::matmul(self.kind, &data, n, k, x);
         let mut out = layout.dims().to_vec();
         *out.last_mut().expect("rank checked") = n;
         Ok((CpuStorage::F32(y), Shape::from(out)))

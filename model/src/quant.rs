@@ -108,19 +108,16 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// The dot product of one weight row (`a.len()` blocks of `kind`) with an activation row.
-type Dot = fn(&[u8], &[BlockQ8]) -> f32;
-
-/// The dot products of one weight row with four activation rows (the weight blocks decoded
-/// once for all four).
-type Dot4 = fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4];
-
-/// A block type's kernels.
-#[derive(Clone, Copy)]
-struct Kernels {
-    one: Dot,
-    four: Dot4,
+/// A block type's kernels against activation rows of blocks `A`: one weight row's dot
+/// product with one activation row, and with four (the weight blocks decoded once for all
+/// four).
+pub(crate) struct RowKernels<A> {
+    pub(crate) one: fn(&[u8], &[A]) -> f32,
+    pub(crate) four: fn(&[u8], [&[A]; 4]) -> [f32; 4],
 }
+
+/// The kernels of the 32-element block types.
+type Kernels = RowKernels<BlockQ8>;
 
 /// A block's integer quants (with the `- 8`/`- 16` offsets applied) and its `m` (0 for the
 /// symmetric types).
@@ -184,7 +181,7 @@ fn scalar_kernels(kind: Kind) -> Kernels {
 /// The fastest kernels this CPU runs for `kind`.
 fn kernels(kind: Kind) -> Kernels {
     #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
+    if crate::simd::avx2() {
         return avx2::kernels(kind);
     }
     scalar_kernels(kind)
@@ -198,12 +195,41 @@ pub(crate) fn matmul(kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec
 
 fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
     debug_assert_eq!(k % QK, 0);
-    let m = x.len() / k;
     let row_bytes = k / QK * kind.block_bytes();
-    debug_assert_eq!(w.len(), n * row_bytes);
     let rows: Vec<Vec<BlockQ8>> = x.chunks_exact(k).map(quantize_row).collect();
+    matmul_rows(&kern, w, n, row_bytes, &rows, 32)
+}
+
+/// Weight rows multiplied together against a chunk of activation rows (their chunk of
+/// weights stays in L1 while the activation rows stream past).
+const WEIGHT_ROWS: usize = 16;
+
+/// The products of `n` weight rows (`row_bytes` each, one after the other in `w`) with the
+/// quantized activation rows `rows` (all of the same number of blocks), as `rows.len()` rows
+/// of `n`. The weight rows are split over candle's barrier pool; within its share a thread
+/// takes [`WEIGHT_ROWS`] weight rows at a time and, for several activation rows (a prefill),
+/// `chunk` blocks of the rows at a time, so that a chunk of activations (four rows) and of
+/// weights stay in L1 while they are multiplied together, instead of every weight row
+/// streaming all activation rows from L3 or memory (the products are summed over chunks).
+/// One activation row (a decode step) is taken whole.
+pub(crate) fn matmul_rows<A: Sync>(
+    kern: &RowKernels<A>,
+    w: &[u8],
+    n: usize,
+    row_bytes: usize,
+    rows: &[Vec<A>],
+    chunk: usize,
+) -> Vec<f32> {
+    let m = rows.len();
+    let nb = rows.first().map_or(0, Vec::len);
+    debug_assert_eq!(w.len(), n * row_bytes);
+    if m == 0 || nb == 0 {
+        return vec![0f32; m * n];
+    }
+    let block_bytes = row_bytes / nb;
+    let chunk = if m > 4 { chunk.clamp(1, nb) } else { nb };
     // Output transposed (`n` rows of `m`), so each range of weight rows owns a contiguous
-    // run of it and each weight row is read once for all `m` activation rows.
+    // run of it.
     let mut out_t = vec![0f32; n * m];
     let dst = SharedOut(out_t.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
@@ -212,19 +238,38 @@ fn matmul_with(kern: Kernels, kind: Kind, w: &[u8], n: usize, k: usize, x: &[f32
         // written by this call only, and `out_t` outlives `execute_chunked`.
         let d =
             unsafe { std::slice::from_raw_parts_mut(dst.0.add(range.start * m), range.len() * m) };
-        for (j, d) in range.zip(d.chunks_exact_mut(m)) {
-            let wr = &w[j * row_bytes..(j + 1) * row_bytes];
-            let mut quads = d.chunks_exact_mut(4);
-            let mut i = 0;
-            for o in &mut quads {
-                let a = [&rows[i][..], &rows[i + 1], &rows[i + 2], &rows[i + 3]];
-                o.copy_from_slice(&(kern.four)(wr, a));
-                i += 4;
+        let mut j0 = range.start;
+        while j0 < range.end {
+            let js = j0..(j0 + WEIGHT_ROWS).min(range.end);
+            for b0 in (0..nb).step_by(chunk) {
+                let bs = b0..(b0 + chunk).min(nb);
+                let wr = |j: usize| {
+                    &w[j * row_bytes + bs.start * block_bytes..j * row_bytes + bs.end * block_bytes]
+                };
+                let mut i = 0;
+                while i + 4 <= m {
+                    let a = [
+                        &rows[i][bs.clone()],
+                        &rows[i + 1][bs.clone()],
+                        &rows[i + 2][bs.clone()],
+                        &rows[i + 3][bs.clone()],
+                    ];
+                    for j in js.clone() {
+                        let r = (kern.four)(wr(j), a);
+                        let o = &mut d[(j - range.start) * m + i..][..4];
+                        for (o, r) in o.iter_mut().zip(r) {
+                            *o += r;
+                        }
+                    }
+                    i += 4;
+                }
+                for i in i..m {
+                    for j in js.clone() {
+                        d[(j - range.start) * m + i] += (kern.one)(wr(j), &rows[i][bs.clone()]);
+                    }
+                }
             }
-            for o in quads.into_remainder() {
-                *o = (kern.one)(wr, &rows[i]);
-                i += 1;
-            }
+            j0 = js.end;
         }
     });
     transpose(out_t, m, n)
@@ -255,194 +300,11 @@ mod avx512;
 pub(crate) mod packed;
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    //! AVX2 + FMA + F16C kernels (llama.cpp's `ggml_vec_dot_*` for these block types). Every
-    //! function here needs those features: the callers check [`available`] first.
-    // Intrinsics without pointer arguments are safe to call from newer compilers on.
-    #![allow(unused_unsafe)]
-    use std::arch::x86_64::*;
-
-    use super::{u32_at, BlockQ8, Kernels, Kind};
-    use crate::simd::x86::hsum256 as hsum;
-
-    /// The f16 at `at` (hardware conversion).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn half(b: &[u8], at: usize) -> f32 {
-        let h = u16::from_le_bytes([b[at], b[at + 1]]);
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32))) }
-    }
-
-    pub(super) fn available() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    }
-
-    pub(super) fn kernels(kind: Kind) -> Kernels {
-        // SAFETY (for each): `available()` was checked by the caller.
-        macro_rules! k {
-            ($k:literal) => {
-                Kernels {
-                    one: |w, a| unsafe { dot::<$k>(w, a) },
-                    four: |w, a| unsafe { dot4::<$k>(w, a) },
-                }
-            };
-        }
-        match kind {
-            Kind::Q4_0 => k!(0),
-            Kind::Q4_1 => k!(1),
-            Kind::Q5_0 => k!(2),
-            Kind::Q5_1 => k!(3),
-            Kind::Q8_0 => k!(4),
-        }
-    }
-
-    /// A weight block as bytes ready for `maddubs`: unsigned quants (Q4_1, Q5_1) or the
-    /// absolute values of signed ones, the signs to move onto the activations (`None` for
-    /// unsigned), the scale `d` and the offset `m`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode<const K: u8>(blk: &[u8]) -> (__m256i, Option<__m256i>, f32, f32) {
-        unsafe {
-            let p = blk.as_ptr();
-            let d = half(blk, 0);
-            match K {
-                0 => {
-                    let x = _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8));
-                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
-                }
-                1 => (nibbles(p.add(4)), None, d, half(blk, 2)),
-                2 => {
-                    let hi = _mm256_andnot_si256(
-                        bytes_from_bits(u32_at(blk, 2)),
-                        _mm256_set1_epi8(0xF0u8 as i8),
-                    );
-                    let x = _mm256_or_si256(nibbles(p.add(6)), hi);
-                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
-                }
-                3 => {
-                    let hi =
-                        _mm256_and_si256(bytes_from_bits(u32_at(blk, 4)), _mm256_set1_epi8(0x10));
-                    (
-                        _mm256_or_si256(nibbles(p.add(8)), hi),
-                        None,
-                        d,
-                        half(blk, 2),
-                    )
-                }
-                _ => {
-                    let x = _mm256_loadu_si256(p.add(2) as *const __m256i);
-                    (_mm256_sign_epi8(x, x), Some(x), d, 0.0)
-                }
-            }
-        }
-    }
-
-    /// [`dot`] against four activation rows, each weight block decoded once. Written out per
-    /// row (no arrays, no bounds checks in the loop) so the accumulators stay in registers.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot4<const K: u8>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
-        unsafe {
-            let bb = [18, 20, 22, 24, 34][K as usize];
-            let nb = a[0].len();
-            assert!(w.len() >= nb * bb && a.iter().all(|r| r.len() == nb));
-            let (a0, a1, a2, a3) = (a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr());
-            let (mut c0, mut c1, mut c2, mut c3) = (
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-            );
-            let (mut o0, mut o1, mut o2, mut o3) = (0f32, 0f32, 0f32, 0f32);
-            for b in 0..nb {
-                // SAFETY: `b < nb` and the lengths were checked above.
-                let blk = std::slice::from_raw_parts(w.as_ptr().add(b * bb), bb);
-                let (x, sign, d, m) = decode::<K>(blk);
-                macro_rules! row {
-                    ($ptr:expr, $acc:ident, $off:ident) => {{
-                        let y = &*$ptr.add(b);
-                        let qy = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-                        let qy = match sign {
-                            Some(s) => _mm256_sign_epi8(qy, s),
-                            None => qy,
-                        };
-                        $acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), mul_sum_us8(x, qy), $acc);
-                        if K == 1 || K == 3 {
-                            $off += m * y.s;
-                        }
-                    }};
-                }
-                row!(a0, c0, o0);
-                row!(a1, c1, o1);
-                row!(a2, c2, o2);
-                row!(a3, c3, o3);
-            }
-            [hsum(c0) + o0, hsum(c1) + o1, hsum(c2) + o2, hsum(c3) + o3]
-        }
-    }
-
-    /// The 32 nibbles of 16 bytes: low nibbles in bytes 0..16, high ones in 16..32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        unsafe {
-            let tmp = _mm_loadu_si128(p as *const __m128i);
-            let both =
-                _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
-            _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
-        }
-    }
-
-    /// Byte `i` is 0xFF where bit `i` of `x` is set.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn bytes_from_bits(x: u32) -> __m256i {
-        unsafe {
-            let shuf = _mm256_set_epi64x(
-                0x0303030303030303,
-                0x0202020202020202,
-                0x0101010101010101,
-                0x0000000000000000,
-            );
-            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
-            let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-            _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
-        }
-    }
-
-    /// Sums of products of unsigned `x` and signed `y` bytes, as 8 f32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mul_sum_us8(x: __m256i, y: __m256i) -> __m256 {
-        unsafe {
-            let pairs = _mm256_maddubs_epi16(x, y);
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
-        }
-    }
-
-    /// One weight row against one activation row. `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1,
-    /// 4 Q8_0 (a constant, so each kind compiles to its own loop).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot<const K: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
-        unsafe {
-            let bb = [18, 20, 22, 24, 34][K as usize];
-            let mut acc = _mm256_setzero_ps();
-            let mut offsets = 0f32;
-            for (blk, y) in w.chunks_exact(bb).zip(a) {
-                let (x, sign, d, m) = decode::<K>(blk);
-                let qy = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
-                let qy = match sign {
-                    Some(s) => _mm256_sign_epi8(qy, s),
-                    None => qy,
-                };
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), mul_sum_us8(x, qy), acc);
-                offsets += m * y.s;
-            }
-            hsum(acc) + offsets
-        }
-    }
-}
+mod avx2;
+pub(crate) mod half_rows;
+pub(crate) mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod kquant_avx2;
 
 #[cfg(test)]
 mod tests {

@@ -243,14 +243,11 @@ impl GgufMeta<'_> {
     }
 }
 
-/// Whether a GGUF tensor stays in its quantized blocks: a matrix in a quantized block type
-/// (f32/f16/bf16 ones are converted like any dense weight).
+/// Whether a GGUF tensor stays in its file's blocks: a matrix in a quantized block type, or in
+/// F16 / BF16 (multiplied as they are, half of f32's bytes); f32 ones are converted like any
+/// dense weight.
 fn keep_quantized(info: &gguf_file::TensorInfo) -> bool {
-    info.shape.rank() == 2
-        && !matches!(
-            info.ggml_dtype,
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-        )
+    info.shape.rank() == 2 && info.ggml_dtype != GgmlDType::F32
 }
 
 /// Reads a GGUF file: config, weights (matrices kept quantized when `quantized`, see

@@ -1,7 +1,9 @@
 //! The quantized-weights path (`LoadOptions::quantized`) on SmolLM2-135M-Instruct (GGUF Q4_1,
-//! Q8_0 embeddings): its weights take about the file's size, and its greedy next token agrees
-//! with the dequantized reference's over a prompt's prefixes. (The kernels themselves are held
-//! to the dequantized weights by `model/src/quant.rs`'s unit and property tests.)
+//! Q8_0 embeddings) and, when `RAGKV_MODELS=bench scripts/setup.sh` fetched it,
+//! Qwen2.5-Coder-0.5B Q4_K_M (its down projections are Q4_K and Q6_K): the weights take about
+//! the file's size, and the greedy next token agrees with the dequantized reference's over a
+//! prompt's prefixes. (The kernels themselves are held to the dequantized weights by
+//! `model/src/quant.rs`'s and `model/src/quant/kquant.rs`'s unit and property tests.)
 
 use std::path::PathBuf;
 
@@ -18,6 +20,23 @@ fn model_path() -> PathBuf {
 fn quantized_weights_stay_small_and_agree_with_the_reference() {
     let path = model_path();
     assert!(path.exists(), "run scripts/setup.sh: {}", path.display());
+    agrees_with_the_reference(path);
+}
+
+#[test]
+fn k_quant_weights_agree_with_the_reference() {
+    let path = model::models_dir().join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    if !path.exists() {
+        eprintln!(
+            "skipped: {} not fetched (RAGKV_MODELS=bench scripts/setup.sh)",
+            path.display()
+        );
+        return;
+    }
+    agrees_with_the_reference(path);
+}
+
+fn agrees_with_the_reference(path: PathBuf) {
     let source = ModelSource::Gguf(path.clone());
     let quantized = LoadOptions {
         quantized: true,

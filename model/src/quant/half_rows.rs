@@ -1,0 +1,214 @@
+//! Matrix products over 16-bit float matrices (GGUF F16 and BF16 tensors) with f32
+//! activations, on the CPU, without widening the matrix: each weight row is widened in
+//! registers as it is read, so memory stays the file's (half of f32) and a decode step reads
+//! two bytes per weight. Activations stay f32 (no quantization: the products are f32 sums).
+//!
+//! | type | bytes per element | value |
+//! |---|---:|---|
+//! | F16 | 2 | IEEE binary16 |
+//! | BF16 | 2 | the high 16 bits of an f32 |
+
+use candle_core::quantized::GgmlDType;
+use half::{bf16, f16};
+
+use super::RowKernels;
+
+/// A 16-bit float matrix type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HalfKind {
+    F16,
+    BF16,
+}
+
+impl HalfKind {
+    pub(crate) fn of(dtype: GgmlDType) -> Option<HalfKind> {
+        match dtype {
+            GgmlDType::F16 => Some(HalfKind::F16),
+            GgmlDType::BF16 => Some(HalfKind::BF16),
+            _ => None,
+        }
+    }
+}
+
+fn widen(kind: HalfKind, b: &[u8]) -> f32 {
+    let bytes = [b[0], b[1]];
+    match kind {
+        HalfKind::F16 => f16::from_le_bytes(bytes).to_f32(),
+        HalfKind::BF16 => bf16::from_le_bytes(bytes).to_f32(),
+    }
+}
+
+/// Portable reference.
+fn dot_scalar(kind: HalfKind, w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(2)
+        .zip(x)
+        .map(|(b, x)| widen(kind, b) * x)
+        .sum()
+}
+
+fn scalar_kernels(kind: HalfKind) -> RowKernels<f32> {
+    match kind {
+        HalfKind::F16 => RowKernels {
+            one: |w, x| dot_scalar(HalfKind::F16, w, x),
+            four: |w, x| x.map(|x| dot_scalar(HalfKind::F16, w, x)),
+        },
+        HalfKind::BF16 => RowKernels {
+            one: |w, x| dot_scalar(HalfKind::BF16, w, x),
+            four: |w, x| x.map(|x| dot_scalar(HalfKind::BF16, w, x)),
+        },
+    }
+}
+
+fn kernels(kind: HalfKind) -> RowKernels<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2() {
+        return avx2::kernels(kind);
+    }
+    scalar_kernels(kind)
+}
+
+/// `x @ w.T`: `w` holds `n` rows of `k` 16-bit floats, `x` holds `m` rows of `k` f32; the
+/// result is `m` rows of `n`.
+pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    matmul_with(&kernels(kind), w, n, k, x)
+}
+
+fn matmul_with(kern: &RowKernels<f32>, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    let rows: Vec<Vec<f32>> = x.chunks_exact(k).map(<[f32]>::to_vec).collect();
+    super::matmul_rows(kern, w, n, 2 * k, &rows, 1024)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 + FMA + F16C: eight weights widened per load, four independent sums per row.
+    use std::arch::x86_64::*;
+
+    use super::{widen, HalfKind, RowKernels};
+
+    pub(super) fn kernels(kind: HalfKind) -> RowKernels<f32> {
+        // SAFETY (each call): the callers checked `crate::simd::avx2()` (AVX2, FMA, F16C).
+        match kind {
+            HalfKind::F16 => RowKernels {
+                one: |w, x| unsafe { dot::<false, 1>(w, [x])[0] },
+                four: |w, x| unsafe { dot::<false, 4>(w, x) },
+            },
+            HalfKind::BF16 => RowKernels {
+                one: |w, x| unsafe { dot::<true, 1>(w, [x])[0] },
+                four: |w, x| unsafe { dot::<true, 4>(w, x) },
+            },
+        }
+    }
+
+    /// Eight weights from `w` (16 bytes) as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
+        // SAFETY: `w` is 16 readable bytes; `loadu` takes any alignment.
+        let h = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
+        if BF {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn acts8(x: &[f32; 8]) -> __m256 {
+        // SAFETY: `x` is 8 readable f32; `loadu` takes any alignment.
+        unsafe { _mm256_loadu_ps(x.as_ptr()) }
+    }
+
+    /// One weight row (`BF`: BF16, else F16) against `R` activation rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot<const BF: bool, const R: usize>(w: &[u8], x: [&[f32]; R]) -> [f32; R] {
+        let k = x[0].len();
+        assert!(w.len() >= 2 * k && x.iter().all(|r| r.len() == k));
+        let mut acc = [_mm256_setzero_ps(); R];
+        let body = k / 8 * 8;
+        for i in (0..body).step_by(8) {
+            let wv = weights8::<BF>(w[2 * i..2 * i + 16].try_into().expect("16 bytes"));
+            for r in 0..R {
+                let xv = acts8(x[r][i..i + 8].try_into().expect("8 values"));
+                acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+            }
+        }
+        let kind = if BF { HalfKind::BF16 } else { HalfKind::F16 };
+        let mut out = [0f32; R];
+        for r in 0..R {
+            // SAFETY: AVX is part of the AVX2 this function is compiled for.
+            out[r] = unsafe { crate::simd::x86::hsum256(acc[r]) };
+            for i in body..k {
+                out[r] += widen(kind, &w[2 * i..2 * i + 2]) * x[r][i];
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn every_path(kind: HalfKind) -> Vec<(&'static str, RowKernels<f32>)> {
+        #[allow(unused_mut)]
+        let mut all = vec![("portable", scalar_kernels(kind))];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            all.push(("avx2", avx2::kernels(kind)));
+        }
+        all
+    }
+
+    fn check(vals: &[f32], x: &[f32], n: usize, k: usize) {
+        for kind in [HalfKind::F16, HalfKind::BF16] {
+            let w: Vec<u8> = vals
+                .iter()
+                .flat_map(|v| match kind {
+                    HalfKind::F16 => f16::from_f32(*v).to_le_bytes(),
+                    HalfKind::BF16 => bf16::from_f32(*v).to_le_bytes(),
+                })
+                .collect();
+            let wd: Vec<f32> = w.chunks_exact(2).map(|b| widen(kind, b)).collect();
+            let m = x.len() / k;
+            for (name, kern) in every_path(kind) {
+                let got = matmul_with(&kern, &w, n, k, x);
+                for i in 0..m {
+                    for j in 0..n {
+                        let terms = (0..k).map(|c| wd[j * k + c] as f64 * x[i * k + c] as f64);
+                        let want: f64 = terms.clone().sum();
+                        let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
+                        let err = (got[i * n + j] as f64 - want).abs() / scale;
+                        assert!(err < 1e-5, "{kind:?} {name} ({i},{j}) rel {err}");
+                    }
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn random_matrices_match(
+            n in 1usize..20,
+            k in 1usize..80,
+            m in 1usize..10,
+            seed in any::<u64>(),
+        ) {
+            let mut s = seed | 1;
+            let mut next = move || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
+            };
+            let vals: Vec<f32> = (0..n * k).map(|_| next() * 4.0).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
+            check(&vals, &x, n, k);
+        }
+    }
+}
