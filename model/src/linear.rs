@@ -182,6 +182,12 @@ impl Kernel {
                 .apply_op1_no_bwd(&PackedOp(p.clone()))
                 .ctx("quantized matmul"),
             Kernel::Blocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
+            // Prefill-sized inputs (more than a few rows) take candle's K-quant product for
+            // now: our row kernels win decode steps but lose prefill on Qwen2.5-1.5B Q4_K_M
+            // (docs/BENCHMARKS.md, "Every GGUF"), until a tiled K-quant GEMM replaces both.
+            Kernel::KBlocks(b) if x.elem_count() / b.w.shape().dims2().ctx("dims")?.1 > 8 => {
+                x.apply_op1_no_bwd(b.w.as_ref()).ctx("quantized matmul")
+            }
             Kernel::KBlocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
             Kernel::Half(h) => x.apply_op1_no_bwd(h).ctx("f16 matmul"),
             Kernel::Candle(mm) => mm.forward(x).ctx("quantized matmul"),
