@@ -56,21 +56,23 @@ impl Proj {
         }
     }
 
-    /// A quantized projection in the file's blocks: on the CPU the 32-element block types run
-    /// [`crate::quant`]'s kernels and K-quants [`crate::quant::kquant`]'s; CUDA candle's.
+    /// A projection in the file's blocks: on the CPU the 32-element block types, K-quants and
+    /// F16/BF16 run our row kernels ([`Rows`]); CUDA and other types candle's.
     pub(crate) fn quant(w: Arc<QTensor>, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
         let dims = w.shape().dims2().ctx("weight dims")?;
-        let mm = match Kind::of(w.dtype()) {
-            Some(kind) if w.device().is_cpu() => Kernel::Blocks(Blocks { w: w.clone(), kind }),
-            _ => match (KKind::of(w.dtype()), HalfKind::of(w.dtype())) {
-                (Some(kind), _) if w.device().is_cpu() => {
-                    Kernel::KBlocks(KBlocks { w: w.clone(), kind })
-                }
-                (_, Some(kind)) if w.device().is_cpu() => {
-                    Kernel::Half(HalfRows { w: w.clone(), kind })
-                }
-                _ => Kernel::Candle(QMatMul::from_arc(w.clone()).ctx("quantized weight")?),
-            },
+        let rows = match (
+            Kind::of(w.dtype()),
+            KKind::of(w.dtype()),
+            HalfKind::of(w.dtype()),
+        ) {
+            (Some(kind), ..) => Some(Rows::Blocks(kind)),
+            (_, Some(kind), _) => Some(Rows::K(kind)),
+            (.., Some(kind)) => Some(Rows::Half(kind)),
+            _ => None,
+        };
+        let mm = match rows {
+            Some(rows) if w.device().is_cpu() => Kernel::Rows(FileRows { w: w.clone(), rows }),
+            _ => Kernel::Candle(QMatMul::from_arc(w.clone()).ctx("quantized weight")?),
         };
         Ok(Proj::Quant { mm, dims, b, dtype })
     }
@@ -165,12 +167,8 @@ fn gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub(crate) enum Kernel {
     /// [`crate::quant`]'s repacked kernels (CPU with AVX-512 VNNI, 32-element block types).
     Packed(Arc<Packed>),
-    /// [`crate::quant`] (other CPUs, 32-element block types).
-    Blocks(Blocks),
-    /// [`crate::quant::kquant`] (K-quants on the CPU).
-    KBlocks(KBlocks),
-    /// [`crate::quant::half_rows`] (F16 / BF16 matrices on the CPU).
-    Half(HalfRows),
+    /// The file's blocks, multiplied by one of the CPU row kernels ([`Rows`]).
+    Rows(FileRows),
     /// candle's (CUDA, and the block types the CPU kernels do not take).
     Candle(QMatMul),
 }
@@ -181,30 +179,44 @@ impl Kernel {
             Kernel::Packed(p) => x
                 .apply_op1_no_bwd(&PackedOp(p.clone()))
                 .ctx("quantized matmul"),
-            Kernel::Blocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
             // Prefill-sized inputs (more than a few rows) take candle's K-quant product for
             // now: our row kernels win decode steps but lose prefill on Qwen2.5-1.5B Q4_K_M
             // (docs/BENCHMARKS.md, "Every GGUF"), until a tiled K-quant GEMM replaces both.
-            Kernel::KBlocks(b) if x.elem_count() / b.w.shape().dims2().ctx("dims")?.1 > 8 => {
-                x.apply_op1_no_bwd(b.w.as_ref()).ctx("quantized matmul")
+            Kernel::Rows(
+                r @ FileRows {
+                    rows: Rows::K(_), ..
+                },
+            ) if x.elem_count() / r.w.shape().dims2().ctx("dims")?.1 > 8 => {
+                x.apply_op1_no_bwd(r.w.as_ref()).ctx("quantized matmul")
             }
-            Kernel::KBlocks(b) => x.apply_op1_no_bwd(b).ctx("quantized matmul"),
-            Kernel::Half(h) => x.apply_op1_no_bwd(h).ctx("f16 matmul"),
+            Kernel::Rows(r) => x.apply_op1_no_bwd(r).ctx("quantized matmul"),
             Kernel::Candle(mm) => mm.forward(x).ctx("quantized matmul"),
         }
     }
 }
 
-/// [`quant::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
-#[derive(Debug)]
-pub(crate) struct Blocks {
-    w: Arc<QTensor>,
-    kind: Kind,
+/// Which CPU row kernels multiply a matrix kept in its file's blocks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Rows {
+    /// [`quant::matmul`]: the 32-element block types.
+    Blocks(Kind),
+    /// [`kquant::matmul`]: K-quants.
+    K(KKind),
+    /// [`half_rows::matmul`]: F16 / BF16.
+    Half(HalfKind),
 }
 
-impl CustomOp1 for Blocks {
+/// A matrix in its file's blocks and its row kernels, as a candle operation on f32 CPU
+/// tensors `(..., k)` -> `(..., n)`.
+#[derive(Debug)]
+pub(crate) struct FileRows {
+    w: Arc<QTensor>,
+    rows: Rows,
+}
+
+impl CustomOp1 for FileRows {
     fn name(&self) -> &'static str {
-        "ragkv-quant-matmul"
+        "ragkv-rows-matmul"
     }
 
     fn cpu_fwd(
@@ -215,61 +227,11 @@ impl CustomOp1 for Blocks {
         let (n, k) = self.w.shape().dims2()?;
         let x = f32_input(storage, layout, n, k)?;
         let data = self.w.data()?;
-        let y = quant::matmul(self.kind, &data, n, k, x);
-        let mut out = layout.dims().to_vec();
-        *out.last_mut().expect("rank checked") = n;
-        Ok((CpuStorage::F32(y), Shape::from(out)))
-    }
-}
-
-/// [`kquant::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
-#[derive(Debug)]
-pub(crate) struct KBlocks {
-    w: Arc<QTensor>,
-    kind: KKind,
-}
-
-impl CustomOp1 for KBlocks {
-    fn name(&self) -> &'static str {
-        "ragkv-kquant-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, k) = self.w.shape().dims2()?;
-        let x = f32_input(storage, layout, n, k)?;
-        let data = self.w.data()?;
-        let y = kquant::matmul(self.kind, &data, n, k, x);
-        let mut out = layout.dims().to_vec();
-        *out.last_mut().expect("rank checked") = n;
-        Ok((CpuStorage::F32(y), Shape::from(out)))
-    }
-}
-
-/// [`half_rows::matmul`] as a candle operation on f32 CPU tensors `(..., k)` -> `(..., n)`.
-#[derive(Debug)]
-pub(crate) struct HalfRows {
-    w: Arc<QTensor>,
-    kind: HalfKind,
-}
-
-impl CustomOp1 for HalfRows {
-    fn name(&self) -> &'static str {
-        "ragkv-half-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, k) = self.w.shape().dims2()?;
-        let x = f32_input(storage, layout, n, k)?;
-        let data = self.w.data()?;
-        let y = half_rows::matmul(self.kind, &data, n, k, x);
+        let y = match self.rows {
+            Rows::Blocks(kind) => quant::matmul(kind, &data, n, k, x),
+            Rows::K(kind) => kquant::matmul(kind, &data, n, k, x),
+            Rows::Half(kind) => half_rows::matmul(kind, &data, n, k, x),
+        };
         let mut out = layout.dims().to_vec();
         *out.last_mut().expect("rank checked") = n;
         Ok((CpuStorage::F32(y), Shape::from(out)))

@@ -148,6 +148,7 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::uniform;
     use super::*;
     use proptest::prelude::*;
 
@@ -199,13 +200,7 @@ mod tests {
             m in 1usize..10,
             seed in any::<u64>(),
         ) {
-            let mut s = seed | 1;
-            let mut next = move || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
-            };
+            let mut next = uniform(seed);
             let vals: Vec<f32> = (0..n * k).map(|_| next() * 4.0).collect();
             let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
             check(&vals, &x, n, k);

@@ -314,9 +314,8 @@ fn matmul_with(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::{uniform, weights};
     use super::*;
-    use candle_core::quantized::QTensor;
-    use candle_core::{Device, Tensor};
     use proptest::prelude::*;
 
     const KINDS: [(KKind, GgmlDType); 5] = [
@@ -326,22 +325,6 @@ mod tests {
         (KKind::Q5K, GgmlDType::Q5K),
         (KKind::Q6K, GgmlDType::Q6K),
     ];
-
-    /// `(n, k)` weights quantized by candle (ggml's encoders), their bytes and their
-    /// dequantized values.
-    fn weights(vals: &[f32], n: usize, k: usize, dtype: GgmlDType) -> (Vec<u8>, Vec<f32>) {
-        let t = Tensor::from_slice(vals, (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&t, dtype).unwrap();
-        let bytes = q.data().unwrap().into_owned();
-        let back = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        (bytes, back)
-    }
 
     fn dequantized_q8(row: &[BlockQ8K]) -> Vec<f32> {
         row.iter()
@@ -427,13 +410,7 @@ mod tests {
             spread in 0.01f32..100.0,
         ) {
             let k = blocks * QK_K;
-            let mut s = seed | 1;
-            let mut next = move || {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
-            };
+            let mut next = uniform(seed);
             let vals: Vec<f32> = (0..n * k).map(|_| next() * spread).collect();
             let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
             check(&vals, &x, n, k);
