@@ -57,16 +57,19 @@ pub fn command(bin: &Path) -> Command {
 pub struct BenchFigures {
     /// `pp{prompt}`: prefill tokens/s.
     pub prefill: f64,
-    /// `tg{decode}`: decode tokens/s (from an empty context).
+    /// `tg{decode} @ d{depth}`: decode tokens/s after `depth` tokens of context.
     pub decode: f64,
 }
 
-/// Runs `llama-bench -m model -p prompt -n decode -t threads -r reps -o json`.
+/// Runs `llama-bench -m model -p prompt -n decode -d 0,depth -t threads -r reps -o json`:
+/// prefill from an empty context, decode after `depth` tokens (the context a decode after a
+/// prompt of `depth` tokens attends to).
 pub fn bench(
     bin: &Path,
     model: &Path,
     prompt: usize,
     decode: usize,
+    depth: usize,
     threads: usize,
     reps: usize,
 ) -> Result<BenchFigures, Error> {
@@ -74,6 +77,7 @@ pub fn bench(
         .arg("-m")
         .arg(model)
         .args(["-p", &prompt.to_string(), "-n", &decode.to_string()])
+        .args(["-d", &format!("0,{depth}")])
         .args(["-t", &threads.to_string(), "-r", &reps.max(1).to_string()])
         .args(["-o", "json"])
         .output()
@@ -88,11 +92,12 @@ pub fn bench(
                 .unwrap_or("")
         )));
     }
-    parse(&out.stdout)
+    parse(&out.stdout, depth)
 }
 
-/// Reads llama-bench's JSON: one record per test, `n_prompt`, `n_gen` and `avg_ts`.
-fn parse(json: &[u8]) -> Result<BenchFigures, Error> {
+/// Reads llama-bench's JSON: one record per test, `n_prompt`, `n_gen`, `n_depth` (0 when
+/// absent) and `avg_ts`; the prefill at depth 0 and the decode at `depth`.
+fn parse(json: &[u8], depth: usize) -> Result<BenchFigures, Error> {
     let records: Vec<serde_json::Value> = serde_json::from_slice(json)
         .map_err(|e| Error::Check(format!("llama-bench output is not JSON: {e}")))?;
     let find = |prompt: bool| {
@@ -101,9 +106,9 @@ fn parse(json: &[u8]) -> Result<BenchFigures, Error> {
             .find(|r| {
                 let n = |k: &str| r.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
                 if prompt {
-                    n("n_prompt") > 0 && n("n_gen") == 0
+                    n("n_prompt") > 0 && n("n_gen") == 0 && n("n_depth") == 0
                 } else {
-                    n("n_gen") > 0 && n("n_prompt") == 0
+                    n("n_gen") > 0 && n("n_prompt") == 0 && n("n_depth") == depth as u64
                 }
             })
             .and_then(|r| r.get("avg_ts")?.as_f64())
@@ -125,9 +130,19 @@ mod tests {
           {"model_type": "llama 256M Q4_1", "n_prompt": 512, "n_gen": 0, "avg_ts": 217.4},
           {"model_type": "llama 256M Q4_1", "n_prompt": 0, "n_gen": 32, "avg_ts": 88.35}
         ]"#;
-        let f = parse(json).unwrap();
+        let f = parse(json, 0).unwrap();
         assert_eq!((f.prefill, f.decode), (217.4, 88.35));
-        assert!(parse(b"[]").is_err());
-        assert!(parse(b"not json").is_err());
+        assert!(parse(b"[]", 0).is_err());
+        // With a depth: the prefill from an empty context, the decode after `depth` tokens.
+        let json = br#"[
+          {"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 200.0},
+          {"n_prompt": 0, "n_gen": 32, "n_depth": 0, "avg_ts": 90.0},
+          {"n_prompt": 512, "n_gen": 0, "n_depth": 512, "avg_ts": 150.0},
+          {"n_prompt": 0, "n_gen": 32, "n_depth": 512, "avg_ts": 80.0}
+        ]"#;
+        let f = parse(json, 512).unwrap();
+        assert_eq!((f.prefill, f.decode), (200.0, 80.0));
+        assert!(parse(json, 100).is_err());
+        assert!(parse(b"not json", 0).is_err());
     }
 }

@@ -6,8 +6,8 @@
 //! throughput.
 //!
 //! Each figure is the median of `--reps` runs after one warm-up run. Our decode continues
-//! after the prompt (attention over `--prompt-tokens` keys); llama-bench's `tg` starts from an
-//! empty context, so the decode comparison leans slightly toward llama.cpp.
+//! after the prompt (attention over `--prompt-tokens` keys); llama-bench's decode is measured
+//! at the same depth (`-d`), its prefill from an empty context, as ours.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -198,7 +198,7 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
             }
         }
         if let (Some(bin), true) = (&llama_bench, rep > 0) {
-            let f = crate::llama::bench(bin, &path, n, args.decode_tokens, threads, 1)?;
+            let f = crate::llama::bench(bin, &path, n, args.decode_tokens, n, threads, 1)?;
             eprintln!(
                 "rep {rep}: llama.cpp {:.0} tok/s, {:.1} ms/tok",
                 f.prefill,

@@ -2,13 +2,13 @@
 //!
 //! GGUF weights stay in their quantized blocks (candle's `QTensor`): a decode step multiplies
 //! with them directly (activations quantized to 8 bits per block, llama.cpp's scheme), so
-//! a decoded token reads the GGUF file's bytes instead of 4-8x as many f32 ones. The 32-element
-//! block types run [`crate::quant`]'s kernels on the CPU, K-quants (Q4_K, Q5_K, Q6_K)
-//! [`crate::quant::kquant`]'s, CUDA candle's. Prefill runs the same kernels (four activation rows per decoded weight
-//! block): measured against dequantizing each matrix for an f32 GEMM on SmolLM2-135M and
-//! Qwen2.5-0.5B, the quantized path was 1.3-4x faster at 32 and 128 prompt tokens, and at 512
-//! tokens 1.2x faster on Qwen2.5 and 0.86x on SmolLM2 (docs/BENCHMARKS.md, "Quantized weights
-//! against llama.cpp"); one path keeps memory at the file's size, with no transient f32 copy
+//! a decoded token reads the GGUF file's bytes instead of 4-8x as many f32 ones. On the CPU,
+//! matrices are repacked at load into tiles of sixteen interleaved rows where the CPU runs
+//! their tiled kernels ([`crate::quant::packed`]: the 32-element block types on AVX-512
+//! VNNI, Q4_K/Q5_K/Q6_K on AVX-512 VNNI or AVX2); the rest stay in the file's blocks and run
+//! the row kernels ([`crate::quant`], [`crate::quant::kquant`], [`crate::quant::half_rows`]);
+//! CUDA runs candle's. Prefill runs the same kernels as decode (several activation rows per
+//! decoded weight tile): one path keeps memory at the file's size, with no transient f32 copy
 //! of a matrix.
 //!
 //! Dense weights (HF safetensors, or `model.weights = "dequantized"`) use the plain matmul.
@@ -46,7 +46,7 @@ impl Proj {
         Proj::Dense { w, b }
     }
 
-    /// A repacked matrix (32-element block types on a CPU with AVX-512 VNNI).
+    /// A repacked matrix ([`crate::quant::packed::PackKind::of`] says which ones).
     pub(crate) fn packed(w: Arc<Packed>, b: Option<Tensor>, dtype: DType) -> Proj {
         Proj::Quant {
             dims: w.dims(),
@@ -165,7 +165,7 @@ fn gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// The quantized product's implementation.
 #[derive(Debug)]
 pub(crate) enum Kernel {
-    /// [`crate::quant`]'s repacked kernels (CPU with AVX-512 VNNI, 32-element block types).
+    /// The repacked kernels ([`crate::quant::packed`], [`crate::quant::kpacked`]).
     Packed(Arc<Packed>),
     /// The file's blocks, multiplied by one of the CPU row kernels ([`Rows`]).
     Rows(FileRows),
@@ -179,9 +179,9 @@ impl Kernel {
             Kernel::Packed(p) => x
                 .apply_op1_no_bwd(&PackedOp(p.clone()))
                 .ctx("quantized matmul"),
-            // Prefill-sized inputs (more than a few rows) take candle's K-quant product for
-            // now: our row kernels win decode steps but lose prefill on Qwen2.5-1.5B Q4_K_M
-            // (docs/BENCHMARKS.md, "Every GGUF"), until a tiled K-quant GEMM replaces both.
+            // Prefill-sized inputs of the K-quants left in file order (Q2_K, Q3_K, or no
+            // tiled kernels on this CPU) take candle's product: the row kernels decode every
+            // weight block again for each four rows, and lose prefill to it.
             Kernel::Rows(
                 r @ FileRows {
                     rows: Rows::K(_), ..

@@ -304,6 +304,9 @@ mod test_util;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub(crate) mod half_rows;
+pub(crate) mod kpacked;
+#[cfg(target_arch = "x86_64")]
+mod kpacked_x86;
 pub(crate) mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;
@@ -431,6 +434,35 @@ mod tests {
                 assert_eq!(got, &w.matmul(x), "matrix {i}, {rows} rows");
                 let alone = packed::Packed::matmul_many(&[w], x);
                 assert_eq!(got, &alone[0], "matrix {i}, {rows} rows");
+            }
+        }
+    }
+
+    /// Both layouts (32-element types and K-quants) in one product, in any order, give each
+    /// matrix's own product.
+    #[test]
+    fn both_layouts_at_once_are_each_alone() {
+        use super::kquant::KKind;
+        let k = 2 * kquant::QK_K;
+        let mut next = uniform(5);
+        let x: Vec<f32> = (0..9 * k).map(|_| next() * 2.0).collect();
+        let mut mat = |kind: packed::PackKind, dtype, n| {
+            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            packed::Packed::new(kind, &weights(&vals, n, k, dtype).0, n, k)
+        };
+        let mats = [
+            mat(KKind::Q4K.into(), GgmlDType::Q4K, 37),
+            mat(Kind::Q4_0.into(), GgmlDType::Q4_0, 20),
+            mat(KKind::Q6K.into(), GgmlDType::Q6K, 16),
+            mat(Kind::Q8_0.into(), GgmlDType::Q8_0, 5),
+            mat(KKind::Q5K.into(), GgmlDType::Q5K, 3),
+        ];
+        let all: Vec<&packed::Packed> = mats.iter().collect();
+        for rows in [1, 9] {
+            let x = &x[..rows * k];
+            let together = packed::Packed::matmul_many(&all, x);
+            for (i, (w, got)) in all.iter().zip(&together).enumerate() {
+                assert_eq!(got, &w.matmul(x), "matrix {i}, {rows} rows");
             }
         }
     }

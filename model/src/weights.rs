@@ -15,8 +15,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Arch, HfConfig, ModelConfig, RopeStyle};
 use crate::error::{Ctx, Error, Result};
-use crate::quant::packed::Packed;
-use crate::quant::Kind;
+use crate::quant::packed::{PackKind, Packed};
 
 /// Where a model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,8 +75,8 @@ impl ModelSource {
 pub struct Weights {
     pub(crate) tensors: HashMap<String, Tensor>,
     pub(crate) quant: HashMap<String, Arc<QTensor>>,
-    /// Matrices of the 32-element block types repacked for the CPU's VNNI kernels (instead
-    /// of `quant`: one copy in memory).
+    /// Matrices repacked for the CPU's tiled kernels ([`PackKind::of`]; instead of `quant`:
+    /// one copy in memory).
     pub(crate) packed: HashMap<String, Arc<Packed>>,
 }
 
@@ -331,7 +330,7 @@ pub(crate) fn load_gguf(
     let mut tensors = HashMap::new();
     let mut quant = HashMap::new();
     let mut packed = HashMap::new();
-    let repack = device.is_cpu() && Packed::available();
+    let repack = device.is_cpu();
     let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
     for name in names {
         let Some(hf) = hf_name(&name) else {
@@ -342,7 +341,7 @@ pub(crate) fn load_gguf(
             let q = content
                 .tensor(&mut file, &name, device)
                 .ctx(&format!("reading {name}"))?;
-            match Kind::of(q.dtype()).filter(|_| repack) {
+            match PackKind::of(q.dtype()).filter(|_| repack) {
                 Some(kind) => {
                     let (n, k) = q.shape().dims2().ctx(&format!("{name} dims"))?;
                     let data = q.data().ctx(&format!("reading {name}"))?;
@@ -369,7 +368,19 @@ pub(crate) fn load_gguf(
         quant,
         packed,
     };
+    release_freed_memory();
     Ok((cfg, weights, content.metadata))
+}
+
+/// Returns the heap's free pages to the system: each tensor was read into a buffer that
+/// repacking copied and freed, and glibc keeps such memory mapped (the holes between live
+/// matrices), which measured 1.2-1.4x the file's size resident instead of 1.1x.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// GGUF (llama.cpp) tensor names and their HF names: whole names, then per-layer suffixes

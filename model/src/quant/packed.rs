@@ -6,6 +6,8 @@
 //!
 //! The repacked matrix has exactly the GGUF file's bytes per block (same bits, another
 //! order), so memory stays the file's; rows are padded to a multiple of 16 with zero rows.
+//! [`Packed`] also holds K-quant matrices in [`super::kpacked`]'s layout ([`PackKind`]), so
+//! the decoder sees one kind of repacked matrix.
 //!
 //! **Layout** (in memory only, built from the GGUF blocks at load): the matrix is a sequence
 //! of *tiles*, group by group (rows `16g..16g+16`), block by block within a group (elements
@@ -29,8 +31,11 @@
 //! row `r`'s output is `d_r d_y Σ u q_y + m'_r s_y`, where `m' = m`, or `-bias · d` for the
 //! symmetric types: sixteen rows' worth per vector operation.
 
+use candle_core::quantized::GgmlDType;
 use half::f16;
 
+use super::kpacked;
+use super::kquant::KKind;
 use super::{unpack, BlockQ8, Kind, QK};
 
 /// Rows interleaved in a tile (the 32-bit lanes of a 512-bit vector).
@@ -76,9 +81,42 @@ impl Kind {
     }
 }
 
-/// A weight matrix `(n, k)` of one block type in the repacked layout (module docs).
+/// Which repacked layout a matrix has: this module's (32-element block types) or
+/// [`super::kpacked`]'s (K-quants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PackKind {
+    Blocks(Kind),
+    K(KKind),
+}
+
+impl From<Kind> for PackKind {
+    fn from(kind: Kind) -> PackKind {
+        PackKind::Blocks(kind)
+    }
+}
+
+impl From<KKind> for PackKind {
+    fn from(kind: KKind) -> PackKind {
+        PackKind::K(kind)
+    }
+}
+
+impl PackKind {
+    /// The repacked layout a GGUF matrix of `dtype` gets on this CPU (and kernel path), if
+    /// any: the 32-element types where AVX-512 VNNI runs, Q4_K/Q5_K/Q6_K where AVX2 does.
+    pub(crate) fn of(dtype: GgmlDType) -> Option<PackKind> {
+        if let Some(kind) = Kind::of(dtype) {
+            return Packed::available().then_some(PackKind::Blocks(kind));
+        }
+        KKind::of(dtype)
+            .filter(|k| kpacked::repacks(*k) && kpacked::available())
+            .map(PackKind::K)
+    }
+}
+
+/// A weight matrix `(n, k)` in a repacked layout (module docs, [`super::kpacked`]).
 pub(crate) struct Packed {
-    kind: Kind,
+    kind: PackKind,
     n: usize,
     k: usize,
     tiles: Vec<u8>,
@@ -95,7 +133,7 @@ impl std::fmt::Debug for Packed {
 }
 
 impl Packed {
-    /// Whether this CPU runs the repacked kernels (AVX-512 VNNI).
+    /// Whether this CPU runs the repacked kernels of the 32-element types (AVX-512 VNNI).
     pub(crate) fn available() -> bool {
         #[cfg(target_arch = "x86_64")]
         return super::avx512::available();
@@ -104,36 +142,12 @@ impl Packed {
     }
 
     /// Repacks `raw`: `n` rows of `k` elements in GGUF `kind` blocks, row after row.
-    pub(crate) fn new(kind: Kind, raw: &[u8], n: usize, k: usize) -> Packed {
-        assert_eq!(k % QK, 0, "columns are whole blocks");
-        let (nb, bb, tb) = (k / QK, kind.block_bytes(), kind.tile_bytes());
-        assert_eq!(raw.len(), n * nb * bb, "{kind:?} ({n}, {k}) matrix bytes");
-        let groups = n.div_ceil(ROWS);
-        let mut tiles = vec![0u8; groups * nb * tb];
-        for (t, tile) in tiles.chunks_exact_mut(tb).enumerate() {
-            let (g, b) = (t / nb, t % nb);
-            for r in 0..ROWS.min(n - g * ROWS) {
-                let j = g * ROWS + r;
-                let blk = &raw[(j * nb + b) * bb..][..bb];
-                tile[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
-                if kind.has_m() {
-                    tile[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
-                }
-                let (q, _) = unpack(kind, blk);
-                for (e, q) in q.iter().enumerate() {
-                    let u = (q + kind.bias()) as u8;
-                    let (i, pos) = (e / 4, 4 * r + e % 4);
-                    if kind == Kind::Q8_0 {
-                        tile[kind.quants_at() + 64 * i + pos] = u;
-                        continue;
-                    }
-                    tile[kind.quants_at() + 64 * (i % 4) + pos] |= (u & 0xF) << (4 * (i / 4));
-                    if let Some(at) = kind.qh_at() {
-                        tile[at + pos] |= (u >> 4 & 1) << i;
-                    }
-                }
-            }
-        }
+    pub(crate) fn new(kind: impl Into<PackKind>, raw: &[u8], n: usize, k: usize) -> Packed {
+        let kind = kind.into();
+        let tiles = match kind {
+            PackKind::Blocks(kind) => pack_blocks(kind, raw, n, k),
+            PackKind::K(kind) => kpacked::pack(kind, raw, n, k),
+        };
         Packed { kind, n, k, tiles }
     }
 
@@ -164,28 +178,9 @@ impl Packed {
     /// Row `j`, dequantized into `out` (`k` long): an embedding lookup.
     pub(crate) fn dequantize_row(&self, j: usize, out: &mut [f32]) {
         assert!(j < self.n && out.len() == self.k);
-        let (kind, nb, tb) = (self.kind, self.k / QK, self.kind.tile_bytes());
-        let (g, r) = (j / ROWS, j % ROWS);
-        let half = |t: &[u8], at: usize| f16::from_le_bytes([t[at], t[at + 1]]).to_f32();
-        for (b, out) in out.chunks_exact_mut(QK).enumerate() {
-            let tile = &self.tiles[(g * nb + b) * tb..][..tb];
-            let d = half(tile, 2 * r);
-            let m = if kind.has_m() {
-                half(tile, 32 + 2 * r)
-            } else {
-                -(kind.bias() as f32) * d
-            };
-            for (e, o) in out.iter_mut().enumerate() {
-                let (i, pos) = (e / 4, 4 * r + e % 4);
-                let u = if kind == Kind::Q8_0 {
-                    tile[kind.quants_at() + 64 * i + pos]
-                } else {
-                    let lo = tile[kind.quants_at() + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
-                    let hi = kind.qh_at().map_or(0, |at| tile[at + pos] >> i & 1);
-                    lo | hi << 4
-                };
-                *o = u as f32 * d + m;
-            }
+        match self.kind {
+            PackKind::Blocks(kind) => dequantize_blocks_row(kind, &self.tiles, self.k, j, out),
+            PackKind::K(kind) => kpacked::dequantize_row(kind, &self.tiles, self.k, j, out),
         }
     }
 
@@ -195,38 +190,68 @@ impl Packed {
     }
 
     /// [`Packed::matmul`] of each of `ws` (all of the same `k`) over the same `x`, with `x`
-    /// quantized once and one pass over the thread pool for all of them.
+    /// quantized once per activation format and one pass over the thread pool for each
+    /// layout family among them.
     pub(crate) fn matmul_many(ws: &[&Packed], x: &[f32]) -> Vec<Vec<f32>> {
         let Some(k) = ws.first().map(|w| w.k) else {
             return Vec::new();
         };
         assert!(ws.iter().all(|w| w.k == k), "matrices of one width");
-        #[cfg(target_arch = "x86_64")]
-        if Packed::available() {
-            let mats: Vec<_> = ws
-                .iter()
-                .map(|w| super::avx512::Mat {
-                    kind: w.kind,
-                    tiles: &w.tiles,
-                    n: w.n,
-                })
-                .collect();
-            return super::avx512::packed_matmul(&mats, k, x);
+        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); ws.len()];
+        let blocks: Vec<usize> = (0..ws.len())
+            .filter(|&i| matches!(ws[i].kind, PackKind::Blocks(_)))
+            .collect();
+        let kquants: Vec<usize> = (0..ws.len()).filter(|i| !blocks.contains(i)).collect();
+        if !blocks.is_empty() {
+            for (i, y) in blocks.iter().zip(matmul_blocks(ws, &blocks, k, x)) {
+                outs[*i] = y;
+            }
         }
-        ws.iter().map(|w| w.matmul_portable(x)).collect()
+        if !kquants.is_empty() {
+            let ys = if kpacked::available() {
+                let mats: Vec<kpacked::Mat<'_>> = kquants
+                    .iter()
+                    .map(|&i| kpacked::Mat {
+                        kind: ws[i].k_kind(),
+                        tiles: &ws[i].tiles,
+                        n: ws[i].n,
+                    })
+                    .collect();
+                kpacked::matmul_many(&mats, k, x)
+            } else {
+                kquants.iter().map(|&i| ws[i].matmul_portable(x)).collect()
+            };
+            for (i, y) in kquants.iter().zip(ys) {
+                outs[*i] = y;
+            }
+        }
+        outs
+    }
+
+    fn k_kind(&self) -> KKind {
+        match self.kind {
+            PackKind::K(kind) => kind,
+            PackKind::Blocks(kind) => unreachable!("{kind:?} is not a K-quant"),
+        }
     }
 
     /// [`Packed::matmul`] without SIMD (dequantized rows times quantized activations): the
     /// reference the kernels are tested against; repacked matrices are only made where the
     /// kernels run.
     pub(crate) fn matmul_portable(&self, x: &[f32]) -> Vec<f32> {
+        let kind = match self.kind {
+            PackKind::Blocks(kind) => kind,
+            PackKind::K(kind) => {
+                return kpacked::matmul_portable(kind, &self.tiles, self.n, self.k, x)
+            }
+        };
         let nb = self.k / QK;
         let m = x.len() / self.k;
         let mut out = vec![0f32; m * self.n];
         let mut w = vec![0f32; self.k];
         let rows: Vec<Vec<BlockQ8>> = x.chunks_exact(self.k).map(super::quantize_row).collect();
         for j in 0..self.n {
-            self.dequantize_row(j, &mut w);
+            dequantize_blocks_row(kind, &self.tiles, self.k, j, &mut w);
             for (i, row) in rows.iter().enumerate() {
                 out[i * self.n + j] = (0..nb)
                     .map(|b| {
@@ -239,5 +264,90 @@ impl Packed {
             }
         }
         out
+    }
+}
+
+/// The 32-element-type matrices `which` of `ws` (VNNI where the CPU has it, else the
+/// portable loop).
+fn matmul_blocks(ws: &[&Packed], which: &[usize], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if Packed::available() {
+        let mats: Vec<_> = which
+            .iter()
+            .map(|&i| {
+                let PackKind::Blocks(kind) = ws[i].kind else {
+                    unreachable!("a 32-element block type")
+                };
+                super::avx512::Mat {
+                    kind,
+                    tiles: &ws[i].tiles,
+                    n: ws[i].n,
+                }
+            })
+            .collect();
+        return super::avx512::packed_matmul(&mats, k, x);
+    }
+    let _ = k;
+    which.iter().map(|&i| ws[i].matmul_portable(x)).collect()
+}
+
+/// This module's layout of `raw` (`n` rows of `k` in `kind` blocks).
+fn pack_blocks(kind: Kind, raw: &[u8], n: usize, k: usize) -> Vec<u8> {
+    assert_eq!(k % QK, 0, "columns are whole blocks");
+    let (nb, bb, tb) = (k / QK, kind.block_bytes(), kind.tile_bytes());
+    assert_eq!(raw.len(), n * nb * bb, "{kind:?} ({n}, {k}) matrix bytes");
+    let groups = n.div_ceil(ROWS);
+    let mut tiles = vec![0u8; groups * nb * tb];
+    for (t, tile) in tiles.chunks_exact_mut(tb).enumerate() {
+        let (g, b) = (t / nb, t % nb);
+        for r in 0..ROWS.min(n - g * ROWS) {
+            let j = g * ROWS + r;
+            let blk = &raw[(j * nb + b) * bb..][..bb];
+            tile[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+            if kind.has_m() {
+                tile[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+            }
+            let (q, _) = unpack(kind, blk);
+            for (e, q) in q.iter().enumerate() {
+                let u = (q + kind.bias()) as u8;
+                let (i, pos) = (e / 4, 4 * r + e % 4);
+                if kind == Kind::Q8_0 {
+                    tile[kind.quants_at() + 64 * i + pos] = u;
+                    continue;
+                }
+                tile[kind.quants_at() + 64 * (i % 4) + pos] |= (u & 0xF) << (4 * (i / 4));
+                if let Some(at) = kind.qh_at() {
+                    tile[at + pos] |= (u >> 4 & 1) << i;
+                }
+            }
+        }
+    }
+    tiles
+}
+
+/// Row `j` of this module's layout (`k` columns of `kind`), dequantized into `out`.
+fn dequantize_blocks_row(kind: Kind, tiles: &[u8], k: usize, j: usize, out: &mut [f32]) {
+    let (nb, tb) = (k / QK, kind.tile_bytes());
+    let (g, r) = (j / ROWS, j % ROWS);
+    let half = |t: &[u8], at: usize| f16::from_le_bytes([t[at], t[at + 1]]).to_f32();
+    for (b, out) in out.chunks_exact_mut(QK).enumerate() {
+        let tile = &tiles[(g * nb + b) * tb..][..tb];
+        let d = half(tile, 2 * r);
+        let m = if kind.has_m() {
+            half(tile, 32 + 2 * r)
+        } else {
+            -(kind.bias() as f32) * d
+        };
+        for (e, o) in out.iter_mut().enumerate() {
+            let (i, pos) = (e / 4, 4 * r + e % 4);
+            let u = if kind == Kind::Q8_0 {
+                tile[kind.quants_at() + 64 * i + pos]
+            } else {
+                let lo = tile[kind.quants_at() + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
+                let hi = kind.qh_at().map_or(0, |at| tile[at + pos] >> i & 1);
+                lo | hi << 4
+            };
+            *o = u as f32 * d + m;
+        }
     }
 }

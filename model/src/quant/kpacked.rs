@@ -1,0 +1,458 @@
+//! K-quant matrices (Q4_K, Q5_K, Q6_K) repacked at load for tiled products: sixteen weight
+//! rows interleaved per super-block, so one integer instruction multiplies four elements of
+//! sixteen rows with one activation row's four quants (`vpdpbusd` on AVX-512 VNNI; on AVX2
+//! each half of the tile is eight rows for `pmaddubsw`), and a decoded super-block serves
+//! several activation rows from registers (the prefill's GEMM) instead of one (the row
+//! kernels of [`super::kquant`], which decode every weight block again for each four rows).
+//!
+//! **Layout** (in memory only, built from the GGUF blocks at load; all offsets in bytes): the
+//! matrix is a sequence of *tiles*, group by group (rows `16g..16g+16`), super-block by
+//! super-block within a group. In the quant planes, element `32j + 4i + c` of row `r`
+//! (sub-block `j < 8`, vector `i < 8`, `c < 4`) sits at byte `4r + c` of 64: the order
+//! `vpdpbusd` takes four bytes per 32-bit lane in. Quants are unsigned (`u`: Q6_K's `q + 32`).
+//!
+//! | type | tile bytes | tile layout (offsets) | value |
+//! |---|---:|---|---|
+//! | Q4_K | 2,368 | `d[16]` 0, `dmin[16]` 32, `sc[8][16]` 64, `mp[4][16][2]` 192, `planes[8][4][64]` 320 | `d sc_j u - dmin m_j` |
+//! | Q5_K | 2,880 | as Q4_K, then `qh[8][64]` 2,368 | `d sc_j u - dmin m_j` |
+//! | Q6_K | 3,360 | `d[16]` 0, `scp[8][16][2]` 32, `planes[8][4][64]` 288, `hi[8][2][64]` 2,336 | `d sc_g (u - 32)` |
+//!
+//! `d`, `dmin`: f16 per row. `sc` (u8): sub-block `j`'s scale for row `r` at `16j + r`. `mp`
+//! (u8), `scp` (i8): a pair per row, widened to i16 pairs (one 32-bit lane per row) when
+//! used: `mp[p]` the minimums of sub-blocks `2p`, `2p + 1`; `scp[j]` Q6_K's scales of its
+//! 16-element groups `2j`, `2j + 1`. Planes: byte `4r +
+//! c` of `planes[j][i]` holds vector `i`'s low four bits in its low nibble and vector `i + 4`'s
+//! in its high nibble. Q5_K `qh[j]`: bit `i` of byte `4r + c` is vector `i`'s fifth bit. Q6_K
+//! `hi[j][h]`: bits `2i'..2i'+2` of byte `4r + c` are vector `4h + i'`'s two high bits.
+//!
+//! Sixteen rows' integer sums come out of a sub-block at once; the sub-block scales multiply
+//! them per lane, the minimums (Q4_K, Q5_K) and Q6_K's `-32` offset apply through the
+//! activation block's sums (pairs of i16 against `mp` / `scp`, `vpdpwssd` or `pmaddwd`). A
+//! Q6_K tile has exactly the file's bytes; Q4_K/Q5_K tiles 4 bytes more per row and
+//! super-block (their 6-bit scales and minimums unpacked to bytes): 2-3 % more memory.
+
+use half::f16;
+
+use super::kquant::{self, BlockQ8K, KKind, QK_K};
+use super::SharedOut;
+
+/// Rows interleaved in a tile.
+pub(crate) const ROWS: usize = 16;
+
+// Offsets of the tile parts (module docs).
+pub(super) const D: usize = 0;
+pub(super) const DMIN: usize = 32;
+pub(super) const SC: usize = 64;
+pub(super) const MP: usize = 192;
+pub(super) const Q45: usize = 320;
+pub(super) const QH5: usize = 2368;
+pub(super) const SCP6: usize = 32;
+pub(super) const Q6: usize = 288;
+pub(super) const HI6: usize = 2336;
+
+/// Whether `kind` has a repacked layout.
+pub(crate) fn repacks(kind: KKind) -> bool {
+    matches!(kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
+}
+
+/// Bytes of a tile (16 rows of one super-block).
+pub(crate) fn tile_bytes(kind: KKind) -> usize {
+    match kind {
+        KKind::Q4K => 2368,
+        KKind::Q5K => 2880,
+        KKind::Q6K => 3360,
+        KKind::Q2K | KKind::Q3K => unreachable!("{kind:?} is not repacked"),
+    }
+}
+
+/// Repacks `raw`: `n` rows of `k` elements in GGUF `kind` super-blocks, row after row.
+pub(crate) fn pack(kind: KKind, raw: &[u8], n: usize, k: usize) -> Vec<u8> {
+    assert!(repacks(kind), "{kind:?} is not repacked");
+    assert_eq!(k % QK_K, 0, "columns are whole super-blocks");
+    let (nb, bb, tb) = (k / QK_K, kind.block_bytes(), tile_bytes(kind));
+    assert_eq!(raw.len(), n * nb * bb, "{kind:?} ({n}, {k}) matrix bytes");
+    let mut tiles = vec![0u8; n.div_ceil(ROWS) * nb * tb];
+    for (t, tile) in tiles.chunks_exact_mut(tb).enumerate() {
+        let (g, b) = (t / nb, t % nb);
+        for r in 0..ROWS.min(n - g * ROWS) {
+            let u = kquant::unpack(kind, &raw[((g * ROWS + r) * nb + b) * bb..][..bb]);
+            tile[D + 2 * r..D + 2 * r + 2].copy_from_slice(&f16::from_f32(u.d).to_le_bytes());
+            let six = kind == KKind::Q6K;
+            if six {
+                for j in 0..8 {
+                    tile[SCP6 + 32 * j + 2 * r] = u.sc[2 * j] as i8 as u8;
+                    tile[SCP6 + 32 * j + 2 * r + 1] = u.sc[2 * j + 1] as i8 as u8;
+                }
+            } else {
+                tile[DMIN + 2 * r..DMIN + 2 * r + 2]
+                    .copy_from_slice(&f16::from_f32(u.dmin).to_le_bytes());
+                for j in 0..8 {
+                    tile[SC + 16 * j + r] = u.sc[2 * j] as u8;
+                }
+                for p in 0..4 {
+                    tile[MP + 32 * p + 2 * r] = u.mn[4 * p] as u8;
+                    tile[MP + 32 * p + 2 * r + 1] = u.mn[4 * p + 2] as u8;
+                }
+            }
+            let planes = if six { Q6 } else { Q45 };
+            for (e, q) in u.q.iter().enumerate() {
+                let uq = if six { (*q + 32) as u8 } else { *q as u8 };
+                let (j, i, pos) = (e / 32, e % 32 / 4, 4 * r + e % 4);
+                tile[planes + 256 * j + 64 * (i % 4) + pos] |= (uq & 0xF) << (4 * (i / 4));
+                match kind {
+                    KKind::Q5K => tile[QH5 + 64 * j + pos] |= (uq >> 4 & 1) << i,
+                    KKind::Q6K => {
+                        tile[HI6 + 128 * j + 64 * (i / 4) + pos] |= (uq >> 4 & 3) << (2 * (i % 4))
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    tiles
+}
+
+/// Row `j` of a repacked `(n, k)` matrix, dequantized into `out` (`k` long).
+pub(crate) fn dequantize_row(kind: KKind, tiles: &[u8], k: usize, j: usize, out: &mut [f32]) {
+    assert_eq!(out.len(), k);
+    let (nb, tb) = (k / QK_K, tile_bytes(kind));
+    let (g, r) = (j / ROWS, j % ROWS);
+    let half = |t: &[u8], at: usize| f16::from_le_bytes([t[at], t[at + 1]]).to_f32();
+    for (b, out) in out.chunks_exact_mut(QK_K).enumerate() {
+        let t = &tiles[(g * nb + b) * tb..][..tb];
+        let d = half(t, D + 2 * r);
+        for (e, o) in out.iter_mut().enumerate() {
+            let (sb, i, pos) = (e / 32, e % 32 / 4, 4 * r + e % 4);
+            let planes = if kind == KKind::Q6K { Q6 } else { Q45 };
+            let mut u = t[planes + 256 * sb + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
+            *o = match kind {
+                KKind::Q6K => {
+                    u |= (t[HI6 + 128 * sb + 64 * (i / 4) + pos] >> (2 * (i % 4)) & 3) << 4;
+                    let sc = t[SCP6 + 32 * sb + 2 * r + i / 4] as i8 as f32;
+                    d * sc * (u as f32 - 32.0)
+                }
+                _ => {
+                    if kind == KKind::Q5K {
+                        u |= (t[QH5 + 64 * sb + pos] >> i & 1) << 4;
+                    }
+                    let sc = t[SC + 16 * sb + r] as f32;
+                    let m = t[MP + 32 * (sb / 2) + 2 * r + sb % 2] as f32;
+                    d * sc * u as f32 - half(t, DMIN + 2 * r) * m
+                }
+            };
+        }
+    }
+}
+
+/// One matrix of a [`matmul_many`]: `tiles` of `n` rows (padded to 16) in `kind`.
+pub(crate) struct Mat<'a> {
+    pub(crate) kind: KKind,
+    pub(crate) tiles: &'a [u8],
+    pub(crate) n: usize,
+}
+
+/// A kernel over one group's tiles: `(tiles, act, b32, nb, r, out, stride, lanes)`: `nb`
+/// super-blocks of 16 rows against `r` activation rows (`nb` blocks each, row after row in
+/// `act`; `b32` their sums of 32 quants), row `i`'s results to `out + i * stride`, the first
+/// `lanes` of 16.
+pub(super) type TileKernel =
+    unsafe fn(&[u8], &[BlockQ8K], &[[i16; 8]], usize, usize, *mut f32, usize, usize);
+
+/// The tiled kernels this CPU runs for `kind` (AVX-512 VNNI, else AVX2 where the kernel
+/// path allows it), and the activation rows each call takes at most.
+fn kernel(kind: KKind) -> Option<(TileKernel, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::avx512::available() {
+            return Some((
+                super::kpacked_x86::vnni(kind),
+                super::kpacked_x86::VNNI_ROWS,
+            ));
+        }
+        if crate::simd::avx2() {
+            return Some((
+                super::kpacked_x86::avx2(kind),
+                super::kpacked_x86::AVX2_ROWS,
+            ));
+        }
+    }
+    let _ = kind;
+    None
+}
+
+/// Whether this CPU runs the tiled K-quant kernels (repacked matrices are made only then).
+pub(crate) fn available() -> bool {
+    kernel(KKind::Q4K).is_some()
+}
+
+/// Each activation block's sums of 32 quants (for the minimums of Q4_K/Q5_K sub-blocks).
+fn sums32(act: &[BlockQ8K]) -> Vec<[i16; 8]> {
+    act.iter()
+        .map(|y| std::array::from_fn(|j| y.bsums[2 * j] + y.bsums[2 * j + 1]))
+        .collect()
+}
+
+/// Activation rows below which quantizing is not worth a pass over the thread pool.
+const PARALLEL_ROWS: usize = 16;
+
+/// `m` rows of `k` as Q8_K blocks, row after row, on the thread pool when there are many.
+fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8K> {
+    let m = x.len() / k;
+    if m < PARALLEL_ROWS {
+        return x.chunks_exact(k).flat_map(kquant::quantize_row).collect();
+    }
+    let nb = k / QK_K;
+    let zero = BlockQ8K {
+        d: 0.0,
+        bsums: [0; QK_K / 16],
+        qs: [0; QK_K],
+    };
+    let mut out = vec![zero; m * nb];
+    struct Dst(*mut BlockQ8K);
+    // SAFETY: each task writes the rows of its own range only.
+    unsafe impl Sync for Dst {}
+    let dst = Dst(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
+        let dst = &dst;
+        // SAFETY: rows `range` of `out` (`nb` blocks each) belong to this task; `out`
+        // outlives the call.
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(dst.0.add(range.start * nb), range.len() * nb)
+        };
+        for (i, o) in range.zip(o.chunks_exact_mut(nb)) {
+            o.copy_from_slice(&kquant::quantize_row(&x[i * k..(i + 1) * k]));
+        }
+    });
+    out
+}
+
+/// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once and
+/// one pass over the thread pool for all of them. Only where [`available`].
+pub(crate) fn matmul_many(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    matmul_many_with(mats, k, x, |kind| {
+        kernel(kind).expect("tiled kernels available")
+    })
+}
+
+fn matmul_many_with(
+    mats: &[Mat<'_>],
+    k: usize,
+    x: &[f32],
+    pick: impl Fn(KKind) -> (TileKernel, usize),
+) -> Vec<Vec<f32>> {
+    let m = x.len() / k;
+    let nb = k / QK_K;
+    let act = quantize(x, k);
+    let b32 = sums32(&act);
+    let kernels: Vec<(TileKernel, usize)> = mats.iter().map(|w| pick(w.kind)).collect();
+    // Groups of 16 rows numbered across the matrices: `first[w]` is matrix `w`'s first.
+    let mut first = vec![0];
+    for w in mats {
+        debug_assert_eq!(w.tiles.len(), w.n.div_ceil(ROWS) * nb * tile_bytes(w.kind));
+        first.push(first.last().copied().unwrap_or(0) + w.n.div_ceil(ROWS));
+    }
+    let groups = first.last().copied().unwrap_or(0);
+    // Activation rows taken in chunks that stay in L2 (~256 KiB) while every group a thread
+    // owns passes over them.
+    let chunk = (256 * 1024 / (nb * std::mem::size_of::<BlockQ8K>())).clamp(8, 256) / 8 * 8;
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+        for a0 in (0..m).step_by(chunk) {
+            let a1 = (a0 + chunk).min(m);
+            for at in range.clone() {
+                let w = first.partition_point(|&f| f <= at) - 1;
+                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
+                let (kern, most) = kernels[w];
+                let tb = tile_bytes(mat.kind);
+                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
+                let lanes = (mat.n - g * ROWS).min(ROWS);
+                for i in (a0..a1).step_by(most) {
+                    let r = most.min(a1 - i);
+                    // SAFETY: the kernel is one `kernel` returned for this CPU; `t` holds
+                    // the group's `nb` tiles, `act`/`b32` rows `i..i + r`; outputs `16g..16g
+                    // + lanes` of rows `i..i + r` of matrix `w` belong to this task (disjoint
+                    // groups), and `outs` outlives `execute_chunked`.
+                    unsafe {
+                        kern(
+                            t,
+                            &act[i * nb..(i + r) * nb],
+                            &b32[i * nb..(i + r) * nb],
+                            nb,
+                            r,
+                            dst.0.add(i * mat.n + g * ROWS),
+                            mat.n,
+                            lanes,
+                        )
+                    };
+                }
+            }
+        }
+    });
+    outs
+}
+
+/// [`matmul_many`] of one matrix without SIMD (dequantized rows times quantized
+/// activations): the reference the kernels are tested against.
+pub(crate) fn matmul_portable(
+    kind: KKind,
+    tiles: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    let m = x.len() / k;
+    let act: Vec<f32> = x
+        .chunks_exact(k)
+        .flat_map(kquant::quantize_row)
+        .flat_map(|y| y.qs.map(|q| q as f32 * y.d))
+        .collect();
+    let mut out = vec![0f32; m * n];
+    let mut w = vec![0f32; k];
+    for j in 0..n {
+        dequantize_row(kind, tiles, k, j, &mut w);
+        for i in 0..m {
+            out[i * n + j] = w
+                .iter()
+                .zip(&act[i * k..(i + 1) * k])
+                .map(|(w, a)| w * a)
+                .sum();
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{uniform, weights};
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use proptest::prelude::*;
+
+    const KINDS: [(KKind, GgmlDType); 3] = [
+        (KKind::Q4K, GgmlDType::Q4K),
+        (KKind::Q5K, GgmlDType::Q5K),
+        (KKind::Q6K, GgmlDType::Q6K),
+    ];
+
+    /// Every tiled kernel this machine runs for `kind`, whatever the process's kernel path.
+    fn every_path(kind: KKind) -> Vec<(&'static str, (TileKernel, usize))> {
+        #[allow(unused_mut)]
+        let mut all = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::super::kpacked_x86 as x86;
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+            {
+                all.push(("vnni", (x86::vnni(kind), x86::VNNI_ROWS)));
+            }
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                all.push(("avx2", (x86::avx2(kind), x86::AVX2_ROWS)));
+            }
+        }
+        let _ = kind;
+        all
+    }
+
+    fn check(vals: &[f32], x: &[f32], n: usize, k: usize) {
+        for (kind, dtype) in KINDS {
+            let (w, wd) = weights(vals, n, k, dtype);
+            let tiles = pack(kind, &w, n, k);
+            assert_eq!(tiles.len(), n.div_ceil(ROWS) * k / QK_K * tile_bytes(kind));
+            // The repacked rows are candle's (ggml's) dequantized rows, exactly.
+            let mut row = vec![0f32; k];
+            for j in 0..n {
+                dequantize_row(kind, &tiles, k, j, &mut row);
+                assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} repacked row {j}");
+            }
+            let m = x.len() / k;
+            let xq: Vec<f32> = x
+                .chunks_exact(k)
+                .flat_map(kquant::quantize_row)
+                .flat_map(|y| y.qs.map(|q| q as f32 * y.d))
+                .collect();
+            let mut results = vec![("portable", matmul_portable(kind, &tiles, n, k, x))];
+            let mat = Mat {
+                kind,
+                tiles: &tiles,
+                n,
+            };
+            for (name, kern) in every_path(kind) {
+                results.push((
+                    name,
+                    matmul_many_with(std::slice::from_ref(&mat), k, x, |_| kern).remove(0),
+                ));
+            }
+            for (name, got) in results {
+                for i in 0..m {
+                    for j in 0..n {
+                        let terms = (0..k).map(|c| wd[j * k + c] as f64 * xq[i * k + c] as f64);
+                        let want: f64 = terms.clone().sum();
+                        let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
+                        let err = (got[i * n + j] as f64 - want).abs() / scale;
+                        assert!(
+                            err < 1e-4,
+                            "{kind:?} {name} ({i},{j}): {} vs {want} (rel {err})",
+                            got[i * n + j]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kind_and_path_matches_the_dequantized_weights() {
+        // 37 rows: two full groups of 16 and a partial one.
+        let (n, k) = (37, 2 * QK_K);
+        let vals: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        // One row (decode), five, eleven (a full call of eight and three more), and zeros.
+        for m in [1, 5, 11] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+                .collect();
+            check(&vals, &x, n, k);
+        }
+        check(&vals, &vec![0.0; k], n, k);
+    }
+
+    /// Extreme quants: activations at ±127 against weights at their largest and smallest
+    /// codes, where a 16-bit partial sum would overflow first.
+    #[test]
+    fn extreme_values_do_not_overflow() {
+        let (n, k) = (16, QK_K);
+        let vals: Vec<f32> = (0..n * k)
+            .map(|i| if (i / 7) % 2 == 0 { 1.0 } else { -1.0 } * (1 + i % 3) as f32)
+            .collect();
+        let x: Vec<f32> = (0..3 * k)
+            .map(|i| if (i / 5) % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        check(&vals, &x, n, k);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn random_matrices_match(
+            n in 1usize..40,
+            blocks in 1usize..4,
+            m in 1usize..12,
+            seed in any::<u64>(),
+            spread in 0.01f32..100.0,
+        ) {
+            let k = blocks * QK_K;
+            let mut next = uniform(seed);
+            let vals: Vec<f32> = (0..n * k).map(|_| next() * spread).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
+            check(&vals, &x, n, k);
+        }
+    }
+}
