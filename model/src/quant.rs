@@ -310,6 +310,8 @@ mod kpacked_x86;
 pub(crate) mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;
+#[cfg(target_arch = "x86_64")]
+mod packed_avx2;
 
 #[cfg(test)]
 mod tests {
@@ -356,6 +358,16 @@ mod tests {
             }
             let packed = p.matmul(x);
             let portable = p.matmul_portable(x);
+            // The repacked layout's AVX2 kernels, whatever the process's kernel path says.
+            #[allow(unused_mut)]
+            let mut avx2_packed = portable.clone();
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                avx2_packed = p.matmul_avx2(x);
+            }
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
@@ -370,6 +382,7 @@ mod tests {
                         ("scalar", scalar[i * n + j]),
                         ("packed", packed[i * n + j]),
                         ("packed portable", portable[i * n + j]),
+                        ("packed avx2", avx2_packed[i * n + j]),
                     ] {
                         let err = (got as f64 - want).abs() / scale;
                         assert!(
@@ -405,6 +418,22 @@ mod tests {
             .map(|i| ((i * 41 % 103) as f32 - 51.0) / 7.0)
             .collect();
         check(&vals, &x11, n, k);
+    }
+
+    /// Quants at their largest codes (a block's first element of one sign, the rest of the
+    /// other) against activations at ±127: where a kernel's 16-bit partial sums overflow
+    /// first.
+    #[test]
+    fn extreme_quants_do_not_overflow() {
+        let (n, k) = (19, 2 * QK);
+        for first in [1.0f32, -1.0] {
+            let vals: Vec<f32> = (0..n * k)
+                .map(|i| if i % QK == 0 { first } else { -first } * (1 + i / k) as f32)
+                .collect();
+            for a in [1.0f32, -1.0] {
+                check(&vals, &vec![a; 5 * k], n, k);
+            }
+        }
     }
 
     /// Matrices of different kinds and heights multiplied together (one quantization of

@@ -103,10 +103,10 @@ impl From<KKind> for PackKind {
 
 impl PackKind {
     /// The repacked layout a GGUF matrix of `dtype` gets on this CPU (and kernel path), if
-    /// any: the 32-element types where AVX-512 VNNI runs, Q4_K/Q5_K/Q6_K where AVX2 does.
+    /// any: the 32-element types and Q4_K/Q5_K/Q6_K wherever AVX2 (or AVX-512 VNNI) runs.
     pub(crate) fn of(dtype: GgmlDType) -> Option<PackKind> {
         if let Some(kind) = Kind::of(dtype) {
-            return Packed::available().then_some(PackKind::Blocks(kind));
+            return (Packed::available() || crate::simd::avx2()).then_some(PackKind::Blocks(kind));
         }
         KKind::of(dtype)
             .filter(|k| kpacked::repacks(*k) && kpacked::available())
@@ -133,7 +133,8 @@ impl std::fmt::Debug for Packed {
 }
 
 impl Packed {
-    /// Whether this CPU runs the repacked kernels of the 32-element types (AVX-512 VNNI).
+    /// Whether this CPU runs the AVX-512 VNNI kernels of the 32-element types (elsewhere
+    /// their tiles take the AVX2 kernels of `packed_avx2`).
     pub(crate) fn available() -> bool {
         #[cfg(target_arch = "x86_64")]
         return super::avx512::available();
@@ -228,6 +229,18 @@ impl Packed {
         outs
     }
 
+    /// [`Packed::matmul`] by the AVX2 kernels of a 32-element type (the tests' way to
+    /// reach them on a CPU whose kernel path picks VNNI).
+    #[cfg(all(test, target_arch = "x86_64"))]
+    pub(crate) fn matmul_avx2(&self, x: &[f32]) -> Vec<f32> {
+        let mats = blocks_of(&[self], &[0], |kind, tiles, n| super::packed_avx2::Mat {
+            kind,
+            tiles,
+            n,
+        });
+        super::packed_avx2::matmul(&mats, self.k, x).remove(0)
+    }
+
     fn k_kind(&self) -> KKind {
         match self.kind {
             PackKind::K(kind) => kind,
@@ -272,23 +285,43 @@ impl Packed {
 fn matmul_blocks(ws: &[&Packed], which: &[usize], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
     if Packed::available() {
-        let mats: Vec<_> = which
-            .iter()
-            .map(|&i| {
-                let PackKind::Blocks(kind) = ws[i].kind else {
-                    unreachable!("a 32-element block type")
-                };
-                super::avx512::Mat {
-                    kind,
-                    tiles: &ws[i].tiles,
-                    n: ws[i].n,
-                }
-            })
-            .collect();
+        let mats = blocks_of(ws, which, |kind, tiles, n| super::avx512::Mat {
+            kind,
+            tiles,
+            n,
+        });
         return super::avx512::packed_matmul(&mats, k, x);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2() {
+        return super::packed_avx2::matmul(
+            &blocks_of(ws, which, |kind, tiles, n| super::packed_avx2::Mat {
+                kind,
+                tiles,
+                n,
+            }),
+            k,
+            x,
+        );
     }
     let _ = k;
     which.iter().map(|&i| ws[i].matmul_portable(x)).collect()
+}
+
+/// The matrices `which` of `ws` (32-element block types) as a kernel's `M`s.
+#[cfg(target_arch = "x86_64")]
+fn blocks_of<'a, M>(
+    ws: &[&'a Packed],
+    which: &[usize],
+    mat: impl Fn(Kind, &'a [u8], usize) -> M,
+) -> Vec<M> {
+    which
+        .iter()
+        .map(|&i| match ws[i].kind {
+            PackKind::Blocks(kind) => mat(kind, &ws[i].tiles, ws[i].n),
+            PackKind::K(kind) => unreachable!("{kind:?} is not a 32-element block type"),
+        })
+        .collect()
 }
 
 /// This module's layout of `raw` (`n` rows of `k` in `kind` blocks).

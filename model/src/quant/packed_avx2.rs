@@ -1,0 +1,263 @@
+//! AVX2 kernels over the repacked 32-element block types ([`super::packed`]), for CPUs
+//! without AVX-512 VNNI (and `model.kernels = "avx2"`): each 512-bit tile vector is read as
+//! two halves of eight rows; `pmaddubsw` multiplies four elements of eight rows with one
+//! activation row's four quants (broadcast), sums stay in 16 bits for up to eight vectors
+//! (4-bit quants) or four (5-bit) and `pmaddwd` widens them, and the block's scales apply to
+//! eight outputs at once. A decoded plane serves [`ROWS_PER_CALL`] activation rows.
+//!
+//! Q8_0's quants are stored `q + 128`, which `pmaddubsw` cannot take unsigned against signed
+//! activations without overflowing 16 bits: they are turned back to `q` and multiplied as
+//! `|q|` times the activation with `q`'s sign (llama.cpp's `mul_sum_i8_pairs`).
+
+use std::arch::x86_64::*;
+
+use super::{BlockQ8, Kind, SharedOut, QK};
+
+/// Activation rows per kernel call.
+pub(super) const ROWS_PER_CALL: usize = 4;
+
+/// One matrix of a [`matmul`]: `tiles` of `n` rows (padded to 16) in `kind`'s blocks.
+pub(super) struct Mat<'a> {
+    pub kind: Kind,
+    pub tiles: &'a [u8],
+    pub n: usize,
+}
+
+/// Activation rows below which quantizing is not worth a pass over the thread pool.
+const PARALLEL_ROWS: usize = 16;
+
+/// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once
+/// and one pass over the thread pool. Callers check `crate::simd::avx2()`.
+pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    let m = x.len() / k;
+    let nb = k / QK;
+    let act = quantize(x, k);
+    let mut first = vec![0];
+    for w in mats {
+        debug_assert_eq!(w.tiles.len(), w.n.div_ceil(16) * nb * w.kind.tile_bytes());
+        first.push(first.last().copied().unwrap_or(0) + w.n.div_ceil(16));
+    }
+    let groups = first.last().copied().unwrap_or(0);
+    let chunk = (256 * 1024 / (nb * std::mem::size_of::<BlockQ8>())).clamp(8, 256) / 8 * 8;
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
+        for a0 in (0..m).step_by(chunk) {
+            let a1 = (a0 + chunk).min(m);
+            for at in range.clone() {
+                let w = first.partition_point(|&f| f <= at) - 1;
+                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
+                let tb = mat.kind.tile_bytes();
+                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
+                let lanes = (mat.n - g * 16).min(16);
+                for i in (a0..a1).step_by(ROWS_PER_CALL) {
+                    let r = ROWS_PER_CALL.min(a1 - i);
+                    for half in 0..lanes.div_ceil(8) {
+                        let n = (lanes - 8 * half).min(8);
+                        // SAFETY: the callers checked AVX2/FMA/F16C; `t` holds the group's
+                        // `nb` tiles, `act` rows `i..i + r`; outputs `16g + 8 half..+ n` of
+                        // rows `i..i + r` of matrix `w` belong to this task (disjoint groups),
+                        // and `outs` outlives `execute_chunked`.
+                        unsafe {
+                            rows(
+                                mat.kind,
+                                t,
+                                &act[i * nb..(i + r) * nb],
+                                nb,
+                                r,
+                                half,
+                                dst.0.add(i * mat.n + g * 16),
+                                mat.n,
+                                n,
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    });
+    outs
+}
+
+/// `m` rows of `k` as 8-bit blocks, row after row, on the thread pool when there are many.
+fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8> {
+    let m = x.len() / k;
+    if m < PARALLEL_ROWS {
+        return x.chunks_exact(k).flat_map(super::quantize_row).collect();
+    }
+    let nb = k / QK;
+    let zero = BlockQ8 {
+        d: 0.0,
+        s: 0.0,
+        qs: [0; QK],
+    };
+    let mut out = vec![zero; m * nb];
+    struct Dst(*mut BlockQ8);
+    // SAFETY: each task writes the rows of its own range only.
+    unsafe impl Sync for Dst {}
+    let dst = Dst(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
+        let dst = &dst;
+        // SAFETY: rows `range` of `out` (`nb` blocks each) belong to this task; `out`
+        // outlives the call.
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(dst.0.add(range.start * nb), range.len() * nb)
+        };
+        for (i, o) in range.zip(o.chunks_exact_mut(nb)) {
+            o.copy_from_slice(&super::quantize_row(&x[i * k..(i + 1) * k]));
+        }
+    });
+    out
+}
+
+/// # Safety
+/// As [`tile`], with `r ≤ 4`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows(
+    kind: Kind,
+    tiles: &[u8],
+    act: &[BlockQ8],
+    nb: usize,
+    r: usize,
+    half: usize,
+    out: *mut f32,
+    stride: usize,
+    n: usize,
+) {
+    macro_rules! by_rows {
+        ($k:expr) => {
+            // SAFETY: the caller's contract.
+            unsafe {
+                match r {
+                    1 => tile::<$k, 1>(tiles, act, nb, half, out, stride, n),
+                    2 => tile::<$k, 2>(tiles, act, nb, half, out, stride, n),
+                    3 => tile::<$k, 3>(tiles, act, nb, half, out, stride, n),
+                    _ => tile::<$k, 4>(tiles, act, nb, half, out, stride, n),
+                }
+            }
+        };
+    }
+    match kind {
+        Kind::Q4_0 => by_rows!(0),
+        Kind::Q4_1 => by_rows!(1),
+        Kind::Q5_0 => by_rows!(2),
+        Kind::Q5_1 => by_rows!(3),
+        Kind::Q8_0 => by_rows!(4),
+    }
+}
+
+/// Rows `8 half..8 half + n` of one group's `nb` tiles against `R` activation rows (`nb`
+/// blocks each in `act`); row `i`'s results to `out + i * stride + 8 half`. `K`: 0 Q4_0, 1
+/// Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `out + i * stride + 8 half + l` is writable for `i < R`,
+/// `l < n ≤ 8`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const K: u8, const R: usize>(
+    tiles: &[u8],
+    act: &[BlockQ8],
+    nb: usize,
+    half: usize,
+    out: *mut f32,
+    stride: usize,
+    n: usize,
+) {
+    let tb = [288, 320, 352, 384, 544][K as usize];
+    let planes = [32, 64, 96, 128, 32][K as usize];
+    assert!(tiles.len() >= nb * tb && act.len() >= R * nb && half < 2);
+    let (o, o16) = (32 * half, 16 * half);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let t = tiles[b * tb..(b + 1) * tb].as_ptr();
+        if half == 0 {
+            // The tile after next: decode steps stream the weights from memory.
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
+        }
+        // SAFETY (every load below): `at + o + 32 ≤ tb` (the layout's offsets).
+        let load = |at: usize| unsafe { _mm256_loadu_si256(t.add(at + o).cast()) };
+        let half8 = |at: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + o16).cast())) };
+        let ys: [&BlockQ8; R] = std::array::from_fn(|i| &act[i * nb + b]);
+        let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
+        // SAFETY: word `i < 8` of a 32-quant block.
+        let word = |r: usize, i: usize| unsafe {
+            _mm256_set1_epi32(std::ptr::read_unaligned(q[r].add(i)))
+        };
+        let mut s = [_mm256_setzero_si256(); R];
+        if K == 4 {
+            let flip = _mm256_set1_epi8(-128);
+            for v in 0..8 {
+                let w = _mm256_xor_si256(load(planes + 64 * v), flip);
+                let aw = _mm256_abs_epi8(w);
+                for i in 0..R {
+                    let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(word(i, v), w));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+                }
+            }
+        } else {
+            let h = if K == 2 || K == 3 {
+                load(if K == 2 { 32 } else { 64 })
+            } else {
+                _mm256_setzero_si256()
+            };
+            let bit = _mm256_set1_epi8(0x10);
+            let mut part = [_mm256_setzero_si256(); R];
+            for j in 0..4 {
+                let p = load(planes + 64 * j);
+                let mut lo = _mm256_and_si256(p, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+                if K == 2 || K == 3 {
+                    // Vector `j`'s fifth bit is bit j of `h`, vector `j + 4`'s bit j + 4.
+                    let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j as i32));
+                    let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(j as i32));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
+                }
+                for i in 0..R {
+                    let pq = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, word(i, j)),
+                        _mm256_maddubs_epi16(hi, word(i, j + 4)),
+                    );
+                    part[i] = _mm256_add_epi16(part[i], pq);
+                }
+                // 4-bit quants: eight products of ≤ 15 · 127 per lane half fit 16 bits; 5-bit
+                // ones four.
+                if j == 3 || ((K == 2 || K == 3) && j == 1) {
+                    for i in 0..R {
+                        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(part[i], ones));
+                        part[i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        let d = half8(0);
+        let m = match K {
+            0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+            2 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+            1 | 3 => half8(32),
+            _ => _mm256_setzero_ps(),
+        };
+        for i in 0..R {
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(ys[i].d));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+            if K != 4 {
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(ys[i].s), acc[i]);
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        let mut v = [0f32; 8];
+        // SAFETY: `v` is 8 writable f32.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), *acc) };
+        for (l, v) in v.iter().take(n).enumerate() {
+            // SAFETY: the caller's contract: lanes `8 half + l`, `l < n`, of row `i`.
+            unsafe { *out.add(i * stride + 8 * half + l) = *v };
+        }
+    }
+}
