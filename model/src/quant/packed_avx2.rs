@@ -195,9 +195,9 @@ unsafe fn tile<const K: u8, const R: usize>(
             for v in 0..8 {
                 let w = _mm256_xor_si256(load(planes + 64 * v), flip);
                 let aw = _mm256_abs_epi8(w);
-                for i in 0..R {
+                for (i, s) in s.iter_mut().enumerate() {
                     let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(word(i, v), w));
-                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+                    *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
                 }
             }
         } else {
@@ -219,12 +219,12 @@ unsafe fn tile<const K: u8, const R: usize>(
                     lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
                     hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
                 }
-                for i in 0..R {
+                for (i, part) in part.iter_mut().enumerate() {
                     let pq = _mm256_add_epi16(
                         _mm256_maddubs_epi16(lo, word(i, j)),
                         _mm256_maddubs_epi16(hi, word(i, j + 4)),
                     );
-                    part[i] = _mm256_add_epi16(part[i], pq);
+                    *part = _mm256_add_epi16(*part, pq);
                 }
                 // 4-bit quants: eight products of ≤ 15 · 127 per lane half fit 16 bits; 5-bit
                 // ones four.
