@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` and `llama-bench` (the CPU peer of `ragkv bench peer`)
-# from the source that the `llama-cpp-python` sdist vendors, into the cache, outside the repo.
+# Builds llama.cpp's `llama-server` and `llama-bench` (the CPU peer of `ragkv bench peer` and
+# `bench model`) and `llama-quantize` (to re-quantize a GGUF for the benchmark matrix) from the source that the `llama-cpp-python` sdist vendors, into the cache, outside the repo.
 # Idempotent: does nothing when the binaries are already there. About 6 minutes on 2 cores.
 #
 #   scripts/llama-server.sh          native build (every instruction set this CPU has); prints
@@ -33,7 +33,7 @@ case "$isa" in
     exit 2
     ;;
 esac
-if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-bench" ]; then
+if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-quantize" ]; then
   echo "$dest/bin/llama-server"
   exit 0
 fi
@@ -57,13 +57,13 @@ if [ ! -d "$src/vendor/llama.cpp" ]; then
   tar -xzf "$sdist" -C "$cache"
 fi
 
-log "building llama-server and llama-bench (cmake, $isa; several minutes)"
+log "building llama-server, llama-bench and llama-quantize (cmake, $isa; several minutes)"
 build="$src/vendor/llama.cpp/build-$isa"
 cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-cmake --build "$build" --config Release -j "$(nproc)" --target llama-server llama-bench >&2
+cmake --build "$build" --config Release -j "$(nproc)" --target llama-server llama-bench llama-quantize >&2
 mkdir -p "$dest/bin"
-cp "$build/bin/llama-server" "$build/bin/llama-bench" "$dest/bin/"
+cp "$build/bin/llama-server" "$build/bin/llama-bench" "$build/bin/llama-quantize" "$dest/bin/"
 # Shared libraries the binaries link (libllama, libggml*), when built shared.
 find "$build" -name '*.so*' -exec cp -P {} "$dest/bin/" \; 2>/dev/null || true
 log "done: $dest/bin"
