@@ -192,38 +192,14 @@ fn sums32(act: &[BlockQ8K]) -> Vec<[i16; 8]> {
         .collect()
 }
 
-/// Activation rows below which quantizing is not worth a pass over the thread pool.
-const PARALLEL_ROWS: usize = 16;
-
 /// `m` rows of `k` as Q8_K blocks, row after row, on the thread pool when there are many.
 fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8K> {
-    let m = x.len() / k;
-    if m < PARALLEL_ROWS {
-        return x.chunks_exact(k).flat_map(kquant::quantize_row).collect();
-    }
-    let nb = k / QK_K;
     let zero = BlockQ8K {
         d: 0.0,
         bsums: [0; QK_K / 16],
         qs: [0; QK_K],
     };
-    let mut out = vec![zero; m * nb];
-    struct Dst(*mut BlockQ8K);
-    // SAFETY: each task writes the rows of its own range only.
-    unsafe impl Sync for Dst {}
-    let dst = Dst(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
-        let dst = &dst;
-        // SAFETY: rows `range` of `out` (`nb` blocks each) belong to this task; `out`
-        // outlives the call.
-        let o = unsafe {
-            std::slice::from_raw_parts_mut(dst.0.add(range.start * nb), range.len() * nb)
-        };
-        for (i, o) in range.zip(o.chunks_exact_mut(nb)) {
-            o.copy_from_slice(&kquant::quantize_row(&x[i * k..(i + 1) * k]));
-        }
-    });
-    out
+    super::quantize_rows(x, k, k / QK_K, zero, kquant::quantize_row)
 }
 
 /// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once and

@@ -23,9 +23,6 @@ pub(super) struct Mat<'a> {
     pub n: usize,
 }
 
-/// Activation rows below which quantizing is not worth a pass over the thread pool.
-const PARALLEL_ROWS: usize = 16;
-
 /// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once
 /// and one pass over the thread pool. Callers check `crate::simd::avx2()`.
 pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
@@ -81,33 +78,12 @@ pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
 
 /// `m` rows of `k` as 8-bit blocks, row after row, on the thread pool when there are many.
 fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8> {
-    let m = x.len() / k;
-    if m < PARALLEL_ROWS {
-        return x.chunks_exact(k).flat_map(super::quantize_row).collect();
-    }
-    let nb = k / QK;
     let zero = BlockQ8 {
         d: 0.0,
         s: 0.0,
         qs: [0; QK],
     };
-    let mut out = vec![zero; m * nb];
-    struct Dst(*mut BlockQ8);
-    // SAFETY: each task writes the rows of its own range only.
-    unsafe impl Sync for Dst {}
-    let dst = Dst(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
-        let dst = &dst;
-        // SAFETY: rows `range` of `out` (`nb` blocks each) belong to this task; `out`
-        // outlives the call.
-        let o = unsafe {
-            std::slice::from_raw_parts_mut(dst.0.add(range.start * nb), range.len() * nb)
-        };
-        for (i, o) in range.zip(o.chunks_exact_mut(nb)) {
-            o.copy_from_slice(&super::quantize_row(&x[i * k..(i + 1) * k]));
-        }
-    });
-    out
+    super::quantize_rows(x, k, k / QK, zero, super::quantize_row)
 }
 
 /// # Safety
