@@ -290,41 +290,6 @@ fn transpose(out_t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     out
 }
 
-/// Activation rows below which quantizing is not worth a pass over the thread pool.
-const PARALLEL_ROWS: usize = 16;
-
-/// The `m` rows of `k` in `x`, each quantized by `row` into `nb` blocks (`zero` fills the
-/// buffer first), row after row; on the thread pool when there are many rows.
-pub(crate) fn quantize_rows<B: Copy + Send>(
-    x: &[f32],
-    k: usize,
-    nb: usize,
-    zero: B,
-    row: fn(&[f32]) -> Vec<B>,
-) -> Vec<B> {
-    let m = x.len() / k;
-    if m < PARALLEL_ROWS {
-        return x.chunks_exact(k).flat_map(row).collect();
-    }
-    let mut out = vec![zero; m * nb];
-    struct Dst<B>(*mut B);
-    // SAFETY: each task writes the rows of its own range only.
-    unsafe impl<B: Send> Sync for Dst<B> {}
-    let dst = Dst(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(m, |range| {
-        let dst = &dst;
-        // SAFETY: rows `range` of `out` (`nb` blocks each) belong to this task; `out`
-        // outlives the call.
-        let o = unsafe {
-            std::slice::from_raw_parts_mut(dst.0.add(range.start * nb), range.len() * nb)
-        };
-        for (i, o) in range.zip(o.chunks_exact_mut(nb)) {
-            o.copy_from_slice(&row(&x[i * k..(i + 1) * k]));
-        }
-    });
-    out
-}
-
 /// The output buffer, written in disjoint ranges by the pool's threads.
 pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each thread writes only the rows of the range it was handed.
@@ -333,6 +298,8 @@ unsafe impl Sync for SharedOut {}
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod packed;
+mod tile_pool;
+pub(crate) use tile_pool::{quantize_rows, tiled_matmul};
 #[cfg(test)]
 mod test_util;
 

@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kind, SharedOut};
+use super::Kind;
 
 pub(super) fn available() -> bool {
     crate::simd::allows_avx512()
@@ -55,56 +55,32 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
         Kind::Q5_1 => packed_rows::<3>,
         Kind::Q8_0 => packed_rows::<4>,
     };
-    // The matrices' groups of 16 rows, numbered one after the other: `first[w]` is matrix
-    // `w`'s first.
-    let mut first = Vec::with_capacity(mats.len() + 1);
-    first.push(0);
     for w in mats {
         let groups = w.n.div_ceil(super::packed::ROWS);
         debug_assert_eq!(w.tiles.len(), groups * nb * w.kind.tile_bytes());
-        first.push(first.last().copied().unwrap_or(0) + groups);
     }
-    let groups = first.last().copied().unwrap_or(0);
-    // Activation rows are taken in groups that stay in L2 (~256 KiB of blocks) while every
-    // weight group a thread owns passes over them.
-    let group = (256 * 1024 / (nb * std::mem::size_of::<super::BlockQ8>())).clamp(PACKED_TILE, 256)
-        / PACKED_TILE
-        * PACKED_TILE;
-    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
-    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        for a0 in (0..m).step_by(group) {
-            let a1 = (a0 + group).min(m);
-            for at in range.clone() {
-                let w = first.partition_point(|&f| f <= at) - 1;
-                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
-                let tb = mat.kind.tile_bytes();
-                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
-                let lanes = (mat.n - g * super::packed::ROWS).min(super::packed::ROWS);
-                let mask = ((1u32 << lanes) - 1) as u16;
-                let kernel = kernel(mat.kind);
-                for i in (a0..a1).step_by(PACKED_TILE) {
-                    let r = PACKED_TILE.min(a1 - i);
-                    // SAFETY: `available()` (the caller's dispatch); `t` holds the group's
-                    // `nb` tiles, `act` rows `i..i + r` of `nb` blocks each; outputs
-                    // `16g..16g + lanes` of rows `i..i + r` of matrix `w` belong to this task
-                    // (disjoint ranges of groups), and `outs` outlives `execute_chunked`.
-                    unsafe {
-                        kernel(
-                            t,
-                            &act[i * nb..(i + r) * nb],
-                            nb,
-                            r,
-                            dst.0.add(i * mat.n + g * super::packed::ROWS),
-                            mat.n,
-                            mask,
-                        )
-                    };
-                }
-            }
-        }
-    });
-    outs
+    let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
+    let row_bytes = nb * std::mem::size_of::<super::BlockQ8>();
+    super::tiled_matmul(&heights, m, row_bytes, PACKED_TILE, |p| {
+        let mat = &mats[p.w];
+        let tb = mat.kind.tile_bytes();
+        let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
+        let mask = ((1u32 << p.lanes) - 1) as u16;
+        // SAFETY: `available()` (the caller's dispatch); `t` holds the group's `nb` tiles,
+        // `act` the pass's rows (at most `PACKED_TILE`) of `nb` blocks each; the pass's
+        // outputs are this call's to write (`tiled_matmul`).
+        unsafe {
+            kernel(mat.kind)(
+                t,
+                &act[p.rows.start * nb..p.rows.end * nb],
+                nb,
+                p.rows.len(),
+                p.out,
+                p.stride,
+                mask,
+            )
+        };
+    })
 }
 
 /// Activation blocks below which quantizing is not worth a pass over the thread pool (a

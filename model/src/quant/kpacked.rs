@@ -34,7 +34,6 @@
 use half::f16;
 
 use super::kquant::{self, BlockQ8K, KKind, QK_K};
-use super::SharedOut;
 
 /// Rows interleaved in a tile.
 pub(crate) const ROWS: usize = 16;
@@ -221,51 +220,33 @@ fn matmul_many_with(
     let act = quantize(x, k);
     let b32 = sums32(&act);
     let kernels: Vec<(TileKernel, usize)> = mats.iter().map(|w| pick(w.kind)).collect();
-    // Groups of 16 rows numbered across the matrices: `first[w]` is matrix `w`'s first.
-    let mut first = vec![0];
     for w in mats {
         debug_assert_eq!(w.tiles.len(), w.n.div_ceil(ROWS) * nb * tile_bytes(w.kind));
-        first.push(first.last().copied().unwrap_or(0) + w.n.div_ceil(ROWS));
     }
-    let groups = first.last().copied().unwrap_or(0);
-    // Activation rows taken in chunks that stay in L2 (~256 KiB) while every group a thread
-    // owns passes over them.
-    let chunk = (256 * 1024 / (nb * std::mem::size_of::<BlockQ8K>())).clamp(8, 256) / 8 * 8;
-    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
-    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        for a0 in (0..m).step_by(chunk) {
-            let a1 = (a0 + chunk).min(m);
-            for at in range.clone() {
-                let w = first.partition_point(|&f| f <= at) - 1;
-                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
-                let (kern, most) = kernels[w];
-                let tb = tile_bytes(mat.kind);
-                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
-                let lanes = (mat.n - g * ROWS).min(ROWS);
-                for i in (a0..a1).step_by(most) {
-                    let r = most.min(a1 - i);
-                    // SAFETY: the kernel is one `kernel` returned for this CPU; `t` holds
-                    // the group's `nb` tiles, `act`/`b32` rows `i..i + r`; outputs `16g..16g
-                    // + lanes` of rows `i..i + r` of matrix `w` belong to this task (disjoint
-                    // groups), and `outs` outlives `execute_chunked`.
-                    unsafe {
-                        kern(
-                            t,
-                            &act[i * nb..(i + r) * nb],
-                            &b32[i * nb..(i + r) * nb],
-                            nb,
-                            r,
-                            dst.0.add(i * mat.n + g * ROWS),
-                            mat.n,
-                            lanes,
-                        )
-                    };
-                }
-            }
-        }
-    });
-    outs
+    let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
+    let step = kernels.iter().map(|k| k.1).min().unwrap_or(1);
+    let row_bytes = nb * std::mem::size_of::<BlockQ8K>();
+    super::tiled_matmul(&heights, m, row_bytes, step, |p| {
+        let (mat, (kern, _)) = (&mats[p.w], kernels[p.w]);
+        let tb = tile_bytes(mat.kind);
+        let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
+        let rows = p.rows.start * nb..p.rows.end * nb;
+        // SAFETY: the kernel is one `kernel` returned for this CPU; `t` holds the group's
+        // `nb` tiles, `act`/`b32` the pass's rows (at most `step`, the fewest any kernel
+        // takes); the pass's outputs are this call's to write (`tiled_matmul`).
+        unsafe {
+            kern(
+                t,
+                &act[rows.clone()],
+                &b32[rows],
+                nb,
+                p.rows.len(),
+                p.out,
+                p.stride,
+                p.lanes,
+            )
+        };
+    })
 }
 
 /// [`matmul_many`] of one matrix without SIMD (dequantized rows times quantized

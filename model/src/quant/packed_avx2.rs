@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BlockQ8, Kind, SharedOut, QK};
+use super::{BlockQ8, Kind, QK};
 
 /// Activation rows per kernel call.
 pub(super) const ROWS_PER_CALL: usize = 4;
@@ -29,51 +29,34 @@ pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
     let m = x.len() / k;
     let nb = k / QK;
     let act = quantize(x, k);
-    let mut first = vec![0];
     for w in mats {
         debug_assert_eq!(w.tiles.len(), w.n.div_ceil(16) * nb * w.kind.tile_bytes());
-        first.push(first.last().copied().unwrap_or(0) + w.n.div_ceil(16));
     }
-    let groups = first.last().copied().unwrap_or(0);
-    let chunk = (256 * 1024 / (nb * std::mem::size_of::<BlockQ8>())).clamp(8, 256) / 8 * 8;
-    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
-    candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-        for a0 in (0..m).step_by(chunk) {
-            let a1 = (a0 + chunk).min(m);
-            for at in range.clone() {
-                let w = first.partition_point(|&f| f <= at) - 1;
-                let (mat, g, dst) = (&mats[w], at - first[w], &dsts[w]);
-                let tb = mat.kind.tile_bytes();
-                let t = &mat.tiles[g * nb * tb..(g + 1) * nb * tb];
-                let lanes = (mat.n - g * 16).min(16);
-                for i in (a0..a1).step_by(ROWS_PER_CALL) {
-                    let r = ROWS_PER_CALL.min(a1 - i);
-                    for half in 0..lanes.div_ceil(8) {
-                        let n = (lanes - 8 * half).min(8);
-                        // SAFETY: the callers checked AVX2/FMA/F16C; `t` holds the group's
-                        // `nb` tiles, `act` rows `i..i + r`; outputs `16g + 8 half..+ n` of
-                        // rows `i..i + r` of matrix `w` belong to this task (disjoint groups),
-                        // and `outs` outlives `execute_chunked`.
-                        unsafe {
-                            rows(
-                                mat.kind,
-                                t,
-                                &act[i * nb..(i + r) * nb],
-                                nb,
-                                r,
-                                half,
-                                dst.0.add(i * mat.n + g * 16),
-                                mat.n,
-                                n,
-                            )
-                        };
-                    }
-                }
-            }
+    let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
+    let row_bytes = nb * std::mem::size_of::<BlockQ8>();
+    super::tiled_matmul(&heights, m, row_bytes, ROWS_PER_CALL, |p| {
+        let mat = &mats[p.w];
+        let tb = mat.kind.tile_bytes();
+        let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
+        for half in 0..p.lanes.div_ceil(8) {
+            // SAFETY: the callers checked AVX2/FMA/F16C; `t` holds the group's `nb` tiles,
+            // `act` the pass's rows (at most `ROWS_PER_CALL`); its outputs are this call's to
+            // write (`tiled_matmul`), lanes `8 half..` of them here.
+            unsafe {
+                rows(
+                    mat.kind,
+                    t,
+                    &act[p.rows.start * nb..p.rows.end * nb],
+                    nb,
+                    p.rows.len(),
+                    half,
+                    p.out,
+                    p.stride,
+                    (p.lanes - 8 * half).min(8),
+                )
+            };
         }
-    });
-    outs
+    })
 }
 
 /// `m` rows of `k` as 8-bit blocks, row after row, on the thread pool when there are many.
