@@ -281,7 +281,7 @@ pub(crate) fn matmul_portable(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{uniform, weights};
+    use super::super::test_util::{assert_product, uniform, weights};
     use super::*;
     use candle_core::quantized::GgmlDType;
     use proptest::prelude::*;
@@ -328,7 +328,6 @@ mod tests {
                 dequantize_row(kind, &tiles, k, j, &mut row);
                 assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} repacked row {j}");
             }
-            let m = x.len() / k;
             let xq: Vec<f32> = x
                 .chunks_exact(k)
                 .flat_map(kquant::quantize_row)
@@ -347,19 +346,7 @@ mod tests {
                 ));
             }
             for (name, got) in results {
-                for i in 0..m {
-                    for j in 0..n {
-                        let terms = (0..k).map(|c| wd[j * k + c] as f64 * xq[i * k + c] as f64);
-                        let want: f64 = terms.clone().sum();
-                        let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
-                        let err = (got[i * n + j] as f64 - want).abs() / scale;
-                        assert!(
-                            err < 1e-4,
-                            "{kind:?} {name} ({i},{j}): {} vs {want} (rel {err})",
-                            got[i * n + j]
-                        );
-                    }
-                }
+                assert_product(&got, &wd, &xq, n, k, 1e-4, &format!("{kind:?} {name}"));
             }
         }
     }

@@ -314,7 +314,7 @@ fn matmul_with(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{uniform, weights};
+    use super::super::test_util::{assert_product, uniform, weights};
     use super::*;
     use proptest::prelude::*;
 
@@ -359,26 +359,13 @@ mod tests {
                 dequantize_row(kind, &w[j * row_bytes..(j + 1) * row_bytes], &mut row);
                 assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} row {j}");
             }
-            let m = x.len() / k;
             let xq: Vec<f32> = x
                 .chunks_exact(k)
                 .flat_map(|r| dequantized_q8(&quantize_row(r)))
                 .collect();
             for (name, kern) in every_path(kind) {
                 let got = matmul_with(&kern, kind, &w, n, k, x);
-                for i in 0..m {
-                    for j in 0..n {
-                        let terms = (0..k).map(|c| wd[j * k + c] as f64 * xq[i * k + c] as f64);
-                        let want: f64 = terms.clone().sum();
-                        let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
-                        let err = (got[i * n + j] as f64 - want).abs() / scale;
-                        assert!(
-                            err < 1e-4,
-                            "{kind:?} {name} ({i},{j}): {} vs {want} (rel {err})",
-                            got[i * n + j]
-                        );
-                    }
-                }
+                assert_product(&got, &wd, &xq, n, k, 1e-4, &format!("{kind:?} {name}"));
             }
         }
     }

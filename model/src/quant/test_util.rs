@@ -29,3 +29,32 @@ pub(crate) fn uniform(seed: u64) -> impl FnMut() -> f32 {
         ((s >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
     }
 }
+
+/// Asserts that `got` (`m` rows of `n`) is `x @ w.T` for the dequantized weights `wd` (`n`
+/// rows of `k`) and dequantized activations `xq` (`m` rows of `k`), each entry within `tol`
+/// of the sum of its terms' magnitudes (computed in f64); `what` names the kernel in a failure.
+pub(crate) fn assert_product(
+    got: &[f32],
+    wd: &[f32],
+    xq: &[f32],
+    n: usize,
+    k: usize,
+    tol: f64,
+    what: &str,
+) {
+    let m = xq.len() / k;
+    assert_eq!(got.len(), m * n, "{what}: result size");
+    for i in 0..m {
+        for j in 0..n {
+            let terms = (0..k).map(|c| wd[j * k + c] as f64 * xq[i * k + c] as f64);
+            let want: f64 = terms.clone().sum();
+            let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
+            let err = (got[i * n + j] as f64 - want).abs() / scale;
+            assert!(
+                err < tol,
+                "{what} ({i},{j}): {} vs {want} (rel {err})",
+                got[i * n + j]
+            );
+        }
+    }
+}
