@@ -11,8 +11,9 @@
 //! tokens: ~100 MB of f32 keys and values per sequence and step, as much as its quantized
 //! weights). Query row `i` of a sequence whose cache holds `t` rows after this step sits at
 //! cache index `t - s + i` and sees keys up to it, within the sliding window if any (HF's
-//! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32: 64-element
-//! heads on AVX-512 CPUs in [`avx512`] (queries and outputs held in registers), other shapes
+//! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32: heads of
+//! 64, 128 or 256 elements on AVX-512 CPUs in [`avx512`] (queries and outputs held in
+//! registers), other shapes
 //! with AVX2+FMA loops (and a vectorized `exp`, ggml's) where the CPU has them, a portable
 //! loop otherwise ([`loops`]). Caches in f32 or f16 (half the bytes a decode step reads; the AVX-512
 //! kernel widens f16 rows as it loads them, the other loops widen a task's rows into a
@@ -180,9 +181,9 @@ pub(crate) fn attend(
     // differ in length: a decoding token over 1,800 cached rows costs 1.6x one over 1,100).
     tasks.sort_by_key(|&(i, _, r0, r1)| std::cmp::Reverse((r1 - r0) * guards[i].2));
     let kernel = Kernel::best();
-    // 64-element heads take the AVX-512 kernel where the CPU has it.
+    // Heads of 64, 128 or 256 elements take the AVX-512 kernel where the CPU has it.
     #[cfg(target_arch = "x86_64")]
-    let wide = d == avx512::HEAD && avx512::available();
+    let wide = avx512::takes(d) && avx512::available();
     let mut out = vec![0f32; rows * heads * d];
     let dst = SharedOut(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
@@ -218,6 +219,7 @@ pub(crate) fn attend(
                         match (k.data, v.data) {
                             (Elems::F32(kd), Elems::F32(vd)) => avx512::group(
                                 &qg,
+                                d,
                                 &kd[k0..],
                                 k.row,
                                 &vd[v0..],
@@ -229,6 +231,7 @@ pub(crate) fn attend(
                             ),
                             (Elems::F16(kd), Elems::F16(vd)) => avx512::group(
                                 &qg,
+                                d,
                                 &kd[k0..],
                                 k.row,
                                 &vd[v0..],
@@ -456,22 +459,25 @@ mod tests {
         check_prompt_beside_a_token(4, 2, 16, ROWS_PER_TASK + 5, 9);
     }
 
-    /// 64-element heads (the AVX-512 kernel where the CPU has it), in groups of three and of
-    /// seven query heads per KV head (two passes of at most four).
+    /// Heads of 64, 128 and 256 elements (the AVX-512 kernel where the CPU has it), in groups
+    /// of three and of seven query heads per KV head (passes of four, two or one heads, the
+    /// last one shorter).
     #[test]
-    fn sixty_four_element_heads_match_the_reference() {
-        check_prompt_beside_a_token(6, 2, 64, 19, 23);
-        check_prompt_beside_a_token(7, 1, 64, 19, 23);
+    fn wide_heads_match_the_reference() {
+        for d in [64, 128, 256] {
+            check_prompt_beside_a_token(6, 2, d, 19, 23);
+            check_prompt_beside_a_token(7, 1, d, 19, 23);
+        }
     }
 
     /// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
-    /// equals the f32 path over the same values widened, for 64-element heads (the AVX-512
-    /// kernel where the CPU has it, widening as it loads) and 20-element ones (rows widened
-    /// into scratch); keys and values of different dtypes are refused.
+    /// equals the f32 path over the same values widened, for heads of 64, 128 and 256
+    /// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
+    /// ones (rows widened into scratch); keys and values of different dtypes are refused.
     #[test]
     fn f16_caches_match_the_f32_path_over_their_values() {
         let dev = Device::Cpu;
-        for d in [64, 20] {
+        for d in [64, 128, 256, 20] {
             let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
             let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
             let half = |_| {

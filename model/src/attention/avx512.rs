@@ -1,7 +1,9 @@
-//! AVX-512 attention for 64-element heads (SmolLM2, Qwen2.5, Llama 3 all use them): a head's
-//! query and its running output stay in registers (four 16-lane vectors each) over every
-//! key of the task, up to four heads of a KV group per pass, so a key or value row costs
-//! four loads and four multiply-adds per head instead of a call and a trip through memory.
+//! AVX-512 attention for heads of 64, 128 or 256 elements (SmolLM2 and Qwen2.5-0.5B use 64,
+//! Qwen2.5-1.5B and Llama 3 128, Gemma 256): a head's query and its running output stay in
+//! registers (`d / 16` vectors each) over every key of the task, as many heads of a KV group
+//! per pass as sixteen query vectors hold (four of 64, two of 128, one of 256), so a key or
+//! value row costs `d / 16` loads, shared by the pass's heads, and `d / 16` multiply-adds per
+//! head instead of a call and a trip through memory.
 //! The softmax's `exp` is ggml's vectorized one (as the AVX2 loops'); the division by the
 //! sum is applied once to the output. Caches in f16 are widened to f32 as each row is
 //! loaded (`vcvtph2ps`), so an f16 cache costs half the memory traffic and no extra pass.
@@ -37,22 +39,25 @@ impl Lanes for f16 {
     }
 }
 
-/// Elements per head this kernel takes.
-pub(super) const HEAD: usize = 64;
+/// Whether this kernel takes heads of `d` elements.
+pub(super) fn takes(d: usize) -> bool {
+    matches!(d, 64 | 128 | 256)
+}
 
 pub(super) fn available() -> bool {
     crate::simd::allows_avx512() && is_x86_feature_detected!("avx512f")
 }
 
-/// Heads `q` (`rep` rows of 64) over the key and value rows `from..=pos` of `k` and `v`
-/// (row strides `ks`, `vs`): the softmax-weighted sums of values into `o` (`rep` rows of
-/// 64), scores scaled by `scale`; `p` is scratch.
+/// Heads `q` (`rep` rows of `d`, [`takes`]) over the key and value rows `from..=pos` of `k`
+/// and `v` (row strides `ks`, `vs`): the softmax-weighted sums of values into `o` (`rep` rows
+/// of `d`), scores scaled by `scale`; `p` is scratch.
 ///
 /// # Safety
 /// The CPU has AVX-512F ([`available`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn group<T: Lanes>(
     q: &[f32],
+    d: usize,
     k: &[T],
     ks: usize,
     v: &[T],
@@ -62,20 +67,20 @@ pub(super) unsafe fn group<T: Lanes>(
     p: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let rep = q.len() / HEAD;
+    let rep = q.len() / d;
     assert!(
-        from <= pos
+        takes(d)
+            && from <= pos
             && o.len() == q.len()
-            && pos * ks + HEAD <= k.len()
-            && pos * vs + HEAD <= v.len()
+            && pos * ks + d <= k.len()
+            && pos * vs + d <= v.len()
     );
+    // Heads per pass: their queries fill at most sixteen registers.
+    let most = 256 / d;
     let mut h = 0;
     while h < rep {
-        let c = (rep - h).min(4);
-        let (qh, oh) = (
-            &q[h * HEAD..(h + c) * HEAD],
-            &mut o[h * HEAD..(h + c) * HEAD],
-        );
+        let c = (rep - h).min(most);
+        let (qh, oh) = (&q[h * d..(h + c) * d], &mut o[h * d..(h + c) * d]);
         let rows = Rows {
             k,
             ks,
@@ -86,11 +91,14 @@ pub(super) unsafe fn group<T: Lanes>(
         };
         // SAFETY: the caller's contract; the rows are in bounds (asserted above).
         unsafe {
-            match c {
-                1 => heads::<T, 1>(qh, &rows, scale, p, oh),
-                2 => heads::<T, 2>(qh, &rows, scale, p, oh),
-                3 => heads::<T, 3>(qh, &rows, scale, p, oh),
-                _ => heads::<T, 4>(qh, &rows, scale, p, oh),
+            match (d, c) {
+                (64, 1) => heads::<T, 1, 4>(qh, &rows, scale, p, oh),
+                (64, 2) => heads::<T, 2, 4>(qh, &rows, scale, p, oh),
+                (64, 3) => heads::<T, 3, 4>(qh, &rows, scale, p, oh),
+                (64, _) => heads::<T, 4, 4>(qh, &rows, scale, p, oh),
+                (128, 1) => heads::<T, 1, 8>(qh, &rows, scale, p, oh),
+                (128, _) => heads::<T, 2, 8>(qh, &rows, scale, p, oh),
+                _ => heads::<T, 1, 16>(qh, &rows, scale, p, oh),
             }
         }
         h += c;
@@ -107,8 +115,9 @@ struct Rows<'a, T> {
     n: usize,
 }
 
+/// `H` heads of `V` vectors (`16 V` elements) each.
 #[target_feature(enable = "avx512f")]
-unsafe fn heads<T: Lanes, const H: usize>(
+unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
     q: &[f32],
     r: &Rows<'_, T>,
     scale: f32,
@@ -121,24 +130,20 @@ unsafe fn heads<T: Lanes, const H: usize>(
         p.resize(H * n, 0.0);
         #[inline]
         #[target_feature(enable = "avx512f")]
-        unsafe fn load4<T: Lanes>(at: *const T) -> [__m512; 4] {
+        unsafe fn load<T: Lanes, const V: usize>(at: *const T) -> [__m512; V] {
             // SAFETY: the CPU has AVX-512F; the rows are in bounds (asserted by `group`).
-            unsafe {
-                [
-                    T::load16(at),
-                    T::load16(at.add(16)),
-                    T::load16(at.add(32)),
-                    T::load16(at.add(48)),
-                ]
-            }
+            std::array::from_fn(|c| unsafe { T::load16(at.add(16 * c)) })
         }
-        let qv: [[__m512; 4]; H] = std::array::from_fn(|h| load4(q.as_ptr().add(h * HEAD)));
+        let qv: [[__m512; V]; H] =
+            std::array::from_fn(|h| load::<f32, V>(q.as_ptr().add(h * 16 * V)));
         let (kp, vp, pp) = (r.k.as_ptr(), r.v.as_ptr(), p.as_mut_ptr());
-        let dot = |qh: &[__m512; 4], kr: &[__m512; 4]| {
-            let acc = _mm512_mul_ps(qh[0], kr[0]);
-            let acc = _mm512_fmadd_ps(qh[1], kr[1], acc);
-            let acc = _mm512_fmadd_ps(qh[2], kr[2], acc);
-            _mm512_fmadd_ps(qh[3], kr[3], acc)
+        // Two chains of multiply-adds, so that neither waits on the other's latency.
+        let dot = |qh: &[__m512; V], kr: &[__m512; V]| {
+            let mut acc = [_mm512_mul_ps(qh[0], kr[0]), _mm512_mul_ps(qh[1], kr[1])];
+            for c in 2..V {
+                acc[c % 2] = _mm512_fmadd_ps(qh[c], kr[c], acc[c % 2]);
+            }
+            _mm512_add_ps(acc[0], acc[1])
         };
         // Sixteen keys at a time: each head's sixteen partial products are summed together
         // ([`sum16`]: ~3 instructions per key instead of a horizontal sum's ~9), the scores
@@ -148,7 +153,7 @@ unsafe fn heads<T: Lanes, const H: usize>(
         let mut j = 0;
         while j + 16 <= n {
             for k in 0..16 {
-                let kr = load4(kp.add((r.from + j + k) * r.ks));
+                let kr = load::<T, V>(kp.add((r.from + j + k) * r.ks));
                 for (part, qh) in parts.iter_mut().zip(&qv) {
                     part[k] = dot(qh, &kr);
                 }
@@ -159,7 +164,7 @@ unsafe fn heads<T: Lanes, const H: usize>(
             j += 16;
         }
         while j < n {
-            let kr = load4(kp.add((r.from + j) * r.ks));
+            let kr = load::<T, V>(kp.add((r.from + j) * r.ks));
             for (h, qh) in qv.iter().enumerate() {
                 *pp.add(h * n + j) = _mm512_reduce_add_ps(dot(qh, &kr)) * scale;
             }
@@ -171,9 +176,9 @@ unsafe fn heads<T: Lanes, const H: usize>(
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             *inv = 1.0 / exp_sub(s, max);
         }
-        let mut ov = [[_mm512_setzero_ps(); 4]; H];
+        let mut ov = [[_mm512_setzero_ps(); V]; H];
         for j in 0..n {
-            let vr = load4(vp.add((r.from + j) * r.vs));
+            let vr = load::<T, V>(vp.add((r.from + j) * r.vs));
             for (h, oh) in ov.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*pp.add(h * n + j));
                 for (acc, x) in oh.iter_mut().zip(&vr) {
@@ -185,7 +190,7 @@ unsafe fn heads<T: Lanes, const H: usize>(
             let scale = _mm512_set1_ps(inv);
             for (c, acc) in oh.iter().enumerate() {
                 _mm512_storeu_ps(
-                    o.as_mut_ptr().add(h * HEAD + c * 16),
+                    o.as_mut_ptr().add((h * V + c) * 16),
                     _mm512_mul_ps(*acc, scale),
                 );
             }
