@@ -78,19 +78,38 @@ pub(crate) struct BlockQ8 {
     qs: [i8; QK],
 }
 
+/// The largest `|x|` of a block (a multiple of 8 long), eight lanes at a time (a form the
+/// compiler vectorizes).
+pub(crate) fn amax(b: &[f32]) -> f32 {
+    let mut m = [0f32; 8];
+    for c in b.chunks_exact(8) {
+        for (m, v) in m.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    m.into_iter().fold(0f32, f32::max)
+}
+
+/// `v` (within ±2^22) rounded to the nearest integer, ties to even, as ggml's `nearest_int`:
+/// adding 1.5 · 2^23 leaves the integer in the float's low mantissa bits. No call to `roundf`
+/// (which the x86-64 baseline lacks an instruction for), so the loops using it vectorize.
+#[inline]
+pub(crate) fn nearest(v: f32) -> i32 {
+    const MAGIC: f32 = 12_582_912.0;
+    ((v + MAGIC).to_bits() & 0x007F_FFFF) as i32 - 0x0040_0000
+}
+
 /// Quantizes `x` (a multiple of [`QK`] long) to 8 bits per block: `d = max|x| / 127`.
 pub(crate) fn quantize_row(x: &[f32]) -> Vec<BlockQ8> {
     x.chunks_exact(QK)
         .map(|b| {
-            let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
+            let d = amax(b) / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut qs = [0i8; QK];
-            let mut sum = 0i32;
             for (q, v) in qs.iter_mut().zip(b) {
-                *q = (v * id).round() as i8;
-                sum += *q as i32;
+                *q = nearest(v * id) as i8;
             }
+            let sum: i32 = qs.iter().map(|&q| q as i32).sum();
             BlockQ8 {
                 d,
                 s: d * sum as f32,
@@ -395,6 +414,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `nearest` rounds as `round_ties_even` over the activation quants' range and beyond,
+    /// ties included; `amax` is the largest magnitude wherever it sits.
+    #[test]
+    fn rounding_and_the_largest_magnitude() {
+        for i in -2000..=2000 {
+            for v in [i as f32 * 0.0625, i as f32 * 0.5, i as f32 * 0.37 + 1e-3] {
+                assert_eq!(nearest(v), v.round_ties_even() as i32, "{v}");
+            }
+        }
+        assert_eq!(nearest(4_194_303.0), 4_194_303);
+        let mut b = vec![0.5f32; 256];
+        for at in [0, 7, 8, 100, 255] {
+            b[at] = -9.0;
+            assert_eq!(amax(&b), 9.0, "at {at}");
+            b[at] = 0.5;
+        }
+        assert_eq!(amax(&[0.0; 32]), 0.0);
     }
 
     #[test]

@@ -91,8 +91,7 @@ pub(crate) struct BlockQ8K {
 pub(crate) fn quantize_row(x: &[f32]) -> Vec<BlockQ8K> {
     x.chunks_exact(QK_K)
         .map(|b| {
-            let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
+            let d = super::amax(b) / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut y = BlockQ8K {
                 d,
@@ -100,7 +99,7 @@ pub(crate) fn quantize_row(x: &[f32]) -> Vec<BlockQ8K> {
                 qs: [0; QK_K],
             };
             for (q, v) in y.qs.iter_mut().zip(b) {
-                *q = (v * id).round() as i8;
+                *q = super::nearest(v * id) as i8;
             }
             for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
                 *s = q.iter().map(|q| *q as i16).sum();
