@@ -359,7 +359,7 @@ mod tests {
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
             .collect();
         // One row (decode), five, eleven (a full call of eight and three more), and zeros.
-        for m in [1, 5, 11] {
+        for m in [1, 2, 5, 11] {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
                 .collect();

@@ -248,6 +248,20 @@ unsafe fn avx2_rows<const T: u8>(
     stride: usize,
     lanes: usize,
 ) {
+    // One or two activation rows (decode steps) walk both halves of each tile at once: the
+    // tile's lines come from memory once and every byte of them is used while they are in
+    // cache, with two independent chains of work per plane. More rows fill the registers
+    // with one half, so they take the halves one after the other.
+    if r <= 2 && lanes > 8 {
+        // SAFETY: the caller's contract is `avx2_tile`'s, for lanes `0..lanes`.
+        unsafe {
+            match r {
+                1 => avx2_tile::<T, 1, 2>(tiles, act, b32, nb, 0, out, stride, lanes),
+                _ => avx2_tile::<T, 2, 2>(tiles, act, b32, nb, 0, out, stride, lanes),
+            }
+        }
+        return;
+    }
     for half in 0..2 {
         if 8 * half >= lanes {
             break;
@@ -256,10 +270,10 @@ unsafe fn avx2_rows<const T: u8>(
         // SAFETY: the caller's contract is `avx2_tile`'s, for lanes `8 half..8 half + n`.
         unsafe {
             match r {
-                1 => avx2_tile::<T, 1>(tiles, act, b32, nb, half, out, stride, n),
-                2 => avx2_tile::<T, 2>(tiles, act, b32, nb, half, out, stride, n),
-                3 => avx2_tile::<T, 3>(tiles, act, b32, nb, half, out, stride, n),
-                _ => avx2_tile::<T, 4>(tiles, act, b32, nb, half, out, stride, n),
+                1 => avx2_tile::<T, 1, 1>(tiles, act, b32, nb, half, out, stride, n),
+                2 => avx2_tile::<T, 2, 1>(tiles, act, b32, nb, half, out, stride, n),
+                3 => avx2_tile::<T, 3, 1>(tiles, act, b32, nb, half, out, stride, n),
+                _ => avx2_tile::<T, 4, 1>(tiles, act, b32, nb, half, out, stride, n),
             }
         }
     }
@@ -273,166 +287,206 @@ unsafe fn bcast256(p: *const i32, i: usize) -> __m256i {
     _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(p.add(i)) })
 }
 
-/// Rows `8 half..8 half + n` of a group against `R` activation rows.
+/// Rows `8 first..8 first + n` of a group (`H` halves of eight rows from half `first`)
+/// against `R` activation rows.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_tile<const T: u8, const R: usize>(
+unsafe fn avx2_tile<const T: u8, const R: usize, const H: usize>(
     tiles: &[u8],
     act: &[BlockQ8K],
     b32: &[[i16; 8]],
     nb: usize,
-    half: usize,
+    first: usize,
     out: *mut f32,
     stride: usize,
     n: usize,
 ) {
     let tb = TILE[T as usize];
     assert!(tiles.len() >= nb * tb && act.len() >= R * nb && b32.len() >= R * nb);
-    let (o, o16) = (32 * half, 16 * half);
+    assert!(first + H <= 2 && n <= 8 * H);
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..nb {
         let t = tiles[b * tb..(b + 1) * tb].as_ptr();
-        if half == 0 {
+        if first == 0 {
             for l in (0..tb).step_by(64) {
                 // SAFETY: a prefetch reads nothing and cannot fault.
                 _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(PREFETCH * tb + l).cast());
             }
         }
-        // SAFETY (every load below): `at + o + 32 ≤ tb`, inside this tile.
-        let load = |at: usize| unsafe { _mm256_loadu_si256(t.add(at + o).cast()) };
-        let half8 = |at: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + o16).cast())) };
-        // This half's eight rows' pairs of bytes (16 at `at + 16 half`) as pairs of i16.
-        let widen_u8 =
-            |at: usize| unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(t.add(at + o16).cast())) };
-        let widen_i8 =
-            |at: usize| unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(t.add(at + o16).cast())) };
+        // Half `e`'s 32 bytes of the 64 at `at` (SAFETY, every load below: `at + 64 ≤ tb`,
+        // inside this tile).
+        let load = |at: usize, e: usize| unsafe {
+            _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
+        };
+        let half8 = |at: usize, e: usize| unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
+        };
+        // Half `e`'s eight rows' pairs of bytes (16 of the 32 at `at`) as pairs of i16.
+        let widen_u8 = |at: usize, e: usize| unsafe {
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
+        };
+        let widen_i8 = |at: usize, e: usize| unsafe {
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
+        };
         let ys: [&BlockQ8K; R] = std::array::from_fn(|i| &act[i * nb + b]);
         let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
-        let mut isum = [_mm256_setzero_si256(); R];
+        let mut isum = [[_mm256_setzero_si256(); H]; R];
         if T < 2 {
             for j in 0..8 {
-                // SAFETY: 8 bytes at `SC + 16j + 8 half`, inside the tile.
-                let sc = _mm256_cvtepu8_epi32(unsafe {
-                    _mm_loadl_epi64(t.add(SC + 16 * j + 8 * half).cast())
+                let sc: [__m256i; H] = std::array::from_fn(|e| {
+                    // SAFETY: 8 bytes at `SC + 16j + 8 (first + e)`, inside the tile.
+                    let sc = _mm256_cvtepu8_epi32(unsafe {
+                        _mm_loadl_epi64(t.add(SC + 16 * j + 8 * (first + e)).cast())
+                    });
+                    _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc))
                 });
-                let sc = _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc));
-                let h = if T == 1 {
-                    load(QH5 + 64 * j)
-                } else {
-                    _mm256_setzero_si256()
-                };
-                let mut part = [_mm256_setzero_si256(); R];
-                for p in 0..4 {
-                    let plane = load(Q45 + 256 * j + 64 * p);
-                    let mut lo = _mm256_and_si256(plane, m4);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(plane), m4);
+                let h: [__m256i; H] = std::array::from_fn(|e| {
                     if T == 1 {
-                        let bit = _mm256_set1_epi8(0x10);
-                        let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - p as i32));
-                        let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(p as i32));
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
+                        load(QH5 + 64 * j, e)
+                    } else {
+                        _mm256_setzero_si256()
                     }
-                    for i in 0..R {
-                        // SAFETY: words `8j + p (+ 4) < 64` of a 256-quant block.
-                        let (a, c) =
-                            unsafe { (bcast256(q[i], 8 * j + p), bcast256(q[i], 8 * j + p + 4)) };
-                        let pq = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, a),
-                            _mm256_maddubs_epi16(hi, c),
-                        );
-                        part[i] = _mm256_add_epi16(part[i], pq);
+                });
+                let mut part = [[_mm256_setzero_si256(); H]; R];
+                for p in 0..4 {
+                    // SAFETY: words `8j + p (+ 4) < 64` of a 256-quant block.
+                    let ac: [(__m256i, __m256i); R] = std::array::from_fn(|i| unsafe {
+                        (bcast256(q[i], 8 * j + p), bcast256(q[i], 8 * j + p + 4))
+                    });
+                    for e in 0..H {
+                        let plane = load(Q45 + 256 * j + 64 * p, e);
+                        let mut lo = _mm256_and_si256(plane, m4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(plane), m4);
+                        if T == 1 {
+                            let bit = _mm256_set1_epi8(0x10);
+                            let l = _mm256_sll_epi16(h[e], _mm_cvtsi32_si128(4 - p as i32));
+                            let u = _mm256_srl_epi16(h[e], _mm_cvtsi32_si128(p as i32));
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
+                        }
+                        for i in 0..R {
+                            let (a, c) = ac[i];
+                            let pq = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, a),
+                                _mm256_maddubs_epi16(hi, c),
+                            );
+                            part[i][e] = _mm256_add_epi16(part[i][e], pq);
+                        }
                     }
                     if p % 2 == 1 {
                         for i in 0..R {
-                            isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(part[i], sc));
-                            part[i] = _mm256_setzero_si256();
-                        }
-                    }
-                }
-            }
-            let (d, dmin) = (half8(D), half8(DMIN));
-            for i in 0..R {
-                let bs: *const i32 = b32[i * nb + b].as_ptr().cast();
-                let mut ms = _mm256_setzero_si256();
-                for p in 0..4 {
-                    // SAFETY: words `p < 4` of eight i16 sums.
-                    let y = unsafe { bcast256(bs, p) };
-                    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(widen_u8(MP + 32 * p), y));
-                }
-                let yd = _mm256_set1_ps(ys[i].d);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, yd), acc[i]);
-                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dmin, yd), acc[i]);
-            }
-        } else {
-            let m30 = _mm256_set1_epi8(0x30);
-            let lo16 = _mm256_set1_epi32(0xFFFF);
-            for j in 0..8 {
-                let pair = widen_i8(SCP6 + 32 * j);
-                for h in 0..2 {
-                    // Group `2j + h`'s scale in both i16 halves of each lane.
-                    let sc = if h == 0 {
-                        _mm256_or_si256(_mm256_and_si256(pair, lo16), _mm256_slli_epi32::<16>(pair))
-                    } else {
-                        _mm256_or_si256(
-                            _mm256_andnot_si256(lo16, pair),
-                            _mm256_srli_epi32::<16>(pair),
-                        )
-                    };
-                    let hv = load(HI6 + 128 * j + 64 * h);
-                    let mut part = [_mm256_setzero_si256(); R];
-                    for p in 0..4 {
-                        let plane = load(Q6 + 256 * j + 64 * p);
-                        let low = if h == 0 {
-                            plane
-                        } else {
-                            _mm256_srli_epi16::<4>(plane)
-                        };
-                        let up = if p < 2 {
-                            _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - 2 * p as i32))
-                        } else {
-                            _mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * p as i32 - 4))
-                        };
-                        let v =
-                            _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(up, m30));
-                        for i in 0..R {
-                            // SAFETY: word `8j + 4h + p < 64` of a 256-quant block.
-                            let a = unsafe { bcast256(q[i], 8 * j + 4 * h + p) };
-                            part[i] = _mm256_add_epi16(part[i], _mm256_maddubs_epi16(v, a));
-                        }
-                        if p % 2 == 1 {
-                            for i in 0..R {
-                                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(part[i], sc));
-                                part[i] = _mm256_setzero_si256();
+                            for e in 0..H {
+                                let s = _mm256_madd_epi16(part[i][e], sc[e]);
+                                isum[i][e] = _mm256_add_epi32(isum[i][e], s);
+                                part[i][e] = _mm256_setzero_si256();
                             }
                         }
                     }
                 }
             }
-            let d = half8(D);
-            for i in 0..R {
-                let bs: *const i32 = ys[i].bsums.as_ptr().cast();
-                let mut off = _mm256_setzero_si256();
-                for j in 0..8 {
-                    // SAFETY: words `j < 8` of sixteen i16 sums.
-                    let y = unsafe { bcast256(bs, j) };
-                    off = _mm256_add_epi32(off, _mm256_madd_epi16(widen_i8(SCP6 + 32 * j), y));
+            for e in 0..H {
+                let (d, dmin) = (half8(D, e), half8(DMIN, e));
+                for i in 0..R {
+                    let bs: *const i32 = b32[i * nb + b].as_ptr().cast();
+                    let mut ms = _mm256_setzero_si256();
+                    for p in 0..4 {
+                        // SAFETY: words `p < 4` of eight i16 sums.
+                        let y = unsafe { bcast256(bs, p) };
+                        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(widen_u8(MP + 32 * p, e), y));
+                    }
+                    let yd = _mm256_set1_ps(ys[i].d);
+                    let a = &mut acc[i][e];
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][e]), _mm256_mul_ps(d, yd), *a);
+                    *a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dmin, yd), *a);
                 }
-                let s = _mm256_sub_epi32(isum[i], _mm256_slli_epi32::<5>(off));
-                let yd = _mm256_set1_ps(ys[i].d);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, yd), acc[i]);
+            }
+        } else {
+            let m30 = _mm256_set1_epi8(0x30);
+            let lo16 = _mm256_set1_epi32(0xFFFF);
+            for j in 0..8 {
+                let pair: [__m256i; H] = std::array::from_fn(|e| widen_i8(SCP6 + 32 * j, e));
+                for h in 0..2 {
+                    // Group `2j + h`'s scale in both i16 halves of each lane.
+                    let sc: [__m256i; H] = std::array::from_fn(|e| {
+                        let p = pair[e];
+                        if h == 0 {
+                            _mm256_or_si256(_mm256_and_si256(p, lo16), _mm256_slli_epi32::<16>(p))
+                        } else {
+                            _mm256_or_si256(
+                                _mm256_andnot_si256(lo16, p),
+                                _mm256_srli_epi32::<16>(p),
+                            )
+                        }
+                    });
+                    let hv: [__m256i; H] = std::array::from_fn(|e| load(HI6 + 128 * j + 64 * h, e));
+                    let mut part = [[_mm256_setzero_si256(); H]; R];
+                    for p in 0..4 {
+                        // SAFETY: word `8j + 4h + p < 64` of a 256-quant block.
+                        let a: [__m256i; R] =
+                            std::array::from_fn(|i| unsafe { bcast256(q[i], 8 * j + 4 * h + p) });
+                        for e in 0..H {
+                            let plane = load(Q6 + 256 * j + 64 * p, e);
+                            let low = if h == 0 {
+                                plane
+                            } else {
+                                _mm256_srli_epi16::<4>(plane)
+                            };
+                            let up = if p < 2 {
+                                _mm256_sll_epi16(hv[e], _mm_cvtsi32_si128(4 - 2 * p as i32))
+                            } else {
+                                _mm256_srl_epi16(hv[e], _mm_cvtsi32_si128(2 * p as i32 - 4))
+                            };
+                            let v = _mm256_or_si256(
+                                _mm256_and_si256(low, m4),
+                                _mm256_and_si256(up, m30),
+                            );
+                            for i in 0..R {
+                                let pq = _mm256_maddubs_epi16(v, a[i]);
+                                part[i][e] = _mm256_add_epi16(part[i][e], pq);
+                            }
+                        }
+                        if p % 2 == 1 {
+                            for i in 0..R {
+                                for e in 0..H {
+                                    let s = _mm256_madd_epi16(part[i][e], sc[e]);
+                                    isum[i][e] = _mm256_add_epi32(isum[i][e], s);
+                                    part[i][e] = _mm256_setzero_si256();
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for e in 0..H {
+                let d = half8(D, e);
+                for i in 0..R {
+                    let bs: *const i32 = ys[i].bsums.as_ptr().cast();
+                    let mut off = _mm256_setzero_si256();
+                    for j in 0..8 {
+                        // SAFETY: words `j < 8` of sixteen i16 sums.
+                        let y = unsafe { bcast256(bs, j) };
+                        let w = widen_i8(SCP6 + 32 * j, e);
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(w, y));
+                    }
+                    let s = _mm256_sub_epi32(isum[i][e], _mm256_slli_epi32::<5>(off));
+                    let yd = _mm256_set1_ps(ys[i].d);
+                    let a = &mut acc[i][e];
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, yd), *a);
+                }
             }
         }
     }
     for (i, acc) in acc.iter().enumerate() {
-        let mut v = [0f32; 8];
-        // SAFETY: `v` is 8 writable f32.
-        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), *acc) };
+        let mut v = [0f32; 16];
+        for (e, a) in acc.iter().enumerate() {
+            // SAFETY: `v` has 16 writable f32, `e < H ≤ 2`.
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *a) };
+        }
         for (l, v) in v.iter().take(n).enumerate() {
-            // SAFETY: the caller's contract: lanes `8 half + l < lanes` of row `i`.
-            unsafe { *out.add(i * stride + 8 * half + l) = *v };
+            // SAFETY: the caller's contract: lanes `8 first + l < 8 first + n` of row `i`.
+            unsafe { *out.add(i * stride + 8 * first + l) = *v };
         }
     }
 }
