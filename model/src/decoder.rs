@@ -496,8 +496,9 @@ impl Decoder {
     fn mlp(&self, layer: &Layer, x: Tensor) -> Result<Tensor> {
         let h = self.rms(&x, &layer.ffn_norm)?;
         let [g, u] = Proj::forward_many([&layer.gate, &layer.up], &h)?;
-        let g = candle_nn::ops::silu(&g).ctx("silu")?;
-        let m = layer.down.forward(&(g * u).ctx("swiglu")?)?;
+        let m = layer
+            .down
+            .forward(&crate::swiglu::swiglu(&g, &u).ctx("swiglu")?)?;
         (x + m).ctx("residual")
     }
 

@@ -31,6 +31,7 @@ mod linear;
 mod quant;
 mod rope;
 mod simd;
+mod swiglu;
 pub mod synthetic;
 mod template;
 mod tokenizer;

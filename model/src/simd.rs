@@ -195,4 +195,36 @@ pub(crate) mod x86 {
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
     }
+
+    /// ggml's `ggml_v_expf` (AVX2) for arguments up to 87 (no overflow branch); those below
+    /// -87 are clamped there (their `exp` is 0 to f32 anyway): max error about 1.5 ulp.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
+        let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let r = c(0x4b40_0000);
+        let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), x));
+        let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(
+            e,
+            _mm256_castps_si256(_mm256_set1_ps(1.0)),
+        ));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                u,
+                _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            ),
+            u,
+            _mm256_mul_ps(c(0x3f7f_fff6), b),
+        );
+        _mm256_fmadd_ps(j, k, k)
+    }
 }

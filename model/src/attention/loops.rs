@@ -137,7 +137,7 @@ mod avx2 {
     #![allow(unused_unsafe)]
     use std::arch::x86_64::*;
 
-    use crate::simd::x86::hsum256 as hsum;
+    use crate::simd::x86::{exp8, hsum256 as hsum};
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -184,37 +184,6 @@ mod avx2 {
                 o[i] += w * x[i];
                 i += 1;
             }
-        }
-    }
-
-    /// ggml's `ggml_v_expf` (AVX2), for arguments ≥ -87 (clamped: the scores minus their
-    /// maximum, where anything below is 0 to f32 anyway): max error about 1.5 ulp.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        unsafe {
-            let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
-            let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-            let r = c(0x4b40_0000);
-            let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
-            let n = _mm256_sub_ps(z, r);
-            let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), x));
-            let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
-            let k = _mm256_castsi256_ps(_mm256_add_epi32(
-                e,
-                _mm256_castps_si256(_mm256_set1_ps(1.0)),
-            ));
-            let u = _mm256_mul_ps(b, b);
-            let j = _mm256_fmadd_ps(
-                _mm256_fmadd_ps(
-                    _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
-                    u,
-                    _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
-                ),
-                u,
-                _mm256_mul_ps(c(0x3f7f_fff6), b),
-            );
-            _mm256_fmadd_ps(j, k, k)
         }
     }
 
