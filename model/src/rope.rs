@@ -20,11 +20,13 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// The rotation of the model's (global) layers.
     pub fn new(cfg: &ModelConfig) -> Rope {
         let d = cfg.head_dim;
-        let mut inv_freq: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64))
-            .collect();
+        let mut inv_freq = Self::base(cfg.rope_theta, d);
+        if let Some(f) = cfg.rope_linear_factor {
+            inv_freq.iter_mut().for_each(|x| *x /= f);
+        }
         if let Some(s) = cfg.rope_scaling {
             // Llama 3: leave high frequencies, divide low ones by `factor`, blend between.
             let old = s.original_max_position_embeddings as f64;
@@ -52,6 +54,23 @@ impl Rope {
             inv_freq,
             style: cfg.rope_style,
         }
+    }
+
+    /// The rotation of the windowed layers of a model with a [`crate::LayerPattern`]: their
+    /// own base, no scaling.
+    pub fn local(cfg: &ModelConfig) -> Option<Rope> {
+        let p = cfg.layer_pattern?;
+        Some(Rope {
+            inv_freq: Self::base(p.local_rope_theta, cfg.head_dim),
+            style: cfg.rope_style,
+        })
+    }
+
+    /// `theta^(-2i/d)` for every pair `i`.
+    fn base(theta: f64, d: usize) -> Vec<f64> {
+        (0..d / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
+            .collect()
     }
 
     /// cos and sin tables, shape `(positions.len(), head_dim / 2)`.
@@ -266,12 +285,16 @@ mod tests {
             rms_eps: 1e-5,
             rope_theta: 500_000.0,
             rope_scaling: None,
+            rope_linear_factor: None,
             rope_freq_factors: None,
             rope_style: RopeStyle::Half,
             tie_embeddings: true,
             attn_bias: false,
             qk_norm: false,
             sliding_window: None,
+            layer_pattern: None,
+            attn_scalar: None,
+            activation: crate::config::Activation::Silu,
             max_positions: 8192,
         }
     }
@@ -300,6 +323,33 @@ mod tests {
         for ((got, base), d) in f.inv_freq.iter().zip(&plain.inv_freq).zip(&factors) {
             assert!((got - base / d).abs() < 1e-15);
         }
+    }
+
+    /// Linear scaling divides every frequency (Gemma 3's global layers); the windowed layers
+    /// of a layer pattern take their own base and no scaling; without a pattern there is no
+    /// local rotation.
+    #[test]
+    fn linear_scaling_and_local_layers() {
+        assert!(Rope::local(&cfg()).is_none());
+        let c = ModelConfig {
+            rope_linear_factor: Some(8.0),
+            sliding_window: Some(16),
+            layer_pattern: Some(crate::config::LayerPattern {
+                global_every: 6,
+                local_rope_theta: 10_000.0,
+            }),
+            ..cfg()
+        };
+        let (global, local) = (Rope::new(&c), Rope::local(&c).expect("local"));
+        let plain = Rope::new(&cfg());
+        for (g, p) in global.inv_freq.iter().zip(&plain.inv_freq) {
+            assert!((g - p / 8.0).abs() < 1e-18);
+        }
+        assert_eq!(local.inv_freq[0], 1.0);
+        assert!((local.inv_freq[1] - 10_000f64.powf(-2.0 / 64.0)).abs() < 1e-15);
+        assert_eq!(c.window_of(0), Some(16));
+        assert_eq!(c.window_of(5), None);
+        assert!(c.local_rope(4) && !c.local_rope(11));
     }
 
     /// The CPU's own turn of the rows is candle's rope, bit for bit, in both pairings: per

@@ -12,6 +12,7 @@
 //! | Mistral | `llama`                     | q/k rows permuted  | HF: `sliding_window`           |
 //! | Qwen2   | `qwen2`                     | half split         | q/k/v biases                   |
 //! | Qwen3   | `qwen3`                     | half split         | per-head q/k norms             |
+//! | Gemma 3 | `gemma3`                    | half split         | four norms a layer (GGUF: `1 + w`), GeGLU, window on layer 0 of 2 |
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +30,8 @@ pub struct SyntheticSpec {
     pub arch: Arch,
     /// Llama 3 RoPE scaling (HF `rope_scaling`, GGUF `rope_freqs.weight`); Llama only.
     pub llama3_scaling: bool,
-    /// Mistral's attention window (HF only: GGUF files do not carry it).
+    /// Mistral's attention window (HF only: GGUF files do not carry it), or Gemma 3's
+    /// (both files; default 4096), which applies to its first layer of two.
     pub sliding_window: Option<usize>,
     /// The chat template; `None`: the family's usual one.
     pub chat_template: Option<String>,
@@ -92,6 +94,11 @@ fn family(arch: Arch) -> (&'static [&'static str], &'static str, &'static str) {
             "qwen2",
             CHATML_TEMPLATE,
         ),
+        Arch::Gemma3 => (
+            &["<bos>", "<eos>", "<end_of_turn>", "<start_of_turn>"],
+            "gpt2",
+            crate::template::GEMMA3_TEMPLATE,
+        ),
     }
 }
 
@@ -142,9 +149,13 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     };
     let theta: f64 = match arch {
         Arch::Llama => 500_000.0,
-        Arch::Qwen2 | Arch::Qwen3 => 1_000_000.0,
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => 1_000_000.0,
         Arch::Mistral => 10_000.0,
     };
+    let gemma = arch == Arch::Gemma3;
+    // HF Gemma norms hold `w` of `1 + w`: random around 0 instead of 1.
+    let norm_base = if gemma { 0.0 } else { 1.0 };
+    let gemma_window = spec.sliding_window.unwrap_or(MAX_POSITIONS);
 
     // Vocabulary: bytes, merges, specials.
     let symbols = byte_symbols();
@@ -193,7 +204,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     let kv_out = KV_HEADS * head_dim;
     // Llama 3.2 ties the output head to the embedding; a model that must end its turn at
     // once needs the two apart.
-    let tied = arch == Arch::Llama && !spec.ends_turn_at_once;
+    let tied = (arch == Arch::Llama || gemma) && !spec.ends_turn_at_once;
     let mut hf: Vec<(String, Tensor)> = Vec::new();
     hf.push((
         "model.embed_tokens.weight".into(),
@@ -203,7 +214,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         let p = format!("model.layers.{i}");
         hf.push((
             format!("{p}.input_layernorm.weight"),
-            rand_t(&[hidden], 0.1, 1.0)?,
+            rand_t(&[hidden], 0.1, norm_base)?,
         ));
         hf.push((
             format!("{p}.self_attn.q_proj.weight"),
@@ -225,14 +236,14 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
                 ));
             }
         }
-        if arch == Arch::Qwen3 {
+        if arch == Arch::Qwen3 || gemma {
             hf.push((
                 format!("{p}.self_attn.q_norm.weight"),
-                rand_t(&[head_dim], 0.2, 1.0)?,
+                rand_t(&[head_dim], 0.2, norm_base)?,
             ));
             hf.push((
                 format!("{p}.self_attn.k_norm.weight"),
-                rand_t(&[head_dim], 0.2, 1.0)?,
+                rand_t(&[head_dim], 0.2, norm_base)?,
             ));
         }
         hf.push((
@@ -241,8 +252,16 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ));
         hf.push((
             format!("{p}.post_attention_layernorm.weight"),
-            rand_t(&[hidden], 0.1, 1.0)?,
+            rand_t(&[hidden], 0.1, norm_base)?,
         ));
+        if gemma {
+            for name in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                hf.push((
+                    format!("{p}.{name}.weight"),
+                    rand_t(&[hidden], 0.1, norm_base)?,
+                ));
+            }
+        }
         hf.push((
             format!("{p}.mlp.gate_proj.weight"),
             rand_t(&[INTERMEDIATE, hidden], 0.2, 0.0)?,
@@ -256,12 +275,15 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
             rand_t(&[hidden, INTERMEDIATE], 0.2, 0.0)?,
         ));
     }
-    hf.push(("model.norm.weight".into(), rand_t(&[hidden], 0.1, 1.0)?));
+    hf.push((
+        "model.norm.weight".into(),
+        rand_t(&[hidden], 0.1, norm_base)?,
+    ));
     if !tied {
         hf.push(("lm_head.weight".into(), rand_t(&[vocab, hidden], 0.3, 0.0)?));
     }
     if spec.ends_turn_at_once {
-        ends_turn(&mut hf, eot as usize)?;
+        ends_turn(&mut hf, eot as usize, norm_base)?;
     }
 
     fs_err::create_dir_all(dir)?;
@@ -276,17 +298,20 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         Arch::Llama | Arch::Mistral => "llama",
         Arch::Qwen2 => "qwen2",
         Arch::Qwen3 => "qwen3",
+        Arch::Gemma3 => "gemma3",
     };
     let permuted = gguf_arch == "llama";
     let mut qt: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in &hf {
-        let gname = crate::weights::gguf_name(name).ok_or_else(|| Error::Weight {
+        let gname = crate::gguf::gguf_name(name, arch).ok_or_else(|| Error::Weight {
             name: name.clone(),
             why: "no GGUF name".into(),
         })?;
         let t = match (permuted, name.as_str()) {
             (true, n) if n.ends_with("q_proj.weight") => permute(t, HIDDEN_HEADS)?,
             (true, n) if n.ends_with("k_proj.weight") => permute(t, KV_HEADS)?,
+            // llama.cpp's converter writes Gemma's norms as `1 + w`.
+            (_, n) if crate::gguf::shifted_norm(arch, n) => (t + 1.0).ctx("norm shift")?,
             _ => t.clone(),
         };
         qt.push((
@@ -329,6 +354,16 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ),
         (k("rope.freq_base"), Value::F32(theta as f32)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        (
+            k("attention.sliding_window"),
+            Value::U32(gemma_window as u32),
+        ),
+        // llama.cpp fixes Gemma 3's pattern at 6 and reads no key; ragkv reads this one
+        // when present (real files have 6 or more layers, this one 2).
+        (
+            k("attention.sliding_window_pattern"),
+            Value::U32(LAYERS as u32),
+        ),
         ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
         ("tokenizer.ggml.tokens".into(), strings(&tokens)),
         (
@@ -340,13 +375,16 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         (
             "tokenizer.ggml.add_bos_token".into(),
-            Value::Bool(arch == Arch::Llama || arch == Arch::Mistral),
+            Value::Bool(matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma3)),
         ),
         (
             "tokenizer.chat_template".into(),
             Value::String(template.clone()),
         ),
     ];
+    if !gemma {
+        meta.retain(|(key, _)| !key.starts_with(&k("attention.sliding_window")));
+    }
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     let gguf = dir.join("model.gguf");
     let mut f = std::io::BufWriter::new(fs_err::File::create(&gguf)?);
@@ -361,7 +399,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     tok.inner()
         .save(hf_dir.join("tokenizer.json"), false)
         .map_err(|e| Error::Tokenizer { why: e.to_string() })?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "model_type": arch.name(),
         "architectures": [arch.hf_class()],
         "vocab_size": vocab,
@@ -390,12 +428,30 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         "bos_token_id": bos,
         "eos_token_id": eos,
     });
+    if gemma {
+        let extra = serde_json::json!({
+            "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": null,
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": gemma_window,
+            "sliding_window_pattern": LAYERS,
+            "rope_local_base_freq": 10_000.0,
+            "final_logit_softcapping": null,
+            "attn_logit_softcapping": null,
+        });
+        let (Some(c), serde_json::Value::Object(e)) = (config.as_object_mut(), extra) else {
+            unreachable!("json objects");
+        };
+        c.extend(e);
+        c.remove("hidden_act");
+    }
     let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).expect("json");
     fs_err::write(hf_dir.join("config.json"), json(&config))?;
     let tcfg = serde_json::json!({
         "bos_token": specials[0],
         "eos_token": specials[1],
-        "add_bos_token": arch == Arch::Llama || arch == Arch::Mistral,
+        "add_bos_token": matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma3),
         "chat_template": template,
     });
     fs_err::write(hf_dir.join("tokenizer_config.json"), json(&tcfg))?;
@@ -439,8 +495,9 @@ fn permute(w: &Tensor, heads: usize) -> Result<Tensor> {
 /// Makes `eot` the most likely next token everywhere: the residual stream's dimension 0 is 1
 /// for every token (embedding column 0) and no layer writes it (row 0 of every output and
 /// down projection is zero); the final norm keeps only that dimension, and only `eot`'s row of
-/// the output head reads it.
-fn ends_turn(hf: &mut [(String, Tensor)], eot: usize) -> Result<()> {
+/// the output head reads it. `norm_base`: the value of a norm weight that scales by 1 (0 for
+/// Gemma's `1 + w`).
+fn ends_turn(hf: &mut [(String, Tensor)], eot: usize, norm_base: f32) -> Result<()> {
     let set = |t: &Tensor, f: &dyn Fn(&mut [f32], usize)| -> Result<Tensor> {
         let dims = t.dims().to_vec();
         let cols = *dims.last().unwrap_or(&1);
@@ -456,8 +513,8 @@ fn ends_turn(hf: &mut [(String, Tensor)], eot: usize) -> Result<()> {
             set(t, &|v, cols| v[..cols].iter_mut().for_each(|x| *x = 0.0))?
         } else if n == "model.norm.weight" {
             set(t, &|v, _| {
-                v.iter_mut().for_each(|x| *x = 0.0);
-                v[0] = 1.0;
+                v.iter_mut().for_each(|x| *x = norm_base - 1.0);
+                v[0] = norm_base;
             })?
         } else if n == "lm_head.weight" {
             set(t, &|v, cols| {

@@ -42,6 +42,11 @@ pub enum Piece {
     Text(String),
 }
 
+/// Gemma 3's chat template (its `tokenizer_config.json`'s, for text contents): no system
+/// role (a system message opens the first user turn), `model` for the assistant, turns
+/// between `<start_of_turn>` and `<end_of_turn>`. For GGUF files that carry no template.
+pub(crate) const GEMMA3_TEMPLATE: &str = r#"{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = "" -%}{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = "model" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"#;
+
 /// A placeholder no template treats specially and no tokenizer merges across: private-use
 /// code points around the index.
 fn placeholder(i: usize) -> String {

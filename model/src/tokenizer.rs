@@ -20,8 +20,10 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{Error, Result};
+use crate::gguf::GgufMeta;
 use crate::template::Piece;
-use crate::weights::GgufMeta;
+
+mod spm;
 
 /// GPT-2's pre-tokenizer pattern.
 const GPT2_PATTERN: &str =
@@ -38,10 +40,10 @@ const ENCODING: &[u8] = b"ragkv encoding 2: outside text never spells special to
 /// A tokenizer with the special tokens generation needs.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
-    /// Recognizes special tokens (template markup).
+    /// Encodes special-token spellings as plain text (outside text); markup's special tokens
+    /// are found by [`Tokenizer::encode_pieces`] itself. One copy: a 262k-token vocabulary
+    /// (Gemma) takes tens of MB.
     inner: tokenizers::Tokenizer,
-    /// The same, with special tokens treated as plain text (outside text).
-    plain: tokenizers::Tokenizer,
     /// Special tokens by spelling, longest first (leftmost-longest matching in markup).
     specials: Vec<(String, u32)>,
     /// Prepended to prompts when the model expects it.
@@ -60,11 +62,10 @@ fn tk_err(e: impl std::fmt::Display) -> Error {
 }
 
 impl Tokenizer {
-    fn new(inner: tokenizers::Tokenizer, hash: blake3::Hasher) -> Tokenizer {
+    fn new(mut inner: tokenizers::Tokenizer, hash: blake3::Hasher) -> Tokenizer {
         let mut hash = hash;
         hash.update(ENCODING);
-        let mut plain = inner.clone();
-        plain.set_encode_special_tokens(true);
+        inner.set_encode_special_tokens(true);
         let mut specials: Vec<(String, u32)> = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -74,7 +75,6 @@ impl Tokenizer {
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         Tokenizer {
             inner,
-            plain,
             specials,
             bos: None,
             eos: Vec::new(),
@@ -87,7 +87,7 @@ impl Tokenizer {
     /// Encodes text from outside (a document, a question, a message): special-token
     /// spellings in it stay plain text and never become control tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.plain.encode(text, false).map_err(tk_err)?;
+        let enc = self.inner.encode(text, false).map_err(tk_err)?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -261,13 +261,14 @@ impl Tokenizer {
 
     /// Builds the tokenizer a GGUF file describes. Supports byte-level BPE vocabularies
     /// (`tokenizer.ggml.model = "gpt2"`) with the GPT-2, SmolLM/StarCoder, Qwen2 and Llama 3
-    /// pre-tokenizers.
+    /// pre-tokenizers, and SentencePiece BPE ones (`"llama"`: Gemma, Llama 2, Mistral; see
+    /// [`spm`]).
     pub(crate) fn from_gguf(md: &HashMap<String, Value>) -> Result<Tokenizer> {
         let meta = GgufMeta(md);
         let model = meta.str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(Error::Unsupported {
-                what: format!("GGUF tokenizer model {model:?} (supported: gpt2 byte-level BPE); use an HF directory"),
+                what: format!("GGUF tokenizer model {model:?} (supported: gpt2 byte-level BPE, llama SentencePiece); use an HF directory"),
             });
         }
         let strings = |key: &str| -> Result<Vec<String>> {
@@ -282,7 +283,6 @@ impl Tokenizer {
                 .collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match meta.array("tokenizer.ggml.token_type") {
             Ok(a) => a
                 .iter()
@@ -306,11 +306,80 @@ impl Tokenizer {
             hasher.update(t.as_bytes());
             hasher.update(&[0, *ty as u8]);
         }
-        for m in &merges {
+        let mut inner = if model == "llama" {
+            let scores: Vec<f32> = meta
+                .array("tokenizer.ggml.scores")?
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => Ok(*x),
+                    other => Err(Error::Tokenizer {
+                        why: format!("tokenizer.ggml.scores: non-float entry {other:?}"),
+                    }),
+                })
+                .collect::<Result<_>>()?;
+            for x in &scores {
+                hasher.update(&x.to_le_bytes());
+            }
+            // llama.cpp's default for SentencePiece vocabularies is a space prefix.
+            let space_prefix = !matches!(
+                meta.get("tokenizer.ggml.add_space_prefix"),
+                Some(Value::Bool(false))
+            );
+            hasher.update(&[space_prefix as u8]);
+            let unk = meta.usize("tokenizer.ggml.unknown_token_id").ok();
+            spm::build(&tokens, &scores, &types, unk, space_prefix)?
+        } else {
+            Self::byte_level(
+                &tokens,
+                &strings("tokenizer.ggml.merges")?,
+                &pre,
+                &mut hasher,
+            )?
+        };
+        // Control (3) and user-defined (4) tokens match as whole units before BPE.
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, ty)| **ty == 3 || **ty == 4)
+            .map(|(t, ty)| AddedToken::from(t.clone(), *ty == 3))
+            .collect();
+        inner.add_special_tokens(specials).map_err(tk_err)?;
+
+        let id = |k: &str| meta.usize(k).ok().map(|x| x as u32);
+        let mut tok = Tokenizer::new(inner, hasher);
+        tok.bos = id("tokenizer.ggml.bos_token_id");
+        tok.eos = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
+            if !tok.eos.contains(&eot) {
+                tok.eos.push(eot);
+            }
+        }
+        tok.add_bos = matches!(
+            meta.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        tok.chat_template = meta.str("tokenizer.chat_template").ok().map(String::from);
+        // Gemma 3 files converted without a template get the family's own (llama.cpp picks
+        // its built-in Gemma template by architecture the same way).
+        if tok.chat_template.is_none() && meta.str("general.architecture").ok() == Some("gemma3") {
+            tok.chat_template = Some(crate::template::GEMMA3_TEMPLATE.to_string());
+        }
+        tok.add_default_stops();
+        Ok(tok)
+    }
+
+    /// A byte-level BPE (GPT-2's scheme) with the pre-tokenizer GGUF names `pre`; the merges
+    /// go into `hasher`.
+    fn byte_level(
+        tokens: &[String],
+        merges: &[String],
+        pre: &str,
+        hasher: &mut blake3::Hasher,
+    ) -> Result<tokenizers::Tokenizer> {
+        for m in merges {
             hasher.update(m.as_bytes());
             hasher.update(&[0]);
         }
-
         let vocab: tokenizers::models::bpe::Vocab = tokens
             .iter()
             .enumerate()
@@ -343,7 +412,7 @@ impl Tokenizer {
         let byte_level = |use_regex: bool| -> PreTokenizerWrapper {
             ByteLevel::new(false, true, use_regex).into()
         };
-        let pre_tok: PreTokenizerWrapper = match pre.as_str() {
+        let pre_tok: PreTokenizerWrapper = match pre {
             "default" | "gpt2" | "gpt-2" => byte_level(true),
             "smollm" | "starcoder" | "refact" | "codeshell" => {
                 Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into()
@@ -361,31 +430,7 @@ impl Tokenizer {
         let _ = GPT2_PATTERN; // documented for reference; ByteLevel(use_regex) applies it
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        // Control (3) and user-defined (4) tokens match as whole units before BPE.
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, ty)| **ty == 3 || **ty == 4)
-            .map(|(t, ty)| AddedToken::from(t.clone(), *ty == 3))
-            .collect();
-        inner.add_special_tokens(specials).map_err(tk_err)?;
-
-        let id = |k: &str| meta.usize(k).ok().map(|x| x as u32);
-        let mut tok = Tokenizer::new(inner, hasher);
-        tok.bos = id("tokenizer.ggml.bos_token_id");
-        tok.eos = id("tokenizer.ggml.eos_token_id").into_iter().collect();
-        if let Some(eot) = id("tokenizer.ggml.eot_token_id") {
-            if !tok.eos.contains(&eot) {
-                tok.eos.push(eot);
-            }
-        }
-        tok.add_bos = matches!(
-            meta.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
-        tok.chat_template = meta.str("tokenizer.chat_template").ok().map(String::from);
-        tok.add_default_stops();
-        Ok(tok)
+        Ok(inner)
     }
 
     /// Chat models end turns with these even when the metadata names another EOS; and the
@@ -400,7 +445,13 @@ impl Tokenizer {
                 }
             }
         }
-        for t in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"] {
+        for t in [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "</s>",
+            "<end_of_turn>",
+        ] {
             if let Some(id) = self.inner.token_to_id(t) {
                 if !self.eos.contains(&id) {
                     self.eos.push(id);

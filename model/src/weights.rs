@@ -13,8 +13,9 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Arch, HfConfig, ModelConfig, RopeStyle};
+use crate::config::{Activation, Arch, HfConfig, LayerPattern, ModelConfig, RopeStyle};
 use crate::error::{Ctx, Error, Result};
+use crate::gguf::{hf_name, shifted_norm, GgufMeta};
 use crate::quant::packed::{PackKind, Packed};
 
 /// Where a model comes from.
@@ -177,71 +178,6 @@ fn unpermute(w: &Tensor, heads: usize) -> Result<Tensor> {
         .ctx("unpermute")
 }
 
-/// GGUF metadata accessors.
-pub(crate) struct GgufMeta<'a>(pub &'a HashMap<String, gguf_file::Value>);
-
-impl GgufMeta<'_> {
-    pub fn get(&self, key: &str) -> Option<&gguf_file::Value> {
-        self.0.get(key)
-    }
-
-    pub fn usize(&self, key: &str) -> Result<usize> {
-        use gguf_file::Value as V;
-        match self.get(key) {
-            Some(V::U8(x)) => Ok(*x as usize),
-            Some(V::U16(x)) => Ok(*x as usize),
-            Some(V::U32(x)) => Ok(*x as usize),
-            Some(V::U64(x)) => Ok(*x as usize),
-            Some(V::I32(x)) if *x >= 0 => Ok(*x as usize),
-            Some(V::I64(x)) if *x >= 0 => Ok(*x as usize),
-            Some(other) => Err(Error::Config {
-                why: format!("{key}: expected an unsigned integer, found {other:?}"),
-            }),
-            None => Err(Error::Config {
-                why: format!("{key}: missing from GGUF metadata"),
-            }),
-        }
-    }
-
-    pub fn f64(&self, key: &str) -> Result<f64> {
-        use gguf_file::Value as V;
-        match self.get(key) {
-            Some(V::F32(x)) => Ok(*x as f64),
-            Some(V::F64(x)) => Ok(*x),
-            Some(other) => Err(Error::Config {
-                why: format!("{key}: expected a float, found {other:?}"),
-            }),
-            None => Err(Error::Config {
-                why: format!("{key}: missing from GGUF metadata"),
-            }),
-        }
-    }
-
-    pub fn str(&self, key: &str) -> Result<&str> {
-        match self.get(key) {
-            Some(gguf_file::Value::String(s)) => Ok(s),
-            Some(other) => Err(Error::Config {
-                why: format!("{key}: expected a string, found {other:?}"),
-            }),
-            None => Err(Error::Config {
-                why: format!("{key}: missing from GGUF metadata"),
-            }),
-        }
-    }
-
-    pub fn array(&self, key: &str) -> Result<&Vec<gguf_file::Value>> {
-        match self.get(key) {
-            Some(gguf_file::Value::Array(a)) => Ok(a),
-            Some(other) => Err(Error::Config {
-                why: format!("{key}: expected an array, found {:?}", other.value_type()),
-            }),
-            None => Err(Error::Config {
-                why: format!("{key}: missing from GGUF metadata"),
-            }),
-        }
-    }
-}
-
 /// Whether a GGUF tensor stays in its file's blocks: a matrix in a quantized block type, or in
 /// F16 / BF16 (multiplied as they are, half of f32's bytes); f32 ones are converted like any
 /// dense weight.
@@ -269,31 +205,46 @@ pub(crate) fn load_gguf(
         "llama" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
+        "gemma3" => Arch::Gemma3,
         other => {
             return Err(Error::Unsupported {
-                what: format!("GGUF architecture {other:?} (supported: llama, qwen2, qwen3)"),
+                what: format!(
+                    "GGUF architecture {other:?} (supported: llama, qwen2, qwen3, gemma3)"
+                ),
             })
         }
     };
+    let gemma = arch == Arch::Gemma3;
     let k = |s: &str| format!("{arch_name}.{s}");
     let heads = meta.usize(&k("attention.head_count"))?;
     let hidden = meta.usize(&k("embedding_length"))?;
     let vocab = meta.array("tokenizer.ggml.tokens")?.len();
+    let layers = meta.usize(&k("block_count"))?;
+    let head_dim = meta
+        .usize(&k("attention.key_length"))
+        .or_else(|_| meta.usize(&k("rope.dimension_count")))
+        .unwrap_or(hidden / heads);
     let cfg = ModelConfig {
         arch,
         vocab_size: vocab,
         hidden,
         intermediate: meta.usize(&k("feed_forward_length"))?,
-        layers: meta.usize(&k("block_count"))?,
+        layers,
         heads,
         kv_heads: meta.usize(&k("attention.head_count_kv")).unwrap_or(heads),
-        head_dim: meta
-            .usize(&k("attention.key_length"))
-            .or_else(|_| meta.usize(&k("rope.dimension_count")))
-            .unwrap_or(hidden / heads),
+        head_dim,
         rms_eps: meta.f64(&k("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.f64(&k("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
+        rope_linear_factor: match meta.str(&k("rope.scaling.type")) {
+            Ok("linear") => Some(meta.f64(&k("rope.scaling.factor"))?),
+            Ok("none") | Err(_) => None,
+            Ok(other) => {
+                return Err(Error::Unsupported {
+                    what: format!("GGUF rope scaling {other:?}"),
+                })
+            }
+        },
         rope_freq_factors: None,
         rope_style: if arch == Arch::Llama {
             RopeStyle::Interleaved
@@ -305,7 +256,33 @@ pub(crate) fn load_gguf(
         qk_norm: content
             .tensor_infos
             .contains_key("blk.0.attn_q_norm.weight"),
-        sliding_window: None,
+        // Gemma 3's window comes with the file; its pattern and local base are llama.cpp's
+        // constants unless the file names them.
+        sliding_window: if gemma {
+            Some(meta.usize(&k("attention.sliding_window"))?)
+        } else {
+            None
+        },
+        layer_pattern: gemma.then(|| LayerPattern {
+            global_every: meta
+                .usize(&k("attention.sliding_window_pattern"))
+                .unwrap_or(6),
+            local_rope_theta: meta.f64(&k("rope.local.freq_base")).unwrap_or(10_000.0),
+        }),
+        // llama.cpp's rule: `query_pre_attn_scalar` is hidden / heads for the 62-layer 27B
+        // and the head dim for every other size.
+        attn_scalar: gemma.then(|| {
+            if layers == 62 {
+                (hidden / heads) as f64
+            } else {
+                head_dim as f64
+            }
+        }),
+        activation: if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        },
         max_positions: meta.usize(&k("context_length")).unwrap_or(4096),
     };
     let mut cfg = cfg;
@@ -333,7 +310,7 @@ pub(crate) fn load_gguf(
     let repack = device.is_cpu();
     let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
     for name in names {
-        let Some(hf) = hf_name(&name) else {
+        let Some(hf) = hf_name(&name, arch) else {
             tracing::debug!(tensor = %name, "ignoring GGUF tensor");
             continue;
         };
@@ -375,70 +352,12 @@ pub(crate) fn load_gguf(
 /// Returns the heap's free pages to the system: each tensor was read into a buffer that
 /// repacking copied and freed, and glibc keeps such memory mapped (the holes between live
 /// matrices), which measured 1.2-1.4x the file's size resident instead of 1.1x.
-fn release_freed_memory() {
+pub(crate) fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free memory to the system.
     unsafe {
         libc::malloc_trim(0);
     }
-}
-
-/// GGUF (llama.cpp) tensor names and their HF names: whole names, then per-layer suffixes
-/// (`blk.N.` / `model.layers.N.`).
-const GLOBAL_NAMES: &[(&str, &str)] = &[
-    ("token_embd.weight", "model.embed_tokens.weight"),
-    ("output_norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-];
-const LAYER_NAMES: &[(&str, &str)] = &[
-    ("attn_norm.weight", "input_layernorm.weight"),
-    ("attn_q.weight", "self_attn.q_proj.weight"),
-    ("attn_k.weight", "self_attn.k_proj.weight"),
-    ("attn_v.weight", "self_attn.v_proj.weight"),
-    ("attn_q.bias", "self_attn.q_proj.bias"),
-    ("attn_k.bias", "self_attn.k_proj.bias"),
-    ("attn_v.bias", "self_attn.v_proj.bias"),
-    ("attn_output.weight", "self_attn.o_proj.weight"),
-    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
-    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    ("ffn_up.weight", "mlp.up_proj.weight"),
-    ("ffn_down.weight", "mlp.down_proj.weight"),
-];
-
-/// Maps a name through the tables, `from` side to the other (`gguf_side`: from GGUF to HF).
-fn map_name(name: &str, gguf_side: bool) -> Option<String> {
-    let pick = |&(g, h): &(&'static str, &'static str)| if gguf_side { (g, h) } else { (h, g) };
-    if let Some((_, to)) = GLOBAL_NAMES
-        .iter()
-        .map(pick)
-        .find(|(from, _)| *from == name)
-    {
-        return Some(to.into());
-    }
-    let (prefix, other) = if gguf_side {
-        ("blk.", "model.layers.")
-    } else {
-        ("model.layers.", "blk.")
-    };
-    let (layer, tail) = name.strip_prefix(prefix)?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (_, to) = LAYER_NAMES
-        .iter()
-        .map(pick)
-        .find(|(from, _)| *from == tail)?;
-    Some(format!("{other}{layer}.{to}"))
-}
-
-/// Maps a GGUF tensor name to its HF name.
-fn hf_name(gguf: &str) -> Option<String> {
-    map_name(gguf, true)
-}
-
-/// Maps an HF tensor name to its GGUF name.
-pub(crate) fn gguf_name(hf: &str) -> Option<String> {
-    map_name(hf, false)
 }
 
 /// Reads an HF directory's config and safetensors weights.
@@ -465,6 +384,13 @@ pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(Mode
         let loaded = candle_core::safetensors::load(f, &Device::Cpu)
             .ctx(&format!("reading {}", f.display()))?;
         for (name, t) in loaded {
+            let t = if shifted_norm(cfg.arch, &name) {
+                t.to_dtype(DType::F32)
+                    .and_then(|t| t + 1.0)
+                    .ctx(&format!("shifting {name}"))?
+            } else {
+                t
+            };
             let t = t
                 .to_dtype(dtype)
                 .and_then(|t| t.to_device(device))
@@ -502,36 +428,4 @@ pub(crate) fn content_hash(source: &ModelSource) -> Result<String> {
         h.update_reader(&mut file)?;
     }
     Ok(h.finalize().to_hex().to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tensor_names_map_both_ways() {
-        for (g, h) in [
-            ("token_embd.weight", "model.embed_tokens.weight"),
-            (
-                "blk.3.attn_q_norm.weight",
-                "model.layers.3.self_attn.q_norm.weight",
-            ),
-            (
-                "blk.12.ffn_down.weight",
-                "model.layers.12.mlp.down_proj.weight",
-            ),
-        ] {
-            assert_eq!(hf_name(g).as_deref(), Some(h));
-            assert_eq!(gguf_name(h).as_deref(), Some(g));
-        }
-        for unknown in [
-            "rope_freqs.weight",
-            "blk.x.attn_q.weight",
-            "blk.0.nope",
-            "model.layers.0",
-        ] {
-            assert_eq!(hf_name(unknown), None, "{unknown}");
-            assert_eq!(gguf_name(unknown), None, "{unknown}");
-        }
-    }
 }

@@ -117,6 +117,7 @@ fn batched_steps_match_solo_decoding_in_every_family() {
         (Arch::Qwen2, None),
         (Arch::Qwen3, None),
         (Arch::Mistral, Some(8)),
+        (Arch::Gemma3, Some(8)),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let mut spec = SyntheticSpec::new(arch);

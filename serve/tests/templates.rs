@@ -127,6 +127,11 @@ async fn a_llama3_model_answers_with_its_own_template() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gemma3_model_answers_with_its_own_template() {
+    answers_with_its_template(Arch::Gemma3, "<end_of_turn>").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen3_model_answers_with_its_own_template() {
     answers_with_its_template(Arch::Qwen3, "<|im_end|>").await;
 }

@@ -165,15 +165,15 @@ impl Decoder {
         }
         let m = n - exact;
         let ids = Tensor::new(&tokens[exact..], &self.device).ctx("token ids")?;
-        let x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
+        let x = self.embed(&ids)?;
 
         // Layer 0 for every token, over the stored (exact) keys and values.
         let (k0, v0) = &kv.layers[0];
         let l0 = &self.layers[0];
         let h = self.rms(&x, &l0.attn_norm)?;
         let (q, _, _) = self.qkv(l0, &h)?;
-        let q = self.rope.forward(&q, exact)?;
-        let a = self.attend(l0, &q, k0, v0, Some(&self.mask(m, n)?))?;
+        let q = self.rope_of(0).forward(&q, exact)?;
+        let a = self.attend(l0, &q, k0, v0, Some(&self.mask(m, n, 0)?))?;
         let x = self.mlp(l0, (x + a).ctx("residual")?)?;
 
         // Layer 1: every token's fresh keys and values against the stored ones.
@@ -181,7 +181,7 @@ impl Decoder {
         let (k1, v1) = &kv.layers[1];
         let h = self.rms(&x, &l1.attn_norm)?;
         let (_, k, v) = self.qkv(l1, &h)?;
-        let k = self.rope.forward(&k, exact)?;
+        let k = self.rope_of(1).forward(&k, exact)?;
         let dev = |fresh: &Tensor, stored: &Tensor| -> Result<Tensor> {
             let stored = stored.narrow(2, exact, m).ctx("stored rows")?;
             (fresh - stored)
@@ -206,17 +206,17 @@ impl Decoder {
         let (n, s) = (kv.len(), question.len());
         let layers = layers.clamp(1, self.layers.len());
         let ids = Tensor::new(question, &self.device).ctx("token ids")?;
-        let mut x = self.embed.lookup(&ids)?.unsqueeze(0).ctx("embed")?;
-        let mask = self.mask(s, n + s)?;
+        let mut x = self.embed(&ids)?;
         let mut score = Tensor::zeros(n, DType::F32, &self.device).ctx("scores")?;
         for (i, (layer, (ks, vs))) in self.layers.iter().zip(&kv.layers).enumerate() {
             if i == layers {
                 break;
             }
+            let mask = self.mask(s, n + s, i)?;
             let h = self.rms(&x, &layer.attn_norm)?;
             let (q, k, v) = self.qkv(layer, &h)?;
-            let q = self.rope.forward(&q, n)?;
-            let k = self.rope.forward(&k, n)?;
+            let q = self.rope_of(i).forward(&q, n)?;
+            let k = self.rope_of(i).forward(&k, n)?;
             let k = Tensor::cat(&[ks, &k], 2).ctx("keys")?;
             let p = self.probs(&self.grouped(&q)?, &k, Some(&mask))?;
             let attended = p
