@@ -7,7 +7,9 @@
 //!
 //! Each figure is the median of `--reps` runs after one warm-up run. Our decode continues
 //! after the prompt (attention over `--prompt-tokens` keys); llama-bench's decode is measured
-//! at the same depth (`-d`), its prefill from an empty context, as ours.
+//! at the same depth (`-d`), its prefill from an empty context, as ours. Our KV cache is f16
+//! on the CPU by default (`--cache`), as `ragkv serve` decodes (`serve.cache_dtype`) and as
+//! llama.cpp keeps its own.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -52,6 +54,10 @@ pub struct Args {
     /// then shows only ours).
     #[arg(long)]
     pub no_stock: bool,
+    /// Our decoding cache on the CPU: `f16` (what `ragkv serve` decodes with, and llama.cpp's
+    /// own cache type) or `f32` (the library's default; figures recorded before 2026-11-26).
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
+    pub cache: String,
 }
 
 /// Resident set size of this process, bytes (Linux; 0 elsewhere).
@@ -168,7 +174,20 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
     let mut agree = true;
     for rep in 0..=args.reps {
         // Ours.
-        let mut cache = ours.new_cache(n + args.decode_tokens).map_err(merr)?;
+        let mut cache = if device.is_cpu() && args.cache == "f16" {
+            let c = ours.config();
+            model::KvCache::new(
+                c.layers,
+                c.kv_heads,
+                c.head_dim,
+                n + args.decode_tokens,
+                DType::F16,
+                &device,
+            )
+        } else {
+            ours.new_cache(n + args.decode_tokens)
+        }
+        .map_err(merr)?;
         let t = Instant::now();
         let mut logits = ours
             .decoder()
