@@ -28,6 +28,8 @@ fn decode_bandwidth() {
         ("Q4_K", GgmlDType::Q4K),
         ("Q6_K", GgmlDType::Q6K),
         ("Q8_0", GgmlDType::Q8_0),
+        ("Q5_0", GgmlDType::Q5_0),
+        ("Q4_1", GgmlDType::Q4_1),
     ] {
         let (raw, _) = weights(&vals, n, k, dtype);
         // 40 copies: ~300-450 MB, far beyond the last-level cache.
