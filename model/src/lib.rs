@@ -66,7 +66,8 @@ pub struct LoadOptions {
     /// decode step that reads 4-8x fewer bytes, with 8-bit activations (llama.cpp's scheme).
     /// Default `false` (every weight dequantized to `dtype` at load): on SmolLM2-135M the
     /// quantized path changes greedy answers of the planted-fact test, not yet judged against
-    /// llama.cpp's. Ignored for HF directories (dense weights).
+    /// llama.cpp's. For HF directories on the CPU: BF16/F16 matrices stay 16-bit (half of
+    /// f32's memory and decode bytes) instead of being widened to `dtype`.
     pub quantized: bool,
 }
 
@@ -184,7 +185,7 @@ impl Model {
                 (cfg, w, tokenizer)
             }
             ModelSource::HfDir(dir) => {
-                let (cfg, w) = weights::load_hf(dir, opts.dtype, &opts.device)?;
+                let (cfg, w) = weights::load_hf(dir, opts.dtype, opts.quantized, &opts.device)?;
                 (cfg, w, Tokenizer::from_hf_dir(dir)?)
             }
         };

@@ -360,8 +360,16 @@ pub(crate) fn release_freed_memory() {
     }
 }
 
-/// Reads an HF directory's config and safetensors weights.
-pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(ModelConfig, Weights)> {
+/// Reads an HF directory's config and safetensors weights. With `quantized`, on the CPU,
+/// 16-bit matrices (BF16 and F16 checkpoints) stay 16-bit and multiply with their own
+/// kernels ([`crate::quant::half_rows`]): half of f32's memory, and a decode step reads two
+/// bytes per weight; everything else converts to `dtype`.
+pub(crate) fn load_hf(
+    dir: &Path,
+    dtype: DType,
+    quantized: bool,
+    device: &Device,
+) -> Result<(ModelConfig, Weights)> {
     let cfg_path = dir.join("config.json");
     let text = fs_err::read_to_string(&cfg_path)?;
     let hf: HfConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
@@ -380,10 +388,22 @@ pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(Mode
         });
     }
     let mut tensors = HashMap::new();
+    let mut quant = HashMap::new();
     for f in &files {
         let loaded = candle_core::safetensors::load(f, &Device::Cpu)
             .ctx(&format!("reading {}", f.display()))?;
         for (name, t) in loaded {
+            let half = match t.dtype() {
+                DType::BF16 => Some(GgmlDType::BF16),
+                DType::F16 => Some(GgmlDType::F16),
+                _ => None,
+            };
+            if let (Some(g), true, 2) = (half, quantized && device.is_cpu(), t.rank()) {
+                // Exact: the 16-bit values pass through f32 and back.
+                let q = QTensor::quantize(&t, g).ctx(&format!("keeping {name} 16-bit"))?;
+                quant.insert(name, Arc::new(q));
+                continue;
+            }
             let t = if shifted_norm(cfg.arch, &name) {
                 t.to_dtype(DType::F32)
                     .and_then(|t| t + 1.0)
@@ -402,7 +422,7 @@ pub(crate) fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<(Mode
         cfg,
         Weights {
             tensors,
-            quant: HashMap::new(),
+            quant,
             packed: HashMap::new(),
         },
     ))

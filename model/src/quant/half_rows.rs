@@ -67,10 +67,51 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
     scalar_kernels(kind)
 }
 
+/// Activation rows from which a product widens blocks of weight rows to f32 and multiplies
+/// them with candle's GEMM (prefill) instead of the row kernels (decode): the widening is
+/// paid once per block for every row, and the GEMM runs at the dense path's speed; memory
+/// holds one block of f32 at a time, never the matrix.
+const GEMM_ROWS: usize = 16;
+/// Weight rows widened at a time (k = 2048: 2 MiB of f32).
+const BLOCK: usize = 256;
+
 /// `x @ w.T`: `w` holds `n` rows of `k` 16-bit floats, `x` holds `m` rows of `k` f32; the
 /// result is `m` rows of `n`.
 pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    if x.len() / k >= GEMM_ROWS {
+        if let Ok(y) = matmul_gemm(kind, w, n, k, x) {
+            return y;
+        }
+    }
     matmul_with(&kernels(kind), w, n, k, x)
+}
+
+/// [`matmul`] by blocks of [`BLOCK`] weight rows widened to f32 and candle's GEMM.
+fn matmul_gemm(
+    kind: HalfKind,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+) -> candle_core::Result<Vec<f32>> {
+    use candle_core::{Device, Tensor};
+    let m = x.len() / k;
+    let xt = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+    let mut out = vec![0f32; m * n];
+    let mut block = vec![0f32; BLOCK.min(n) * k];
+    for r0 in (0..n).step_by(BLOCK) {
+        let rows = BLOCK.min(n - r0);
+        let src = &w[2 * r0 * k..2 * (r0 + rows) * k];
+        for (d, b) in block.iter_mut().zip(src.chunks_exact(2)) {
+            *d = widen(kind, b);
+        }
+        let wt = Tensor::from_slice(&block[..rows * k], (rows, k), &Device::Cpu)?;
+        let y: Vec<f32> = xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1()?;
+        for (o, y) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
+            o[r0..r0 + rows].copy_from_slice(y);
+        }
+    }
+    Ok(out)
 }
 
 fn matmul_with(kern: &RowKernels<f32>, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
@@ -176,8 +217,13 @@ mod tests {
                 .collect();
             let wd: Vec<f32> = w.chunks_exact(2).map(|b| widen(kind, b)).collect();
             let m = x.len() / k;
-            for (name, kern) in every_path(kind) {
-                let got = matmul_with(&kern, &w, n, k, x);
+            let mut paths: Vec<(&str, Vec<f32>)> = every_path(kind)
+                .into_iter()
+                .map(|(name, kern)| (name, matmul_with(&kern, &w, n, k, x)))
+                .collect();
+            // The prefill path, whatever the row count.
+            paths.push(("gemm", matmul_gemm(kind, &w, n, k, x).unwrap()));
+            for (name, got) in paths {
                 for i in 0..m {
                     for j in 0..n {
                         let terms = (0..k).map(|c| wd[j * k + c] as f64 * x[i * k + c] as f64);
@@ -188,6 +234,26 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// More weight rows than a widened block, more activation rows than the GEMM threshold
+    /// (through `matmul` itself): blocks land in their columns.
+    #[test]
+    fn prefill_sized_products_take_blocks() {
+        let (n, k, m) = (BLOCK + 37, 24, GEMM_ROWS + 3);
+        let mut next = uniform(11);
+        let vals: Vec<f32> = (0..n * k).map(|_| next() * 2.0).collect();
+        let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+        check(&vals, &x, n, k);
+        let w: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let rows = matmul_with(&kernels(HalfKind::BF16), &w, n, k, &x);
+        let gemm = matmul(HalfKind::BF16, &w, n, k, &x);
+        for (a, b) in rows.iter().zip(&gemm) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
         }
     }
 
