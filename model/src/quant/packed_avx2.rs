@@ -128,7 +128,8 @@ unsafe fn rows(
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `first + H ≤ 2`; `out + i * stride + 8 first + l` is
 /// writable for `i < R`, `l < n ≤ 8H`.
-#[allow(clippy::too_many_arguments)]
+// Row and half indices address several register arrays in step (`s`, `part`, `acc`).
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const K: u8, const R: usize, const H: usize>(
