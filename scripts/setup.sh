@@ -4,7 +4,8 @@
 #
 #   scripts/setup.sh            build prerequisites (apt packages) and the CI models
 #   RAGKV_MODELS=bench scripts/setup.sh   also the benchmark model (Qwen2.5-Coder-0.5B)
-#   RAGKV_MODELS=large scripts/setup.sh   and Qwen2.5-Coder-1.5B Q4_K_M (1.1 GB, benchmarks only)
+#   RAGKV_MODELS=large scripts/setup.sh   and Qwen2.5-Coder-1.5B Q4_K_M (1.1 GB) and Gemma 3 270M Q4_K_M
+#                                         (242 MB), benchmarks and the skipped-when-absent Gemma test only
 #
 # Environment:
 #   RAGKV_CACHE   where downloaded models live (default: ~/.cache/ragkv); never inside the repo.
