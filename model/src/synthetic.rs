@@ -354,16 +354,6 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ),
         (k("rope.freq_base"), Value::F32(theta as f32)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        (
-            k("attention.sliding_window"),
-            Value::U32(gemma_window as u32),
-        ),
-        // llama.cpp fixes Gemma 3's pattern at 6 and reads no key; ragkv reads this one
-        // when present (real files have 6 or more layers, this one 2).
-        (
-            k("attention.sliding_window_pattern"),
-            Value::U32(LAYERS as u32),
-        ),
         ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
         ("tokenizer.ggml.tokens".into(), strings(&tokens)),
         (
@@ -382,8 +372,17 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
             Value::String(template.clone()),
         ),
     ];
-    if !gemma {
-        meta.retain(|(key, _)| !key.starts_with(&k("attention.sliding_window")));
+    if gemma {
+        meta.push((
+            k("attention.sliding_window"),
+            Value::U32(gemma_window as u32),
+        ));
+        // llama.cpp fixes Gemma 3's pattern at 6 and reads no key; ragkv reads this one
+        // when present (real files have 6 or more layers, this one 2).
+        meta.push((
+            k("attention.sliding_window_pattern"),
+            Value::U32(LAYERS as u32),
+        ));
     }
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     let gguf = dir.join("model.gguf");
@@ -429,22 +428,17 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         "eos_token_id": eos,
     });
     if gemma {
-        let extra = serde_json::json!({
-            "model_type": "gemma3_text",
-            "hidden_activation": "gelu_pytorch_tanh",
-            "hidden_act": null,
-            "query_pre_attn_scalar": head_dim,
-            "sliding_window": gemma_window,
-            "sliding_window_pattern": LAYERS,
-            "rope_local_base_freq": 10_000.0,
-            "final_logit_softcapping": null,
-            "attn_logit_softcapping": null,
-        });
-        let (Some(c), serde_json::Value::Object(e)) = (config.as_object_mut(), extra) else {
-            unreachable!("json objects");
-        };
-        c.extend(e);
-        c.remove("hidden_act");
+        config["model_type"] = "gemma3_text".into();
+        config["hidden_activation"] = "gelu_pytorch_tanh".into();
+        config["query_pre_attn_scalar"] = head_dim.into();
+        config["sliding_window"] = gemma_window.into();
+        config["sliding_window_pattern"] = LAYERS.into();
+        config["rope_local_base_freq"] = 10_000.0.into();
+        config["final_logit_softcapping"] = serde_json::Value::Null;
+        config["attn_logit_softcapping"] = serde_json::Value::Null;
+        if let Some(c) = config.as_object_mut() {
+            c.remove("hidden_act");
+        }
     }
     let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).expect("json");
     fs_err::write(hf_dir.join("config.json"), json(&config))?;
