@@ -8,9 +8,13 @@
 //! - `int8` (lossy, opt-in): one f32 scale per `(layer, K/V, head)` over the block, values
 //!   rounded to `round(x / scale)` in `-127..=127`. Encoded as `planes × kv_heads` little-endian
 //!   f32 scales, then one i8 per element in layout order. Decodes back to the layout's dtype.
+//!   Superseded by `q8`, whose groups are smaller; kept so stores that use it stay readable.
+//! - `q8`, `q4` (lossy): grouped quantization with f16 scales, formats in [`crate::quant`];
+//!   decoded straight into the block's place in the reader's buffer ([`decode_into_place`]).
 
-use half::{bf16, f16};
-use schema::{Codec, DType, KvLayout};
+use schema::{Codec, KvLayout};
+
+use crate::quant::{read_elem, write_elem};
 
 /// Encodes `raw` (layer-major KV of `tokens` tokens).
 pub(crate) fn encode(
@@ -30,6 +34,8 @@ pub(crate) fn encode(
                 .map_err(|e| e.to_string())?
         }
         Codec::Int8 => int8_encode(layout, tokens, raw),
+        Codec::Q8 => crate::quant::encode(layout, tokens, raw, 8)?,
+        Codec::Q4 => crate::quant::encode(layout, tokens, raw, 4)?,
     })
 }
 
@@ -73,8 +79,80 @@ pub(crate) fn decode_into(
             join_planes(&planes, layout.dtype.size(), out);
         }
         Codec::Int8 => int8_decode(layout, tokens, enc, out)?,
+        Codec::Q8 | Codec::Q4 => {
+            crate::quant::decode_into_place(layout, tokens, enc, out, tokens, 0)?
+        }
     }
     Ok(())
+}
+
+/// Encodes one block of KV (`tokens` tokens of layer-major `raw` in `layout`) as the store
+/// writes it with `codec` (zstd at level 3). For tools and measurements; the store encodes on
+/// its own.
+pub fn encode_block(
+    codec: Codec,
+    layout: &KvLayout,
+    tokens: usize,
+    raw: &[u8],
+) -> crate::Result<Vec<u8>> {
+    if raw.len() != layout.bytes_for(tokens) {
+        return Err(crate::Error::KvSize {
+            got: raw.len(),
+            expected: layout.bytes_for(tokens),
+            tokens,
+            layout: *layout,
+        });
+    }
+    encode(codec, layout, tokens, raw, 3).map_err(|why| crate::Error::Invalid {
+        what: "KV block",
+        why,
+    })
+}
+
+/// Decodes a block [`encode_block`] wrote into `out` (its layer-major bytes in `layout`'s
+/// dtype, exactly `layout.bytes_for(tokens)` long), as a read does.
+pub fn decode_block(
+    codec: Codec,
+    layout: &KvLayout,
+    tokens: usize,
+    enc: &[u8],
+    out: &mut [u8],
+) -> crate::Result<()> {
+    if out.len() != layout.bytes_for(tokens) {
+        return Err(crate::Error::KvSize {
+            got: out.len(),
+            expected: layout.bytes_for(tokens),
+            tokens,
+            layout: *layout,
+        });
+    }
+    decode_into(codec, layout, tokens, enc, out).map_err(|why| crate::Error::Invalid {
+        what: "KV block",
+        why,
+    })
+}
+
+/// Whether `codec` decodes a block straight into its place in a layer-major buffer
+/// ([`decode_into_place`]); the others decode into a scratch buffer that is then scattered.
+pub(crate) fn decodes_in_place(codec: Codec) -> bool {
+    matches!(codec, Codec::Q8 | Codec::Q4)
+}
+
+/// Decodes block `enc` of `tokens` tokens into its place in `out`, a layer-major buffer of
+/// `total` tokens where the block starts at token `start` (codecs of [`decodes_in_place`]).
+pub(crate) fn decode_into_place(
+    codec: Codec,
+    layout: &KvLayout,
+    tokens: usize,
+    enc: &[u8],
+    out: &mut [u8],
+    total: usize,
+    start: usize,
+) -> Result<(), String> {
+    if !decodes_in_place(codec) {
+        return Err(format!("{codec} does not decode in place"));
+    }
+    crate::quant::decode_into_place(layout, tokens, enc, out, total, start)
 }
 
 fn split_planes(raw: &[u8], size: usize) -> Vec<u8> {
@@ -100,22 +178,6 @@ fn join_planes(planes: &[u8], size: usize, out: &mut [u8]) {
     }
     let tail = n * size;
     out[tail..].copy_from_slice(&planes[tail..]);
-}
-
-fn read_elem(dtype: DType, b: &[u8]) -> f32 {
-    match dtype {
-        DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        DType::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
-        DType::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-    }
-}
-
-fn write_elem(dtype: DType, x: f32, b: &mut [u8]) {
-    match dtype {
-        DType::F32 => b.copy_from_slice(&x.to_le_bytes()),
-        DType::F16 => b.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
-        DType::BF16 => b.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
-    }
 }
 
 /// Visits `(scale group, element index)` in layout order: group = plane * kv_heads + head.
@@ -186,6 +248,7 @@ fn int8_decode(layout: &KvLayout, tokens: usize, enc: &[u8], out: &mut [u8]) -> 
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use schema::DType;
 
     fn layout(dtype: DType) -> KvLayout {
         KvLayout {
@@ -231,7 +294,7 @@ mod tests {
 
         #[test]
         fn corrupt_compressed_input_is_an_error_not_a_panic(
-            garbage in proptest::collection::vec(any::<u8>(), 0..200), c in 1u8..6,
+            garbage in proptest::collection::vec(any::<u8>(), 0..200), c in 1u8..8,
         ) {
             let l = layout(DType::F32);
             let mut out = vec![0u8; l.bytes_for(3)];

@@ -34,12 +34,15 @@ mod locations;
 mod merge;
 mod options;
 mod presence;
+mod quant;
+mod quant_x86;
 mod record;
 mod segment;
 mod store;
 
 pub use adaptive::{AdaptiveOptions, Tuning};
 pub use capacity::{AccessInfo, CapacityOptions, CostModel, EvictReport, EvictionPolicy, OnFull};
+pub use codec::{decode_block, encode_block};
 pub use error::{Error, Result};
 pub use index::{IndexIo, DEFAULT_GROUP};
 pub use merge::MergeReport;

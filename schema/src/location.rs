@@ -40,17 +40,24 @@ pub enum Codec {
     ZstdPlanes,
     /// Lossy: int8 with one f32 scale per (layer, K/V, head) over the block.
     Int8,
+    /// Lossy: 8 bits per value, per token in groups of 64 (or 32) with f16 scales.
+    Q8,
+    /// Lossy: 4 bits per value, keys per channel and values per token, f16 scale and
+    /// minimum per group; planes too coarse at 4 bits kept at 8.
+    Q4,
 }
 
 impl Codec {
     /// Every codec, in id order.
-    pub const ALL: [Codec; 6] = [
+    pub const ALL: [Codec; 8] = [
         Codec::None,
         Codec::Lz4,
         Codec::Zstd,
         Codec::Lz4Planes,
         Codec::ZstdPlanes,
         Codec::Int8,
+        Codec::Q8,
+        Codec::Q4,
     ];
 
     /// Stable one-byte id used on disk.
@@ -62,6 +69,8 @@ impl Codec {
             Codec::Lz4Planes => 3,
             Codec::ZstdPlanes => 4,
             Codec::Int8 => 5,
+            Codec::Q8 => 6,
+            Codec::Q4 => 7,
         }
     }
 
@@ -79,7 +88,7 @@ impl Codec {
 
     /// Whether decoding gives back exactly the bytes that were encoded.
     pub const fn is_lossless(self) -> bool {
-        !matches!(self, Codec::Int8)
+        !matches!(self, Codec::Int8 | Codec::Q8 | Codec::Q4)
     }
 
     /// Name used in configuration files.
@@ -91,6 +100,8 @@ impl Codec {
             Codec::Lz4Planes => "lz4-planes",
             Codec::ZstdPlanes => "zstd-planes",
             Codec::Int8 => "int8",
+            Codec::Q8 => "q8",
+            Codec::Q4 => "q4",
         }
     }
 

@@ -129,6 +129,11 @@ pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
             }
             Ok(())
         };
+        // Cold: every segment file dropped from the page cache, one pass.
+        drop_dir_pages(&dir)?;
+        let t = Instant::now();
+        get_all()?;
+        let cold = raw as f64 / t.elapsed().as_secs_f64() / 1e9;
         get_all()?; // warm
         let t = Instant::now();
         let reps = 5;
@@ -138,11 +143,11 @@ pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
         let gbps = (raw * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
         drop(store);
         remove(&dir)?;
-        figures.push((codec, raw as f64 / stored, gbps));
+        figures.push((codec, raw as f64 / stored, gbps, cold));
     }
-    let (_, none_ratio, none_gbps) = figures[0];
+    let (_, none_ratio, none_gbps, none_cold) = figures[0];
     let mut lines = Vec::new();
-    for (codec, ratio, gbps) in &figures[1..] {
+    for (codec, ratio, gbps, cold) in &figures[1..] {
         lines.push(Line::higher(
             &format!("kvstore.codec_ratio.{codec}"),
             *ratio,
@@ -157,6 +162,84 @@ pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
             "GB/s",
             base,
         ));
+        lines.push(Line::higher(
+            &format!("kvstore.codec_get_cold.{codec}"),
+            *cold,
+            none_cold,
+            "GB/s",
+            "codec none, cold read (page cache dropped)",
+        ));
+    }
+    for codec in [schema::Codec::Q8, schema::Codec::Q4] {
+        lines.push(decode_speed(codec, &l, &items, none_gbps)?);
     }
     Ok(lines)
+}
+
+/// Decoding alone, one thread: the chunks' 64-token blocks encoded with `codec`, then decoded
+/// into f16 again and again; GB/s of f16 written. Against the warm get of `none` (a copy).
+fn decode_speed(
+    codec: schema::Codec,
+    l: &KvLayout,
+    items: &[TokensKv],
+    none_gbps: f64,
+) -> Result<Line, Error> {
+    const BLOCK: usize = 64;
+    let tb = l.bytes_per_token();
+    let mut blocks = Vec::new();
+    for (t, kv) in items {
+        for start in (0..t.len()).step_by(BLOCK) {
+            let n = BLOCK.min(t.len() - start);
+            // One block's layer-major bytes: each plane's rows of tokens start..start+n.
+            let mut raw = Vec::with_capacity(n * tb);
+            let pb = l.plane_token_bytes();
+            for p in 0..l.planes() {
+                let at = (p * t.len() + start) * pb;
+                raw.extend_from_slice(&kv[at..at + n * pb]);
+            }
+            blocks.push((n, kvstore::encode_block(codec, l, n, &raw)?));
+        }
+    }
+    let mut out = vec![0u8; l.bytes_for(BLOCK)];
+    let mut run = || -> Result<usize, Error> {
+        let mut bytes = 0;
+        for (n, enc) in &blocks {
+            let dst = &mut out[..l.bytes_for(*n)];
+            kvstore::decode_block(codec, l, *n, enc, dst)?;
+            bytes += dst.len();
+        }
+        std::hint::black_box(&out);
+        Ok(bytes)
+    };
+    run()?;
+    let t = Instant::now();
+    let mut bytes = 0;
+    while t.elapsed().as_secs_f64() < 1.0 {
+        bytes += run()?;
+    }
+    let gbps = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+    Ok(Line::higher(
+        &format!("kvstore.codec_decode.{codec}"),
+        gbps,
+        none_gbps,
+        "GB/s",
+        "decode only, one thread, f16 out; baseline: warm get of codec none",
+    ))
+}
+
+/// Drops every file under `dir` from the page cache.
+fn drop_dir_pages(dir: &Path) -> Result<(), Error> {
+    let entries = std::fs::read_dir(dir).map_err(|source| Error::Io {
+        what: format!("listing {}", dir.display()),
+        source,
+    })?;
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            drop_dir_pages(&path)?;
+        } else {
+            super::drop_pages(&path)?;
+        }
+    }
+    Ok(())
 }

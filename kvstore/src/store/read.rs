@@ -516,6 +516,16 @@ impl Inner {
                 }));
             }
             scatter(out, total, payload, b.start, n, layout);
+        } else if codec::decodes_in_place(loc.codec) {
+            codec::decode_into_place(loc.codec, layout, n, payload, out, total, b.start).map_err(
+                |e| {
+                    Retry::Fail(Error::Corrupt {
+                        segment: loc.segment,
+                        offset: loc.offset,
+                        what: format!("payload does not decode: {e}"),
+                    })
+                },
+            )?;
         } else {
             let mut raw = vec![0u8; layout.bytes_for(n)];
             codec::decode_into(loc.codec, layout, n, payload, &mut raw).map_err(|e| {

@@ -1,0 +1,459 @@
+//! The lossy KV codecs `q8` and `q4`: block payloads quantized to 8 or 4 bits in groups with
+//! f16 scales, decoded straight into their layer-major place in the reader's buffer.
+//!
+//! - `q8`: every `(layer, K/V)` plane per token, in groups of [`q8_group`] elements along the
+//!   token's row (`kv_heads × head_dim`), symmetric: `x = q × scale`, `q` in `-127..=127`.
+//! - `q4` (KIVI's split): key planes per **channel**, each channel's values over a group of up
+//!   to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
+//!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
+//!   **token**, in groups of [`q4_group`] elements; asymmetric: `x = q × scale + min`, `q` in
+//!   `0..=15`. A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
+//!   outlier-heavy layer) is written at 8 bits instead, recorded per plane.
+//!
+//! Scales are rounded up and minimums down to f16, so every value lies in the range its
+//! group's codes cover and the error of a value is at most half a step (plus the rounding to
+//! the layout's dtype). No rotation is applied: stored keys are quantized after RoPE at
+//! positions `0..n` and re-positioned (rotated by the chunk's offset) only after they are
+//! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
+//! tames the outlier channels a Hadamard rotation would otherwise be needed for.
+//!
+//! Payload of a `q8` or `q4` record, version 1 (little-endian; `P` planes, `n` tokens,
+//! `C = kv_heads × head_dim` elements per token and plane):
+//!
+//! | offset | size | field                                                                  |
+//! |-------:|-----:|------------------------------------------------------------------------|
+//! | 0      | 1    | quantized payload version (`1`)                                        |
+//! | 1      | 1    | reserved, zero                                                         |
+//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token |
+//! | 2 + P  | …    | the planes' bodies, back to back in plane order                        |
+//!
+//! Plane bodies (`G8 = q8_group(C)`, `G4 = q4_group(C)`, `T = KEY_TOKEN_GROUP`):
+//!
+//! | mode | body                                                                                   |
+//! |-----:|----------------------------------------------------------------------------------------|
+//! | 0    | `n × C/G8` f16 scales (token-major), then `n × C` i8 codes                             |
+//! | 1    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C/2` bytes    |
+//! | 2    | `n × C/G4` f16 scales, `n × C/G4` f16 minimums, then `n × C/2` bytes                   |
+//!
+//! 4-bit codes are packed two per byte along the row: element `2i` in the low nibble, `2i+1`
+//! in the high one. Decoding into f16 (the layout the store holds by default) runs in AVX2 +
+//! F16C on x86 ([`crate::quant_x86`]); every other dtype and CPU takes the portable loop, which
+//! the tests hold the SIMD one to bit for bit.
+
+use half::{bf16, f16};
+use schema::{DType, KvLayout};
+
+/// Version of the quantized payload format.
+const VERSION: u8 = 1;
+/// Tokens per key group of a `q4` key plane.
+pub(crate) const KEY_TOKEN_GROUP: usize = 64;
+/// A `q4` plane whose [`channel_rel_error`] exceeds this is written at 8 bits.
+pub(crate) const Q4_MAX_REL_ERROR: f32 = 0.25;
+
+/// How one plane is quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Q8Token = 0,
+    Q4Channel = 1,
+    Q4Token = 2,
+}
+
+impl Mode {
+    fn from_byte(b: u8) -> Option<Mode> {
+        [Mode::Q8Token, Mode::Q4Channel, Mode::Q4Token]
+            .get(b as usize)
+            .copied()
+    }
+}
+
+/// Elements per `q8` group along a row of `c`: 64, 32, or the whole row when neither divides.
+pub(crate) fn q8_group(c: usize) -> usize {
+    [64, 32]
+        .into_iter()
+        .find(|g| c.is_multiple_of(*g))
+        .unwrap_or(c)
+}
+
+/// Elements per `q4` value group along a row of `c`: the largest multiple of 16 up to 128
+/// that divides it (SmolLM2's 192: 96; 128 and 256: 128), or the whole row.
+pub(crate) fn q4_group(c: usize) -> usize {
+    (1..=8)
+        .rev()
+        .map(|k| k * 16)
+        .find(|g| c.is_multiple_of(*g))
+        .unwrap_or(c)
+}
+
+/// Bytes of a plane's body of `n` tokens in `mode`.
+fn body_len(mode: Mode, n: usize, c: usize) -> usize {
+    match mode {
+        Mode::Q8Token => n * (c / q8_group(c)) * 2 + n * c,
+        Mode::Q4Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c / 2,
+        Mode::Q4Token => n * (c / q4_group(c)) * 4 + n * c / 2,
+    }
+}
+
+/// The smallest f16 not below `x` (`x` finite, within f16's range).
+fn f16_up(x: f32) -> f16 {
+    let h = f16::from_f32(x);
+    if h.to_f32() >= x {
+        h
+    } else {
+        next_toward(h, f32::INFINITY)
+    }
+}
+
+/// The largest f16 not above `x`.
+fn f16_down(x: f32) -> f16 {
+    let h = f16::from_f32(x);
+    if h.to_f32() <= x {
+        h
+    } else {
+        next_toward(h, f32::NEG_INFINITY)
+    }
+}
+
+fn next_toward(h: f16, dir: f32) -> f16 {
+    let b = h.to_bits();
+    let up = dir > h.to_f32();
+    let bits = if h.to_f32() == 0.0 {
+        if up {
+            0x0001
+        } else {
+            0x8001
+        }
+    } else if (b & 0x8000 == 0) == up {
+        b + 1
+    } else {
+        b - 1
+    };
+    f16::from_bits(bits)
+}
+
+pub(crate) fn read_elem(dtype: DType, b: &[u8]) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        DType::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
+        DType::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+    }
+}
+
+pub(crate) fn write_elem(dtype: DType, x: f32, b: &mut [u8]) {
+    match dtype {
+        DType::F32 => b.copy_from_slice(&x.to_le_bytes()),
+        DType::F16 => b.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+        DType::BF16 => b.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+    }
+}
+
+/// Encodes `raw` (layer-major KV of `tokens` tokens in `layout`) at 8 bits (`bits == 8`) or
+/// 4 (`bits == 4`, falling back to 8 per plane where 4 bits measure too coarse).
+pub(crate) fn encode(
+    layout: &KvLayout,
+    tokens: usize,
+    raw: &[u8],
+    bits: u8,
+) -> Result<Vec<u8>, String> {
+    let c = layout.kv_heads as usize * layout.head_dim as usize;
+    let planes = layout.planes();
+    if !c.is_multiple_of(2) {
+        return Err(format!(
+            "a row of {c} elements cannot be packed in 4-bit pairs"
+        ));
+    }
+    let plane_bytes = tokens * layout.plane_token_bytes();
+    if raw.len() != planes * plane_bytes {
+        return Err(format!(
+            "{} bytes of KV, expected {}",
+            raw.len(),
+            planes * plane_bytes
+        ));
+    }
+    let mut out = vec![VERSION, 0];
+    out.resize(2 + planes, 0);
+    let mut x = vec![0f32; tokens * c];
+    for p in 0..planes {
+        let src = &raw[p * plane_bytes..(p + 1) * plane_bytes];
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = read_elem(layout.dtype, &src[i * layout.dtype.size()..]);
+            if !v.is_finite() || v.abs() > 65504.0 {
+                return Err(format!("plane {p} holds {v}, outside f16's range"));
+            }
+        }
+        let start = out.len();
+        let mode = if bits == 8 {
+            Mode::Q8Token
+        } else {
+            let mode = if p % 2 == 0 {
+                Mode::Q4Channel
+            } else {
+                Mode::Q4Token
+            };
+            encode_plane(mode, &x, c, &mut out);
+            if channel_rel_error(mode, &x, tokens, c, &out[start..]) <= Q4_MAX_REL_ERROR {
+                out[2 + p] = mode as u8;
+                continue;
+            }
+            out.truncate(start);
+            Mode::Q8Token
+        };
+        encode_plane(mode, &x, c, &mut out);
+        out[2 + p] = mode as u8;
+    }
+    Ok(out)
+}
+
+/// How coarse `body` (the plane `x`, `n × c`, encoded in `mode`) is, channel by channel: the
+/// root mean over channels of (mean squared error / the channel's own power), where a
+/// channel's power is its variance over the tokens (its constant part costs a per-channel key
+/// group nothing) or, for fewer than 8 tokens, its mean square; channels with less than a
+/// thousandth of the mean power are measured against that floor. A plane whose large values
+/// crush the codes of its small ones scores far above a Gaussian-like one (~0.1 at 4 bits).
+pub(crate) fn channel_rel_error(mode: Mode, x: &[f32], n: usize, c: usize, body: &[u8]) -> f32 {
+    let mut y = vec![0f32; x.len()];
+    decode_plane_f32(mode, body, n, c, &mut y);
+    let (mut sum, mut sq, mut err) = (vec![0f64; c], vec![0f64; c], vec![0f64; c]);
+    for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+        let j = i % c;
+        sum[j] += f64::from(*a);
+        sq[j] += f64::from(*a).powi(2);
+        err[j] += f64::from(a - b).powi(2);
+    }
+    let nf = n as f64;
+    let power: Vec<f64> = (0..c)
+        .map(|j| {
+            if n >= 8 {
+                (sq[j] / nf - (sum[j] / nf).powi(2)).max(0.0)
+            } else {
+                sq[j] / nf
+            }
+        })
+        .collect();
+    let floor = power.iter().sum::<f64>() / c as f64 * 1e-3 + 1e-30;
+    let mean = (0..c)
+        .map(|j| err[j] / nf / power[j].max(floor))
+        .sum::<f64>()
+        / c as f64;
+    mean.sqrt() as f32
+}
+
+fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
+    match mode {
+        Mode::Q8Token => {
+            let g = q8_group(c);
+            let scales: Vec<f16> = x
+                .chunks_exact(g)
+                .map(|grp| f16_up(grp.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0))
+                .collect();
+            scales
+                .iter()
+                .for_each(|s| out.extend_from_slice(&s.to_le_bytes()));
+            for (grp, s) in x.chunks_exact(g).zip(&scales) {
+                let s = s.to_f32();
+                for v in grp {
+                    let q = if s > 0.0 { (v / s).round() } else { 0.0 };
+                    out.push(q.clamp(-127.0, 127.0) as i8 as u8);
+                }
+            }
+        }
+        Mode::Q4Channel => {
+            for rows in x.chunks(KEY_TOKEN_GROUP * c) {
+                let t = rows.len() / c;
+                let (mut lo, mut hi) = (vec![f32::INFINITY; c], vec![f32::NEG_INFINITY; c]);
+                for row in rows.chunks_exact(c) {
+                    for (j, v) in row.iter().enumerate() {
+                        lo[j] = lo[j].min(*v);
+                        hi[j] = hi[j].max(*v);
+                    }
+                }
+                let (scales, mins): (Vec<f16>, Vec<f16>) =
+                    (0..c).map(|j| scale_min(lo[j], hi[j])).unzip();
+                scales
+                    .iter()
+                    .chain(&mins)
+                    .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
+                for i in 0..t {
+                    let row = &rows[i * c..(i + 1) * c];
+                    pack4(row, |j| (scales[j].to_f32(), mins[j].to_f32()), out);
+                }
+            }
+        }
+        Mode::Q4Token => {
+            let g = q4_group(c);
+            let (scales, mins): (Vec<f16>, Vec<f16>) = x
+                .chunks_exact(g)
+                .map(|grp| {
+                    let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
+                    let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    scale_min(lo, hi)
+                })
+                .unzip();
+            scales
+                .iter()
+                .chain(&mins)
+                .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
+            for (r, row) in x.chunks_exact(c).enumerate() {
+                let k = r * (c / g);
+                pack4(
+                    row,
+                    |j| (scales[k + j / g].to_f32(), mins[k + j / g].to_f32()),
+                    out,
+                );
+            }
+        }
+    }
+}
+
+/// A 4-bit group's f16 scale (rounded up) and minimum (rounded down) for values in
+/// `lo..=hi`: `min + 15 × scale` reaches `hi`.
+fn scale_min(lo: f32, hi: f32) -> (f16, f16) {
+    let min = f16_down(lo);
+    let range = hi - min.to_f32();
+    let mut scale = f16_up(range / 15.0);
+    // f32 rounding of `15 × scale` may still fall short of `hi` by an ulp.
+    while min.to_f32() + 15.0 * scale.to_f32() < hi {
+        scale = next_toward(scale, f32::INFINITY);
+    }
+    (scale, min)
+}
+
+/// Packs a row's 4-bit codes, element `2i` in the low nibble; `sm(j)` is element `j`'s
+/// (scale, min).
+fn pack4(row: &[f32], sm: impl Fn(usize) -> (f32, f32), out: &mut Vec<u8>) {
+    let code = |j: usize| {
+        let (s, m) = sm(j);
+        if s > 0.0 {
+            ((row[j] - m) / s).round().clamp(0.0, 15.0) as u8
+        } else {
+            0
+        }
+    };
+    for j in (0..row.len()).step_by(2) {
+        out.push(code(j) | (code(j + 1) << 4));
+    }
+}
+
+/// Splits a payload into its plane modes and bodies, checking every length.
+fn planes<'a>(
+    layout: &KvLayout,
+    tokens: usize,
+    enc: &'a [u8],
+) -> Result<Vec<(Mode, &'a [u8])>, String> {
+    let c = layout.kv_heads as usize * layout.head_dim as usize;
+    let n = layout.planes();
+    if enc.len() < 2 + n || enc[0] != VERSION {
+        return Err(match enc.first() {
+            Some(&v) if v != VERSION => format!("quantized payload version {v} is not known"),
+            _ => format!("quantized payload of {} bytes is truncated", enc.len()),
+        });
+    }
+    let mut at = 2 + n;
+    let mut out = Vec::with_capacity(n);
+    for p in 0..n {
+        let mode =
+            Mode::from_byte(enc[2 + p]).ok_or_else(|| format!("plane {p}: mode {}", enc[2 + p]))?;
+        let len = body_len(mode, tokens, c);
+        let body = enc
+            .get(at..at + len)
+            .ok_or_else(|| format!("plane {p}: body truncated"))?;
+        out.push((mode, body));
+        at += len;
+    }
+    if at != enc.len() {
+        return Err(format!("{} bytes after the last plane", enc.len() - at));
+    }
+    Ok(out)
+}
+
+/// Decodes a payload into `out`, where plane `p`'s `tokens` rows go at element offset
+/// `(p × total + start) × C` (the block's place in a layer-major buffer of `total` tokens).
+pub(crate) fn decode_into_place(
+    layout: &KvLayout,
+    tokens: usize,
+    enc: &[u8],
+    out: &mut [u8],
+    total: usize,
+    start: usize,
+) -> Result<(), String> {
+    let c = layout.kv_heads as usize * layout.head_dim as usize;
+    let tb = layout.plane_token_bytes();
+    let parts = planes(layout, tokens, enc)?;
+    if out.len() < layout.planes() * total * tb || start + tokens > total {
+        return Err("output buffer too small".into());
+    }
+    for (p, (mode, body)) in parts.into_iter().enumerate() {
+        let at = (p * total + start) * tb;
+        let dst = &mut out[at..at + tokens * tb];
+        decode_plane(mode, body, tokens, c, layout.dtype, dst);
+    }
+    Ok(())
+}
+
+/// One plane's body into `dst` (`n × c` elements of `dtype`): SIMD for f16 where the CPU has
+/// it, else the portable loop.
+fn decode_plane(mode: Mode, body: &[u8], n: usize, c: usize, dtype: DType, dst: &mut [u8]) {
+    if dtype == DType::F16 && crate::quant_x86::decode_f16(mode, body, n, c, dst) {
+        return;
+    }
+    decode_plane_portable(mode, body, n, c, dtype, dst);
+}
+
+/// The portable decoder: every element through f32, `q × scale + min` as one fused
+/// multiply-add (what the SIMD decoder computes, so both agree bit for bit).
+pub(crate) fn decode_plane_portable(
+    mode: Mode,
+    body: &[u8],
+    n: usize,
+    c: usize,
+    dtype: DType,
+    dst: &mut [u8],
+) {
+    let mut y = vec![0f32; n * c];
+    decode_plane_f32(mode, body, n, c, &mut y);
+    let size = dtype.size();
+    for (i, v) in y.iter().enumerate() {
+        write_elem(dtype, *v, &mut dst[i * size..(i + 1) * size]);
+    }
+}
+
+fn h(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
+}
+
+fn decode_plane_f32(mode: Mode, body: &[u8], n: usize, c: usize, y: &mut [f32]) {
+    let nib = |b: &[u8], j: usize| f32::from((b[j / 2] >> ((j % 2) * 4)) & 15);
+    match mode {
+        Mode::Q8Token => {
+            let g = q8_group(c);
+            let (scales, q) = body.split_at(n * (c / g) * 2);
+            for (i, v) in y.iter_mut().enumerate() {
+                *v = f32::from(q[i] as i8) * h(scales, i / g);
+            }
+        }
+        Mode::Q4Channel => {
+            let mut at = 0;
+            for rows in y.chunks_mut(KEY_TOKEN_GROUP * c) {
+                let t = rows.len() / c;
+                let sm = &body[at..at + 4 * c];
+                let codes = &body[at + 4 * c..at + 4 * c + t * c / 2];
+                for (i, v) in rows.iter_mut().enumerate() {
+                    let j = i % c;
+                    *v = nib(codes, i).mul_add(h(sm, j), h(sm, c + j));
+                }
+                at += 4 * c + t * c / 2;
+            }
+        }
+        Mode::Q4Token => {
+            let g = q4_group(c);
+            let groups = n * (c / g);
+            let (sm, codes) = body.split_at(groups * 4);
+            for (i, v) in y.iter_mut().enumerate() {
+                *v = nib(codes, i).mul_add(h(sm, i / g), h(sm, groups + i / g));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "quant_tests.rs"]
+mod tests;

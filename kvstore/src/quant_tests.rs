@@ -1,0 +1,230 @@
+use super::*;
+use proptest::prelude::*;
+
+fn layout(dtype: DType, heads: u16, dim: u16) -> KvLayout {
+    KvLayout {
+        layers: 2,
+        kv_heads: heads,
+        head_dim: dim,
+        dtype,
+    }
+}
+
+/// KV with a per-channel offset and scale on key planes (as real keys have) and per-token
+/// noise, deterministic in `seed`.
+fn kv(l: &KvLayout, tokens: usize, seed: u64) -> Vec<u8> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let c = l.kv_heads as usize * l.head_dim as usize;
+    let size = l.dtype.size();
+    let mut out = vec![0u8; l.bytes_for(tokens)];
+    let mut i = 0;
+    for p in 0..l.planes() {
+        let offset: Vec<f32> = (0..c).map(|_| rng.gen_range(-8.0..8.0)).collect();
+        let scale: Vec<f32> = (0..c).map(|_| rng.gen_range(0.5..1.5)).collect();
+        for _ in 0..tokens {
+            for j in 0..c {
+                let v = rng.gen_range(-1.0f32..1.0) * scale[j]
+                    + if p % 2 == 0 { offset[j] } else { 0.0 };
+                write_elem(l.dtype, v, &mut out[i * size..(i + 1) * size]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+fn decode_all(l: &KvLayout, tokens: usize, enc: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; l.bytes_for(tokens)];
+    decode_into_place(l, tokens, enc, &mut out, tokens, 0).unwrap();
+    out
+}
+
+/// The largest step of any group of plane `p`'s body: the error bound is half of it.
+fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
+    let groups = match mode {
+        Mode::Q8Token => n * c / q8_group(c),
+        Mode::Q4Channel => 0,
+        Mode::Q4Token => n * c / q4_group(c),
+    };
+    if mode == Mode::Q4Channel {
+        let mut at = 0;
+        let mut m = 0f32;
+        for start in (0..n).step_by(KEY_TOKEN_GROUP) {
+            let t = KEY_TOKEN_GROUP.min(n - start);
+            m = (0..c).map(|j| h(&body[at..], j)).fold(m, f32::max);
+            at += 4 * c + t * c / 2;
+        }
+        m
+    } else {
+        (0..groups).map(|g| h(body, g)).fold(0f32, f32::max)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn every_value_within_half_a_step_of_its_group(
+        dt in 0u8..3, heads in 1u16..4, dim in prop::sample::select(vec![16u16, 32, 48, 64, 6]),
+        tokens in 1usize..150, seed in any::<u64>(), bits in prop::sample::select(vec![4u8, 8]),
+    ) {
+        let dtype = DType::from_id(dt).unwrap();
+        let l = layout(dtype, heads, dim);
+        let raw = kv(&l, tokens, seed);
+        let enc = encode(&l, tokens, &raw, bits).unwrap();
+        let out = decode_all(&l, tokens, &enc);
+        let c = heads as usize * dim as usize;
+        let size = dtype.size();
+        let parts = planes(&l, tokens, &enc).unwrap();
+        for (p, (mode, body)) in parts.iter().enumerate() {
+            if bits == 8 {
+                prop_assert_eq!(*mode, Mode::Q8Token);
+            }
+            let bound = max_step(*mode, body, tokens, c) / 2.0;
+            for e in 0..tokens * c {
+                let i = p * tokens * c + e;
+                let a = read_elem(dtype, &raw[i * size..]);
+                let b = read_elem(dtype, &out[i * size..]);
+                // The output dtype's own rounding comes on top (bf16: 8 bits of mantissa).
+                let tol = bound * 1.001 + b.abs() * if dtype == DType::BF16 { 1.0 / 128.0 } else { 1.0 / 1024.0 } + 1e-6;
+                prop_assert!((a - b).abs() <= tol, "{dtype} {mode:?} plane {p} elem {e}: {a} vs {b} (bound {bound})");
+            }
+        }
+    }
+
+    #[test]
+    fn simd_decoding_equals_the_portable_one(
+        heads in 1u16..5, dim in prop::sample::select(vec![16u16, 32, 64, 128]),
+        tokens in 1usize..140, seed in any::<u64>(), bits in prop::sample::select(vec![4u8, 8]),
+    ) {
+        let l = layout(DType::F16, heads, dim);
+        let raw = kv(&l, tokens, seed);
+        let enc = encode(&l, tokens, &raw, bits).unwrap();
+        let c = heads as usize * dim as usize;
+        for (mode, body) in planes(&l, tokens, &enc).unwrap() {
+            let mut a = vec![0u8; tokens * c * 2];
+            let mut b = vec![0u8; tokens * c * 2];
+            decode_plane_portable(mode, body, tokens, c, DType::F16, &mut a);
+            if crate::quant_x86::decode_f16(mode, body, tokens, c, &mut b) {
+                prop_assert_eq!(&a, &b, "{:?}", mode);
+            }
+        }
+    }
+
+    #[test]
+    fn corrupt_payloads_are_errors_not_panics(
+        garbage in proptest::collection::vec(any::<u8>(), 0..400), tokens in 1usize..5,
+    ) {
+        let l = layout(DType::F16, 1, 16);
+        let mut out = vec![0u8; l.bytes_for(tokens)];
+        let _ = decode_into_place(&l, tokens, &garbage, &mut out, tokens, 0);
+    }
+}
+
+#[test]
+fn a_block_lands_in_its_layer_major_place() {
+    let l = layout(DType::F16, 2, 16);
+    let (total, start, n) = (10, 3, 4);
+    let raw = kv(&l, n, 7);
+    let enc = encode(&l, n, &raw, 8).unwrap();
+    let alone = decode_all(&l, n, &enc);
+    let mut out = vec![0xAAu8; l.bytes_for(total)];
+    decode_into_place(&l, n, &enc, &mut out, total, start).unwrap();
+    let tb = l.plane_token_bytes();
+    for p in 0..l.planes() {
+        let at = (p * total + start) * tb;
+        assert_eq!(&out[at..at + n * tb], &alone[p * n * tb..(p + 1) * n * tb]);
+        // Rows of other blocks untouched.
+        assert!(out[p * total * tb..at].iter().all(|&b| b == 0xAA));
+    }
+}
+
+#[test]
+fn sizes_are_what_the_format_table_says() {
+    // SmolLM2's shape: 3 heads × 64, one 64-token block.
+    let l = layout(DType::F16, 3, 64);
+    let raw = kv(&l, 64, 1);
+    let q8 = encode(&l, 64, &raw, 8).unwrap();
+    let q4 = encode(&l, 64, &raw, 4).unwrap();
+    let c = 192;
+    assert_eq!(q8.len(), 2 + 4 + 4 * (64 * 3 * 2 + 64 * c));
+    assert_eq!(
+        q4.len(),
+        2 + 4 + 2 * (c * 4 + 64 * c / 2) + 2 * (64 * 2 * 4 + 64 * c / 2)
+    );
+    assert!(raw.len() as f64 / q8.len() as f64 > 1.9);
+    assert!(raw.len() as f64 / q4.len() as f64 > 3.5);
+}
+
+#[test]
+fn an_outlier_heavy_plane_falls_back_to_8_bits() {
+    let l = layout(DType::F32, 1, 64);
+    let n = 64;
+    let mut raw = kv(&l, n, 3);
+    // Value plane 1: one huge element per token row (a "massive activation"): per-token
+    // 4-bit groups lose every other value of the row.
+    for t in 0..n {
+        let i = (n * 64 + t * 64) * 4;
+        raw[i..i + 4].copy_from_slice(&500f32.to_le_bytes());
+    }
+    let enc = encode(&l, n, &raw, 4).unwrap();
+    let modes: Vec<Mode> = planes(&l, n, &enc).unwrap().iter().map(|p| p.0).collect();
+    assert_eq!(
+        modes,
+        [
+            Mode::Q4Channel,
+            Mode::Q8Token,
+            Mode::Q4Channel,
+            Mode::Q4Token
+        ]
+    );
+}
+
+#[test]
+fn non_finite_values_are_refused() {
+    let l = layout(DType::F32, 1, 16);
+    let mut raw = kv(&l, 2, 1);
+    raw[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+    assert!(encode(&l, 2, &raw, 4).unwrap_err().contains("NaN"));
+}
+
+/// A constant 4-bit group is its minimum with a zero scale: exact (a symmetric 8-bit group
+/// is only within half a step, which the property above covers).
+#[test]
+fn constant_groups_decode_exactly_at_4_bits() {
+    let l = layout(DType::F16, 1, 16);
+    let mut raw = vec![0u8; l.bytes_for(3)];
+    for e in raw.chunks_exact_mut(2) {
+        e.copy_from_slice(&f16::from_f32(1.5).to_le_bytes());
+    }
+    let enc = encode(&l, 3, &raw, 4).unwrap();
+    assert_eq!(decode_all(&l, 3, &enc), raw);
+}
+
+/// Decode speed of each plane mode into f16 on this CPU (one thread):
+/// `cargo test --workspace --lib quant_decode_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn quant_decode_speed() {
+    let l = layout(DType::F16, 3, 64);
+    let n = 64;
+    let raw = kv(&l, n, 9);
+    let c = 192;
+    for bits in [8u8, 4] {
+        let enc = encode(&l, n, &raw, bits).unwrap();
+        for (mode, body) in planes(&l, n, &enc).unwrap().into_iter().take(2) {
+            let mut dst = vec![0u8; n * c * 2];
+            let t = std::time::Instant::now();
+            let mut reps = 0;
+            while t.elapsed().as_secs_f64() < 0.5 {
+                for _ in 0..100 {
+                    decode_plane(mode, body, n, c, DType::F16, &mut dst);
+                }
+                reps += 100;
+            }
+            let gbps = (reps * dst.len()) as f64 / t.elapsed().as_secs_f64() / 1e9;
+            eprintln!("{mode:?}: {gbps:.2} GB/s of f16");
+        }
+    }
+}
