@@ -17,6 +17,8 @@ pub mod model;
 pub mod peer;
 mod progress;
 pub mod qa;
+mod qa_codec;
+mod qa_log;
 pub mod remote_tier;
 pub mod retrieval;
 pub mod score;

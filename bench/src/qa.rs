@@ -28,8 +28,7 @@
 //! settings goes on after the last logged question, and the figures are computed from the log.
 //! A line cut short by a crash is dropped and its question redone.
 
-use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,6 +36,8 @@ use retrieval::SearchFilter;
 use serde::{Deserialize, Serialize};
 use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 
+use crate::qa_codec::Coded;
+use crate::qa_log::Log;
 use crate::score::{self, exact_match, f1, first_line};
 use crate::{dataset, Error};
 
@@ -98,6 +99,17 @@ pub struct Args {
     /// temporary directory.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Also answer from stored KV encoded with this codec (`q8`, `q4`, ...) and compare it,
+    /// strategy by strategy, with the same stored KV in f16 (`*_vs_uncompressed` fields).
+    #[arg(long, value_parser = parse_codec)]
+    pub codec: Option<kvstore::Codec>,
+}
+
+fn parse_codec(s: &str) -> Result<kvstore::Codec, String> {
+    kvstore::Codec::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = kvstore::Codec::ALL.iter().map(|c| c.name()).collect();
+        format!("{s:?} is not a codec ({})", names.join(", "))
+    })
 }
 
 /// One strategy's result: the JSON line `ragkv eval qa` prints.
@@ -125,11 +137,27 @@ pub struct QaLine {
     pub top_k: usize,
     pub model: String,
     pub chunk_preamble: String,
+    /// With `--codec`: the codec the strategy's answers were read through (its F1, agreement
+    /// and TTFT above are those answers'), and against the same strategy on f16 stored KV:
+    /// the F1 difference in points with its paired 95 % interval, the share of the f16
+    /// answer's tokens teacher-forcing agrees with (and its interval), and the mean KL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub codec: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub f1_points_vs_uncompressed: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub f1_points_vs_uncompressed_ci95: Option<(f64, f64)>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agreement_tokens_vs_uncompressed: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agreement_tokens_vs_uncompressed_ci95: Option<(f64, f64)>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_vs_uncompressed: Option<f64>,
 }
 
 /// The settings a log belongs to (its first line).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct RunHeader {
+pub(crate) struct RunHeader {
     model: String,
     quantized: bool,
     docs: usize,
@@ -140,6 +168,9 @@ struct RunHeader {
     recompute_share: f64,
     link_tokens: usize,
     strategies: Vec<String>,
+    /// Codec of the quantized store compared with the f16 one (`--codec`); empty: none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub(crate) codec: String,
 }
 
 /// One answer's scores.
@@ -155,103 +186,28 @@ struct Answer {
     forced_tokens: usize,
     forced_agree: usize,
     kl_sum: f64,
+    /// With `--codec`: the answer of the same strategy from the f16 store, its F1, and this
+    /// answer's context teacher-forced on it (tokens, agreeing decisions, summed KL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    uncompressed: Option<VsUncompressed>,
+}
+
+/// One answer from quantized stored KV against the same strategy's from f16 stored KV.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct VsUncompressed {
+    f1: f64,
+    tokens: usize,
+    agree: usize,
+    kl_sum: f64,
 }
 
 /// One question's line in the log: the reference (`full`) first, then each strategy.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Logged {
+pub(crate) struct Logged {
     q: usize,
     id: u64,
     gold: String,
     answers: Vec<Answer>,
-}
-
-/// The question log: its lines so far, appended to as questions finish.
-struct Log {
-    file: Option<std::fs::File>,
-    done: Vec<Logged>,
-}
-
-impl Log {
-    /// Opens `<dir>/qa-log.jsonl` for `header` (a log of other settings is refused), keeping
-    /// its complete lines; `None`: no log (a temporary run).
-    fn open(dir: Option<&Path>, header: &RunHeader) -> Result<Log, Error> {
-        let Some(dir) = dir else {
-            return Ok(Log {
-                file: None,
-                done: Vec::new(),
-            });
-        };
-        let io = |source| Error::Io {
-            what: "qa log".into(),
-            source,
-        };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let path = dir.join("qa-log.jsonl");
-        let mut done = Vec::new();
-        let mut keep = 0u64;
-        if path.exists() {
-            let f = std::fs::File::open(&path).map_err(io)?;
-            let mut lines = std::io::BufReader::new(f).split(b'\n');
-            let first = lines.next().transpose().map_err(io)?.unwrap_or_default();
-            match serde_json::from_slice::<RunHeader>(&first) {
-                Ok(h) if h == *header => keep = first.len() as u64 + 1,
-                Ok(h) => {
-                    return Err(Error::Invalid {
-                        what: "--dir",
-                        why: format!(
-                            "{} holds a run with other settings ({h:?}); use another --dir",
-                            path.display()
-                        ),
-                    })
-                }
-                Err(_) => {} // cut short before the header was whole: start over
-            }
-            if keep > 0 {
-                for line in lines {
-                    let line = line.map_err(io)?;
-                    match serde_json::from_slice::<Logged>(&line) {
-                        Ok(l) => {
-                            keep += line.len() as u64 + 1;
-                            done.push(l);
-                        }
-                        Err(_) => break, // a crash cut this line: redo its question
-                    }
-                }
-            }
-        }
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(io)?;
-        file.set_len(keep).map_err(io)?;
-        if keep == 0 {
-            let mut line = serde_json::to_vec(header).map_err(|e| Error::Check(e.to_string()))?;
-            line.push(b'\n');
-            file.write_all(&line).map_err(io)?;
-            file.sync_data().map_err(io)?;
-        }
-        Ok(Log {
-            file: Some(file),
-            done,
-        })
-    }
-
-    fn append(&mut self, l: Logged) -> Result<(), Error> {
-        if let Some(f) = &mut self.file {
-            let io = |source| Error::Io {
-                what: "qa log".into(),
-                source,
-            };
-            let mut line = serde_json::to_vec(&l).map_err(|e| Error::Check(e.to_string()))?;
-            line.push(b'\n');
-            f.write_all(&line).map_err(io)?;
-            f.sync_data().map_err(io)?;
-        }
-        self.done.push(l);
-        Ok(())
-    }
 }
 
 /// The strategies to run, each once, `full` left out (it is the reference).
@@ -278,7 +234,7 @@ fn check(what: &'static str) -> impl Fn(String) -> Error {
 }
 
 /// The rows of a `(n, vocab)` logits tensor.
-fn rows(t: &model::Tensor) -> Result<Vec<Vec<f32>>, Error> {
+pub(crate) fn rows(t: &model::Tensor) -> Result<Vec<Vec<f32>>, Error> {
     t.to_dtype(model::DType::F32)
         .and_then(|t| t.to_vec2::<f32>())
         .map_err(|e| Error::Check(format!("logits: {e}")))
@@ -307,6 +263,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         recompute_share: args.recompute_share,
         link_tokens: args.link_tokens,
         strategies: strategies.iter().map(Assembly::to_string).collect(),
+        codec: args.codec.map(|c| c.to_string()).unwrap_or_default(),
     };
     let mut log = Log::open(args.dir.as_deref(), &header)?;
     let questions = dataset::questions(&ds, args.questions)?;
@@ -320,23 +277,24 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             args.docs,
             "qa",
         )?);
-        let rag = Rag::start(
-            engine.clone(),
-            ServeConfig {
-                system_prompt: SYSTEM.into(),
-                recompute_share: args.recompute_share,
-                link_tokens: args.link_tokens,
-                max_tokens_limit: args.max_tokens.max(1),
-                default_max_tokens: args.max_tokens.max(1),
-                ..ServeConfig::default()
-            },
-        )
-        .map_err(check("server pipeline"))?;
+        let config = ServeConfig {
+            system_prompt: SYSTEM.into(),
+            recompute_share: args.recompute_share,
+            link_tokens: args.link_tokens,
+            max_tokens_limit: args.max_tokens.max(1),
+            default_max_tokens: args.max_tokens.max(1),
+            ..ServeConfig::default()
+        };
+        let rag = Rag::start(engine.clone(), config.clone()).map_err(check("server pipeline"))?;
+        let coded = match args.codec {
+            Some(c) => Some(Coded::open(&engine, &work, c, config)?),
+            None => None,
+        };
         let progress = crate::progress::bar(questions.len() as u64, "qa");
         progress.set_position(log.done.len() as u64);
         let t0 = Instant::now();
         for (i, q) in questions.iter().enumerate().skip(log.done.len()) {
-            let line = question(&engine, &rag, args, &strategies, i, q)?;
+            let line = question(&engine, &rag, coded.as_ref(), args, &strategies, i, q)?;
             progress.println(format!(
                 "[qa] {}/{} ({:.0} s) gold {:?} | {}",
                 i + 1,
@@ -353,6 +311,9 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             progress.inc(1);
         }
         progress.finish_and_clear();
+        if let Some(c) = coded {
+            c.close();
+        }
         drop(rag);
         crate::engine::close(engine);
     }
@@ -363,6 +324,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
 fn question(
     engine: &Arc<ingest::Engine>,
     rag: &Rag,
+    coded: Option<&Coded>,
     args: &Args,
     strategies: &[Assembly],
     i: usize,
@@ -383,6 +345,9 @@ fn question(
         .retrieve(&query(Assembly::Full))
         .map_err(check("retrieve"))?;
     crate::engine::materialize(engine, &hits)?;
+    if let Some(c) = coded {
+        c.copy(engine, &hits)?;
+    }
     let reference = rag
         .reference(&query(Assembly::Full), hits.clone())
         .map_err(check("full prefill"))?;
@@ -401,6 +366,7 @@ fn question(
             forced_tokens: f.tokens,
             forced_agree: f.agree,
             kl_sum: f.kl_sum,
+            uncompressed: None,
         }
     };
     let n = reference.targets.len();
@@ -416,7 +382,19 @@ fn question(
         },
     )];
     for &a in strategies {
-        let rx = crate::engine::submit(rag, query(a), hits.clone(), Instant::now())?;
+        // With a codec, the strategy's answers come from the quantized store, and the same
+        // strategy on the f16 store is their reference.
+        let (pipeline, unc) = match coded {
+            Some(c) => {
+                let r = rag
+                    .reference(&query(a), hits.clone())
+                    .map_err(check("f16 stored KV"))?;
+                let f1_unc = f1(first_line(&r.generation.text), &q.answer);
+                (&*c.rag, Some((r, f1_unc)))
+            }
+            None => (rag, None),
+        };
+        let rx = crate::engine::submit(pipeline, query(a), hits.clone(), Instant::now())?;
         let f = crate::engine::wait(rx)?;
         if f.kv_hits != hits.len() {
             return Err(Error::Check(format!(
@@ -427,18 +405,28 @@ fn question(
         let forced = if n == 0 {
             score::Forced::default()
         } else {
-            let logits = rag
+            let logits = pipeline
                 .forced(&query(a), hits.clone(), &reference.targets)
                 .map_err(check("teacher forcing"))?;
             score::forced(&full_rows, &rows(&logits)?, &reference.targets)
         };
-        answers.push(scored(
+        let mut answer = scored(
             a.to_string(),
             f.answer,
             f.timings.first_token_ms,
             f.recomputed_tokens,
             forced,
-        ));
+        );
+        if let (Some(c), Some((r, f1_unc))) = (coded, unc) {
+            let v = c.forced(&query(a), hits.clone(), &r.targets, &rows(&r.logits)?)?;
+            answer.uncompressed = Some(VsUncompressed {
+                f1: f1_unc,
+                tokens: v.tokens,
+                agree: v.agree,
+                kl_sum: v.kl_sum,
+            });
+        }
+        answers.push(answer);
     }
     Ok(Logged {
         q: i,
@@ -477,7 +465,7 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 .iter()
                 .map(|a| (a.forced_agree as f64, a.forced_tokens as f64))
                 .collect();
-            QaLine {
+            let mut line = QaLine {
                 eval: "qa",
                 strategy: name.clone(),
                 questions: xs.len(),
@@ -495,14 +483,51 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 top_k: header.top_k,
                 model: header.model.clone(),
                 chunk_preamble: header.chunk_preamble.clone(),
-            }
+                codec: None,
+                f1_points_vs_uncompressed: None,
+                f1_points_vs_uncompressed_ci95: None,
+                agreement_tokens_vs_uncompressed: None,
+                agreement_tokens_vs_uncompressed_ci95: None,
+                kl_vs_uncompressed: None,
+            };
+            vs_uncompressed(&mut line, &xs, header);
+            line
         })
         .collect()
+}
+
+/// With a codec, fills `line`'s comparison with the f16 store from its answers' logs.
+fn vs_uncompressed(line: &mut QaLine, xs: &[&Answer], header: &RunHeader) {
+    let pairs: Vec<(&Answer, &VsUncompressed)> = xs
+        .iter()
+        .filter_map(|a| a.uncompressed.as_ref().map(|u| (*a, u)))
+        .collect();
+    if header.codec.is_empty() || pairs.is_empty() {
+        return;
+    }
+    let n = pairs.len() as f64;
+    let diffs: Vec<f64> = pairs.iter().map(|(a, u)| a.f1 - u.f1).collect();
+    let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
+    let tokens = pairs.iter().map(|(_, u)| u.tokens).sum::<usize>();
+    let agree = pairs.iter().map(|(_, u)| u.agree).sum::<usize>();
+    let per_question: Vec<(f64, f64)> = pairs
+        .iter()
+        .map(|(_, u)| (u.agree as f64, u.tokens as f64))
+        .collect();
+    line.codec = Some(header.codec.clone());
+    line.f1_points_vs_uncompressed = Some(diffs.iter().sum::<f64>() / n * 100.0);
+    line.f1_points_vs_uncompressed_ci95 = Some((lo * 100.0, hi * 100.0));
+    line.agreement_tokens_vs_uncompressed = Some(agree as f64 / tokens.max(1) as f64);
+    line.agreement_tokens_vs_uncompressed_ci95 =
+        Some(score::bootstrap_ratio_ci95(&per_question, 10_000));
+    line.kl_vs_uncompressed =
+        Some(pairs.iter().map(|(_, u)| u.kl_sum).sum::<f64>() / tokens.max(1) as f64);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     fn header() -> RunHeader {
         RunHeader {
@@ -516,6 +541,7 @@ mod tests {
             recompute_share: 0.15,
             link_tokens: 16,
             strategies: vec!["reposition".into(), "link:2".into()],
+            codec: String::new(),
         }
     }
 
@@ -531,6 +557,7 @@ mod tests {
             forced_tokens: 4,
             forced_agree: if strategy == "full" { 4 } else { 3 },
             kl_sum: 0.2,
+            uncompressed: None,
         };
         Logged {
             q,

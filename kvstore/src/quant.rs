@@ -3,8 +3,8 @@
 //!
 //! - `q8`: every `(layer, K/V)` plane per token, in groups of [`q8_group`] elements along the
 //!   token's row (`kv_heads × head_dim`), symmetric: `x = q × scale`, `q` in `-127..=127`.
-//! - `q4` (KIVI's split): key planes per **channel**, each channel's values over a group of up
-//!   to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
+//! - `q4` (KIVI's split): key planes per **channel** (blocks of at least [`MIN_CHANNEL_TOKENS`]
+//!   tokens), each channel's values over a group of up to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
 //!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
 //!   **token**, in groups of [`q4_group`] elements; asymmetric: `x = q × scale + min`, `q` in
 //!   `0..=15`. A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
@@ -47,6 +47,9 @@ use schema::{DType, KvLayout};
 const VERSION: u8 = 1;
 /// Tokens per key group of a `q4` key plane.
 pub(crate) const KEY_TOKEN_GROUP: usize = 64;
+/// Fewest tokens a `q4` key plane is quantized per channel at; shorter blocks' keys go per
+/// token (the tail block of a chunk can hold a single token).
+pub(crate) const MIN_CHANNEL_TOKENS: usize = 8;
 /// A `q4` plane whose [`channel_rel_error`] exceeds this is written at 8 bits.
 pub(crate) const Q4_MAX_REL_ERROR: f32 = 0.25;
 
@@ -184,7 +187,10 @@ pub(crate) fn encode(
         let mode = if bits == 8 {
             Mode::Q8Token
         } else {
-            let mode = if p % 2 == 0 {
+            // A key group's scales and minimums cost 4 bytes per channel: below
+            // `MIN_CHANNEL_TOKENS` tokens they would outweigh the codes (and the payload grow
+            // past the raw bytes), so short blocks quantize keys per token too.
+            let mode = if p % 2 == 0 && tokens >= MIN_CHANNEL_TOKENS {
                 Mode::Q4Channel
             } else {
                 Mode::Q4Token

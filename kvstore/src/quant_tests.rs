@@ -122,6 +122,27 @@ proptest! {
     }
 }
 
+/// The store bounds a record by its raw size; a quantized payload must never exceed it, even
+/// for a one-token block.
+#[test]
+fn payloads_are_smaller_than_raw_at_every_length() {
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        let l = layout(dtype, 3, 64);
+        for n in 1..=70 {
+            let raw = kv(&l, n, n as u64);
+            for bits in [4, 8] {
+                let enc = encode(&l, n, &raw, bits).unwrap();
+                assert!(
+                    enc.len() < raw.len(),
+                    "{dtype} {bits} bits, {n} tokens: {} of {}",
+                    enc.len(),
+                    raw.len()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_block_lands_in_its_layer_major_place() {
     let l = layout(DType::F16, 2, 16);
