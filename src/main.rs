@@ -196,8 +196,9 @@ fn run(cli: Cli) -> Result<()> {
                 .iter()
                 .map(|n| {
                     serde_json::json!({"id": n.id.to_hex(), "group": n.group, "bytes": n.bytes,
-                        "layout": n.layout.to_string(), "registered_ms": n.registered_ms,
-                        "active_ms": n.active_ms})
+                        "tokens": n.tokens, "bytes_per_token": n.bytes_per_token(),
+                        "codec": n.codec.name(), "layout": n.layout.to_string(),
+                        "registered_ms": n.registered_ms, "active_ms": n.active_ms})
                 })
                 .collect();
             let out = serde_json::json!({

@@ -111,6 +111,7 @@ fn finite_kv(layout: &kvstore::KvLayout, tokens: usize) -> Vec<f32> {
 
 #[test]
 fn every_codec_round_trips_lossless_ones_exactly() {
+    let mut per_token = Vec::new();
     for codec in Codec::ALL {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path(), small_options());
@@ -140,6 +141,10 @@ fn every_codec_round_trips_lossless_ones_exactly() {
         drop(store);
         let store = open(dir.path(), small_options());
         let got = store.get_batch(ns, &t, t.len()).unwrap();
+        // Bytes per token, counted on open from the index.
+        let stats = store.namespaces().into_iter().find(|n| n.id == ns).unwrap();
+        assert_eq!((stats.codec, stats.tokens), (codec, t.len() as u64));
+        per_token.push((codec, stats.bytes_per_token()));
         if codec.is_lossless() {
             assert_eq!(got.bytes, kv, "{codec}");
         } else {
@@ -156,6 +161,11 @@ fn every_codec_round_trips_lossless_ones_exactly() {
             }
         }
     }
+    let of = |c: Codec| per_token.iter().find(|p| p.0 == c).unwrap().1;
+    assert!(
+        of(Codec::Q4) < of(Codec::Q8) && of(Codec::Q8) < of(Codec::None),
+        "{per_token:?}"
+    );
 }
 
 #[test]

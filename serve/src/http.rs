@@ -731,16 +731,22 @@ async fn gc(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json
 
 async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let engine = state.rag.engine.clone();
-    let (s, info) =
-        tokio::task::spawn_blocking(move || (engine.store.stats(), engine.index.info()))
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+    let (s, info, current) = tokio::task::spawn_blocking(move || {
+        let ns = engine.namespace();
+        let current = engine.store.namespaces().into_iter().find(|n| n.id == ns);
+        (engine.store.stats(), engine.index.info(), current)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?;
     let info = info.map_err(|e| ApiError::internal(e.to_string()))?;
     let m = &state.rag.metrics;
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     Ok(Json(json!({
         "kv": {"entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
                "segments": s.segments.len(), "namespace": state.rag.engine.namespace().to_hex(),
+               "codec": current.as_ref().map(|n| n.codec.name()),
+               "tokens": current.as_ref().map(|n| n.tokens),
+               "bytes_per_token": current.as_ref().map(|n| n.bytes_per_token()),
                "evicted_sequences": s.evicted_sequences, "evicted_bytes": s.evicted_bytes,
                "refused_writes": s.refused_writes, "bytes_written": s.bytes_written,
                "bytes_written_direct": s.bytes_written_direct,

@@ -34,7 +34,7 @@ impl Inner {
                         let digest = loc.digest;
                         done.located.push((BlockId { ns, digest }, Change::Deleted));
                     }
-                    w.charge(k, -(loc.length as i64));
+                    w.charge(k, -(loc.length as i64), -i64::from(loc.tokens));
                     w.kill(loc.segment, loc.length as u64);
                     report.blocks += 1;
                     report.bytes += loc.length as u64;
@@ -158,6 +158,7 @@ impl Inner {
         })?;
         batch.delete(&self.index, Family::Meta, &index::ns_meta_key(&ns));
         w.ns_bytes.remove(&ns);
+        w.ns_tokens.remove(&ns);
         self.commit(&mut w, before, batch, done.located)?;
         self.namespaces.write().remove(&ns);
         self.ns_meta.write().remove(&ns);

@@ -53,14 +53,19 @@ pub(super) struct Writer {
     pub next_id: u64,
     /// Live record bytes per namespace (quota accounting).
     pub ns_bytes: BTreeMap<NamespaceId, u64>,
+    /// Tokens of the live blocks per namespace (each block's own tokens): with `ns_bytes`,
+    /// the stored bytes per token a codec achieves.
+    pub ns_tokens: BTreeMap<NamespaceId, u64>,
 }
 
 impl Writer {
-    /// Adds `delta` record bytes to the namespace of block key `key`.
-    pub(super) fn charge(&mut self, key: &[u8], delta: i64) {
+    /// Adds `delta` record bytes and `tokens` block tokens to the namespace of block key `key`.
+    pub(super) fn charge(&mut self, key: &[u8], delta: i64, tokens: i64) {
         if let Some(ns) = key::namespace_of(key) {
             let b = self.ns_bytes.entry(ns).or_insert(0);
             *b = b.saturating_add_signed(delta);
+            let t = self.ns_tokens.entry(ns).or_insert(0);
+            *t = t.saturating_add_signed(tokens);
         }
     }
 

@@ -223,7 +223,7 @@ impl Inner {
                         let digest = loc.digest;
                         located.push((BlockId { ns, digest }, Change::Deleted));
                     }
-                    w.charge(&p.key, -(loc.length as i64));
+                    w.charge(&p.key, -(loc.length as i64), -i64::from(loc.tokens));
                     w.kill(from, loc.length as u64);
                     report.corrupt_dropped += 1;
                 }

@@ -120,6 +120,7 @@ impl Inner {
                     registered_ms: m.map_or(0, |m| m.registered_ms),
                     active_ms: m.map_or(0, |m| m.active_ms),
                     bytes: w.ns_bytes.get(ns).copied().unwrap_or(0),
+                    tokens: w.ns_tokens.get(ns).copied().unwrap_or(0),
                 }
             })
             .collect();

@@ -77,6 +77,7 @@ impl Inner {
                 metas: BTreeMap::new(),
                 next_id: 1,
                 ns_bytes: BTreeMap::new(),
+                ns_tokens: BTreeMap::new(),
             }),
             hot: HotTier::new(opts.hot_tier_bytes),
             locations: LocationCache::new(opts.location_cache_bytes),
@@ -229,20 +230,22 @@ impl Inner {
             .find(|(_, m)| !m.sealed)
             .map(|(id, _)| *id);
         *self.segments.write() = open;
-        let ns_bytes = self.load_capacity()?;
+        let (ns_bytes, ns_tokens) = self.load_capacity()?;
         *self.writer.lock() = Writer {
             active,
             metas,
             next_id: max_id + 1,
             ns_bytes,
+            ns_tokens,
         };
         Ok(())
     }
 
-    /// Bytes per namespace and the access map, from one scan of the `kv` family: statistics
+    /// Bytes and tokens per namespace and the access map, from one scan of the `kv` family: statistics
     /// of sequences whose blocks are gone become non-resident, and stored sequences without
     /// statistics (leaves of the key tree) are adopted as stored now.
-    fn load_capacity(&self) -> Result<BTreeMap<NamespaceId, u64>> {
+    #[allow(clippy::type_complexity)]
+    fn load_capacity(&self) -> Result<(BTreeMap<NamespaceId, u64>, BTreeMap<NamespaceId, u64>)> {
         let mut access = Access::default();
         self.index
             .scan(Family::Access, &[], "load access statistics", |k, v| {
@@ -255,6 +258,7 @@ impl Inner {
                 Ok(true)
             })?;
         let mut ns_bytes: BTreeMap<NamespaceId, u64> = BTreeMap::new();
+        let mut ns_tokens: BTreeMap<NamespaceId, u64> = BTreeMap::new();
         // The same scan builds the presence filter.
         let estimate = self.index.kv_property("rocksdb.estimate-num-keys")?;
         let filter = self.presence.begin(estimate);
@@ -272,6 +276,7 @@ impl Inner {
             let loc = Location::decode(v).map_err(Error::schema("location"))?;
             if let Some(ns) = key::namespace_of(k) {
                 *ns_bytes.entry(ns).or_insert(0) += loc.length as u64;
+                *ns_tokens.entry(ns).or_insert(0) += u64::from(loc.tokens);
                 let digest = loc.digest;
                 Presence::scan_insert(&filter, &BlockId { ns, digest });
                 scanned += 1;
@@ -298,7 +303,7 @@ impl Inner {
             }
         }
         *self.access.lock() = access;
-        Ok(ns_bytes)
+        Ok((ns_bytes, ns_tokens))
     }
 
     /// Drops index entries that point into lost segments (or past a short segment's end).

@@ -69,6 +69,19 @@ pub struct NamespaceStats {
     pub active_ms: u64,
     /// Record bytes in the tensor log.
     pub bytes: u64,
+    /// Tokens of KV those records hold (each block's own tokens).
+    pub tokens: u64,
+}
+
+impl NamespaceStats {
+    /// Stored bytes per token of KV (record overhead and codec included); 0 when empty.
+    pub fn bytes_per_token(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / self.tokens as f64
+        }
+    }
 }
 
 /// What [`super::Store::inspect`] found.

@@ -276,6 +276,8 @@ impl Inner {
                 meta.live_records += 1;
             }
             *w.ns_bytes.entry(ns).or_insert(0) += len as u64;
+            let tokens: usize = encoded.iter().map(|&(i, j, ..)| plans[i][j].tokens()).sum();
+            *w.ns_tokens.entry(ns).or_insert(0) += tokens as u64;
         }
         // Document bookkeeping: one reference per (document, sequence).
         let mut refs: HashMap<Vec<u8>, u32> = HashMap::new();
