@@ -78,6 +78,9 @@ pub struct Engine {
     /// The shared KV tier behind the local store, when configured ([`Engine::with_remote`]).
     pub remote: Option<Arc<Remote>>,
     ns: NamespaceId,
+    /// With a lossy codec: the namespace of the same model's KV stored losslessly, which
+    /// re-materialization re-encodes from instead of prefilling.
+    lossless_source: Option<NamespaceId>,
     layout: KvLayout,
     /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
     preamble: Vec<u32>,
@@ -137,8 +140,11 @@ impl Engine {
         let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
         fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
         let layout = fp.layout;
-        let ns = fp.namespace();
-        store.register_namespace(ns, layout, store.options().default_codec)?;
+        let codec = store.options().default_codec;
+        let ns = fp.namespace_with_codec(codec);
+        store.register_namespace(ns, layout, codec)?;
+        // A lossy namespace can be filled from the same model's lossless KV without prefill.
+        let lossless_source = (!codec.is_lossless()).then(|| fp.namespace());
         Ok(Engine {
             store,
             index,
@@ -147,6 +153,7 @@ impl Engine {
             config,
             remote: None,
             ns,
+            lossless_source,
             layout,
             preamble,
             kv_dtype,
@@ -171,6 +178,12 @@ impl Engine {
     /// The KV namespace chunks are stored under.
     pub fn namespace(&self) -> NamespaceId {
         self.ns
+    }
+
+    /// The namespace holding this model's KV losslessly, when chunks are stored with a lossy
+    /// codec (see [`schema::ModelFingerprint::namespace_with_codec`]).
+    pub fn lossless_source(&self) -> Option<NamespaceId> {
+        self.lossless_source
     }
 
     /// Layout of stored chunk KV.

@@ -10,13 +10,15 @@
 //! | missing   | not stored: evicted, deleted, or its segment file was lost               |
 //! | corrupt   | stored but fails verification (or a block inside it is gone)            |
 //! | stale     | missing here, but its document version has KV under another namespace   |
-//! |           | (a model change: migrate it)                                             |
+//! |           | (a model or lossy-codec change: migrate it)                              |
 //!
 //! Chunks to redo are ordered hottest first (reads recorded by the store, under this namespace
 //! or the one being migrated from), then cut to the limit. Corrupt ones are deleted first;
 //! each chunk is probed again just before its prefill: a chunk identical to one redone earlier
 //! in the run (the same text in two documents) is attached to its document, not recomputed.
-//! A second run finds nothing to do.
+//! A second run finds nothing to do. Under a lossy codec (`kvstore.codec = "q4"`, a namespace
+//! of its own), a chunk the same model holds losslessly is re-encoded from that copy instead
+//! of prefilled: moving a store to `q8`/`q4` costs reads and writes, not compute.
 //!
 //! A run can be stopped ([`Engine::rematerialize_until`]: the server's shutdown) between two
 //! chunks: every chunk redone so far is stored and synced, the report says `interrupted`, and
@@ -101,6 +103,10 @@ pub struct RematReport {
     pub prefilled: usize,
     /// Chunks found stored by the time their turn came (an identical chunk), attached only.
     pub attached: usize,
+    /// Chunks stored again with this namespace's lossy codec from the same model's lossless
+    /// KV (a codec change), without prefill.
+    #[serde(default)]
+    pub reencoded: usize,
     pub tokens_prefilled: usize,
     /// Chunks that could not be redone, with the reason.
     pub failures: Vec<String>,
@@ -336,8 +342,12 @@ impl Engine {
                 self.store.inspect(ns, &c.tokens, &mut buf)?,
                 SeqState::Present
             );
+            let mut reencoded = false;
             let bytes = if stored {
                 None
+            } else if let Some(b) = self.lossless_copy(&c.tokens, &mut buf)? {
+                reencoded = true;
+                Some(b)
             } else {
                 match self.prefill_bytes(&c.tokens) {
                     Ok(b) => Some(b),
@@ -359,6 +369,7 @@ impl Engine {
                 }],
             );
             match put {
+                Ok(_) if reencoded => report.reencoded += 1,
                 Ok(_) if bytes.is_some() => {
                     report.prefilled += 1;
                     report.tokens_prefilled += c.tokens.len();
@@ -386,6 +397,19 @@ impl Engine {
             "rematerialized"
         );
         Ok(report)
+    }
+
+    /// The chunk's KV from the lossless namespace of the same model, when this namespace is
+    /// lossy and that one holds all of it verified; `None`: prefill it.
+    fn lossless_copy(&self, tokens: &[u32], buf: &mut Vec<u8>) -> Result<Option<Vec<u8>>> {
+        let Some(src) = self.lossless_source() else {
+            return Ok(None);
+        };
+        match self.store.get_batch_into(src, tokens, tokens.len(), buf) {
+            Ok(_) => Ok(Some(std::mem::take(buf))),
+            Err(e) if e.is_miss() || e.is_damage() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Garbage collection: drops every namespace other than the current one that no process

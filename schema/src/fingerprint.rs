@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::layout::KvLayout;
+use crate::location::Codec;
 
 /// Everything that determines the KV a prefill produces.
 ///
@@ -32,8 +33,26 @@ pub struct ModelFingerprint {
 impl ModelFingerprint {
     /// The namespace this fingerprint maps to.
     pub fn namespace(&self) -> NamespaceId {
+        self.hash(None)
+    }
+
+    /// The namespace of this fingerprint's KV stored with `codec`. A lossless codec changes
+    /// no value, so its KV is the fingerprint's own namespace ([`Self::namespace`]; its
+    /// records name their codec, and stores may mix them); a lossy one (`q8`, `q4`, `int8`)
+    /// stores other values, so each is a namespace of its own, fixed at creation: a store
+    /// moves to another lossy codec by re-materializing into the new namespace.
+    pub fn namespace_with_codec(&self, codec: Codec) -> NamespaceId {
+        if codec.is_lossless() {
+            self.hash(None)
+        } else {
+            self.hash(Some(codec.name()))
+        }
+    }
+
+    fn hash(&self, codec: Option<&str>) -> NamespaceId {
         let mut h = blake3::Hasher::new();
         h.update(b"ragkv-namespace-v1\0");
+        let codec = codec.map(|c| format!("lossy-kv-codec:{c}"));
         for field in [
             self.weights.as_bytes(),
             &self.layout.encode(),
@@ -41,7 +60,10 @@ impl ModelFingerprint {
             self.positions.as_bytes(),
             self.chunker.as_bytes(),
             self.template.as_bytes(),
-        ] {
+        ]
+        .into_iter()
+        .chain(codec.as_ref().map(|c| c.as_bytes()))
+        {
             // Length-prefixed, so that field boundaries cannot shift.
             h.update(&(field.len() as u64).to_le_bytes());
             h.update(field);
@@ -180,6 +202,23 @@ mod tests {
         assert_ne!(f.namespace(), base);
         assert_eq!(fp().namespace(), base);
         assert_eq!(NamespaceId::from_hex(&base.to_hex()), Some(base));
+    }
+
+    #[test]
+    fn lossless_codecs_share_the_namespace_and_lossy_ones_each_have_their_own() {
+        let base = fp().namespace();
+        // What this fingerprint hashed to before codecs entered the namespace: stores written
+        // then must keep their namespaces.
+        assert_eq!(base.to_hex(), "9111dc7bb355a4747514c2d664734830");
+        for c in [Codec::None, Codec::Lz4, Codec::Zstd, Codec::ZstdPlanes] {
+            assert_eq!(fp().namespace_with_codec(c), base, "{c}");
+        }
+        let lossy: Vec<NamespaceId> = [Codec::Q8, Codec::Q4, Codec::Int8]
+            .iter()
+            .map(|c| fp().namespace_with_codec(*c))
+            .collect();
+        assert!(lossy.iter().all(|n| *n != base));
+        assert!(lossy[0] != lossy[1] && lossy[1] != lossy[2] && lossy[0] != lossy[2]);
     }
 
     #[test]

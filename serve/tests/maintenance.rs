@@ -140,6 +140,55 @@ fn a_model_change_is_migrated_by_rematerialize_and_the_old_namespace_collected()
     assert_eq!(all_verified(&engine), points);
 }
 
+/// `kvstore.codec` changed to a lossy codec: a namespace of its own, filled by rematerialize
+/// from the lossless copy (re-encoded, nothing prefilled), smaller per token, and served.
+#[test]
+fn a_lossy_codec_change_is_re_encoded_from_the_lossless_copy_without_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let points = ingest_all(dir.path());
+    let distinct = {
+        let engine = common::open_engine(dir.path(), config(), model::DType::F16);
+        unique(&engine)
+    };
+    let q4 = kvstore::StoreOptions {
+        default_codec: kvstore::Codec::Q4,
+        ..kvstore::StoreOptions::default()
+    };
+    let engine =
+        common::open_engine_opts(dir.path(), config(), model::DType::F16, common::model(), q4);
+    assert_eq!(engine.check(false).unwrap().kv_missing, points);
+    let r = remat(&engine, Scope::Stale, false);
+    assert_eq!((r.stale, r.prefilled), (points, 0), "{r:?}");
+    assert_eq!(r.reencoded, distinct, "{r:?}");
+    assert_eq!(r.reencoded + r.attached, points, "{r:?}");
+    assert_eq!(all_verified(&engine), points);
+    let nss = engine.store.namespaces();
+    let of = |c: kvstore::Codec| nss.iter().find(|n| n.codec == c).unwrap();
+    let (none, q4) = (of(kvstore::Codec::None), of(kvstore::Codec::Q4));
+    assert_eq!(q4.id, engine.namespace());
+    assert_eq!(q4.tokens, none.tokens);
+    let ratio = none.bytes_per_token() / q4.bytes_per_token();
+    assert!(ratio > 3.0, "q4 stores {ratio:.2}x fewer bytes per token");
+    // And the server answers from it.
+    let engine = std::sync::Arc::new(engine);
+    let rag = serve::Rag::start(engine.clone(), serve::ServeConfig::default()).unwrap();
+    let q = serve::Query {
+        question: "Who kept station 3 of the Harwick survey?".into(),
+        top_k: 3,
+        filter: Default::default(),
+        params: model::GenerateParams {
+            max_tokens: 8,
+            ..Default::default()
+        },
+        kv: serve::KvMode::On,
+        assembly: serve::Assembly::default(),
+    };
+    let hits = rag.retrieve(&q).unwrap();
+    let f = common::answer(&rag, q, hits.clone());
+    assert_eq!(f.kv_hits, hits.len(), "{:?}", f.citations);
+    assert!(!f.answer.is_empty());
+}
+
 #[test]
 fn deleted_segment_files_are_rematerialized() {
     let dir = tempfile::tempdir().unwrap();

@@ -32,7 +32,18 @@ pub fn open_engine_with(
     kv_dtype: model::DType,
     llm: model::Model,
 ) -> ingest::Engine {
-    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default()).unwrap();
+    open_engine_opts(dir, config, kv_dtype, llm, kvstore::StoreOptions::default())
+}
+
+/// [`open_engine_with`] with store options (a codec, ...).
+pub fn open_engine_opts(
+    dir: &Path,
+    config: ingest::IngestConfig,
+    kv_dtype: model::DType,
+    llm: model::Model,
+    store: kvstore::StoreOptions,
+) -> ingest::Engine {
+    let store = kvstore::Store::open(dir.join("kv"), store).unwrap();
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
     let index = retrieval::VectorIndex::open(
         &dir.join("vectors"),
