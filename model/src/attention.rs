@@ -47,11 +47,12 @@ pub(crate) struct Seq<'a> {
     pub pos: Option<&'a [usize]>,
 }
 
-/// A cache's elements, in the dtype the cache keeps.
+/// A cache's elements, in the dtype the cache keeps (q8: rows of codes and a scale).
 #[derive(Clone, Copy)]
 enum Elems<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
+    Q8(&'a [u8]),
 }
 
 /// A cache view as raw parts: elements, start offset, head stride, row stride.
@@ -74,7 +75,8 @@ fn elems<'a>(s: &'a Storage, what: &str) -> candle_core::Result<Elems<'a>> {
     match s {
         Storage::Cpu(CpuStorage::F32(d)) => Ok(Elems::F32(d)),
         Storage::Cpu(CpuStorage::F16(d)) => Ok(Elems::F16(d)),
-        _ => candle_core::bail!("attention: {what} is neither an f32 nor an f16 CPU tensor"),
+        Storage::Cpu(CpuStorage::U8(d)) => Ok(Elems::Q8(d)),
+        _ => candle_core::bail!("attention: {what} is not an f32, f16 or q8 CPU tensor"),
     }
 }
 
@@ -90,7 +92,7 @@ fn raw<'a>(data: Elems<'a>, l: &Layout) -> Raw<'a> {
 
 /// Whether [`attend`] takes caches of this dtype.
 pub(crate) fn takes(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F16)
+    matches!(dtype, DType::F32 | DType::F16 | crate::kv_q8::Q8_CACHE)
 }
 
 /// Rows `rows` (stride `stride`) of `d` elements from `src`, widened to f32 one after the
@@ -132,7 +134,12 @@ pub(crate) fn attend(
         let ok = kd.len() == 4
             && kd == vd
             && kd[0] == 1
-            && kd[3] == d
+            && kd[3]
+                == if s.k.dtype() == crate::kv_q8::Q8_CACHE {
+                    crate::kv_q8::row_bytes(d)
+                } else {
+                    d
+                }
             && kd[1] > 0
             && heads % kd[1] == 0
             && (kv_heads == 0 || kv_heads == kd[1])
@@ -241,6 +248,18 @@ pub(crate) fn attend(
                                 &mut p,
                                 o,
                             ),
+                            (Elems::Q8(kd), Elems::Q8(vd)) => avx512::group(
+                                &qg,
+                                d,
+                                &kd[k0..],
+                                k.row,
+                                &vd[v0..],
+                                v.row,
+                                span,
+                                scale,
+                                &mut p,
+                                o,
+                            ),
                             _ => unreachable!("keys and values share a dtype (checked)"),
                         }
                     }
@@ -263,6 +282,12 @@ pub(crate) fn attend(
                     (Elems::F16(kd), Elems::F16(vd)) => {
                         widen(&kd[k0..], k.row, from..=pos, d, &mut kw);
                         widen(&vd[v0..], v.row, from..=pos, d, &mut vw);
+                        let rows = || (0..n).map(|j| j * d);
+                        kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
+                    }
+                    (Elems::Q8(kd), Elems::Q8(vd)) => {
+                        crate::kv_q8::widen_rows(&kd[k0..], k.row, from..=pos, d, &mut kw);
+                        crate::kv_q8::widen_rows(&vd[v0..], v.row, from..=pos, d, &mut vw);
                         let rows = || (0..n).map(|j| j * d);
                         kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
                     }
@@ -511,6 +536,42 @@ mod tests {
 
     /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths
     /// included.
+    /// q8 caches (`serve.cache_dtype = "q8"`): the same, over the values the codes and
+    /// scales stand for (AVX-512 folding the scales for 64-256, scratch widening for 20).
+    #[test]
+    fn q8_caches_match_the_f32_path_over_their_values() {
+        let dev = Device::Cpu;
+        for d in [64, 128, 256, 20] {
+            let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
+            let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
+            let q8 = |_| {
+                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev)
+                    .and_then(|x| Ok(crate::kv_q8::quantize(&x).unwrap()))
+                    .and_then(|x| x.narrow(2, 0, t))
+                    .unwrap()
+            };
+            let (k8, v8) = (q8(0), q8(1));
+            let wide = |x: &Tensor| crate::kv_q8::dequantize(x, DType::F32, &dev).unwrap();
+            let (k32, v32) = (wide(&k8), wide(&v8));
+            let seq = |k, v| Seq {
+                row: 0,
+                len: s,
+                k,
+                v,
+                pos: None,
+            };
+            for window in [None, Some(9)] {
+                let got = attend(&q, &[seq(&k8, &v8)], window, 0.125).unwrap();
+                let want = attend(&q, &[seq(&k32, &v32)], window, 0.125).unwrap();
+                let diff = max_diff(&got, &want);
+                assert!(
+                    diff < 1e-5,
+                    "heads of {d}, window {window:?}: differs by {diff}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn kernels_agree() {
         let best = Kernel::best();

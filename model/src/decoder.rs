@@ -320,8 +320,8 @@ impl Decoder {
                         .narrow(2, sp.first, sp.redo + sp.appended)
                         .ctx("sequence rows")?;
                     let (ck, cv) = (
-                        ck.to_dtype(self.dtype).ctx("cache rows")?,
-                        cv.to_dtype(self.dtype).ctx("cache rows")?,
+                        KvCache::float_rows(ck, self.dtype)?,
+                        KvCache::float_rows(cv, self.dtype)?,
                     );
                     // A global layer between windowed ones takes the causal mask (none for
                     // one token); every other layer the span's mask.

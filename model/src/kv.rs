@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use schema::KvLayout;
 
 use crate::error::{Ctx, Error, Result};
+use crate::kv_q8::{self, Q8_CACHE};
 
 /// The KV of a token sequence: what prefill produces, the store keeps, and decoding resumes
 /// from.
@@ -237,8 +238,20 @@ fn tensor_from_bytes(
     Tensor::from_raw_buffer(b, dtype, &[shape.0, shape.1, shape.2], device).ctx("kv from bytes")
 }
 
+/// Rows `(1, heads, n, d)` in the cache's `dtype`, contiguous: quantized for a q8 cache.
+fn to_cache_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype == Q8_CACHE {
+        kv_q8::quantize(t)
+    } else {
+        t.to_dtype(dtype)
+            .and_then(|t| t.contiguous())
+            .ctx("kv cache rows")
+    }
+}
+
 /// A preallocated per-sequence cache: appends write into place (`slice_set`), growing by
-/// doubling when full, so decoding does not concatenate per token.
+/// doubling when full, so decoding does not concatenate per token. Its dtype is f32, f16, or
+/// [`Q8_CACHE`] (8-bit rows with a scale each, [`crate::kv_q8`]; CPU only).
 #[derive(Debug)]
 pub struct KvCache {
     layers: Vec<(Tensor, Tensor)>,
@@ -259,9 +272,19 @@ impl KvCache {
         device: &Device,
     ) -> Result<KvCache> {
         let capacity = capacity.max(16);
+        if dtype == Q8_CACHE && !device.is_cpu() {
+            return Err(Error::Kv {
+                why: "q8 decoding caches are CPU-only".into(),
+            });
+        }
+        let width = if dtype == Q8_CACHE {
+            kv_q8::row_bytes(head_dim)
+        } else {
+            head_dim
+        };
         let layers = (0..layers)
             .map(|_| -> Result<_> {
-                let z = Tensor::zeros((1, kv_heads, capacity, head_dim), dtype, device)
+                let z = Tensor::zeros((1, kv_heads, capacity, width), dtype, device)
                     .ctx("kv cache alloc")?;
                 Ok((z.clone(), z.zeros_like().ctx("kv cache alloc")?))
             })
@@ -306,17 +329,26 @@ impl KvCache {
         if total == 0 {
             return KvCache::new(n_layers, heads, dim, capacity, dtype, k0.device());
         }
-        let pad = Tensor::zeros((1, heads, capacity - total, dim), dtype, k0.device())
+        if dtype == Q8_CACHE && !k0.device().is_cpu() {
+            return Err(Error::Kv {
+                why: "q8 decoding caches are CPU-only".into(),
+            });
+        }
+        let width = if dtype == Q8_CACHE {
+            kv_q8::row_bytes(dim)
+        } else {
+            dim
+        };
+        let pad = Tensor::zeros((1, heads, capacity - total, width), dtype, k0.device())
             .ctx("kv cache alloc")?;
         let side = |l: usize, values: bool| -> Result<Tensor> {
             let mut ts = parts
                 .iter()
                 .map(|kv| {
                     let (k, v) = &kv.layers[l];
-                    if values { v } else { k }.to_dtype(dtype)
+                    to_cache_rows(if values { v } else { k }, dtype)
                 })
-                .collect::<candle_core::Result<Vec<_>>>()
-                .ctx("kv cache fill")?;
+                .collect::<Result<Vec<_>>>()?;
             if capacity > total {
                 ts.push(pad.clone());
             }
@@ -383,10 +415,10 @@ impl KvCache {
             self.capacity = new_cap;
         }
         let (ck, cv) = &mut self.layers[l];
-        let rows = |t: &Tensor| t.to_dtype(ck.dtype()).and_then(|t| t.contiguous());
-        ck.slice_set(&rows(k).ctx("kv write")?, 2, self.len)
+        let dtype = ck.dtype();
+        ck.slice_set(&to_cache_rows(k, dtype)?, 2, self.len)
             .ctx("kv write")?;
-        cv.slice_set(&rows(v).ctx("kv write")?, 2, self.len)
+        cv.slice_set(&to_cache_rows(v, dtype)?, 2, self.len)
             .ctx("kv write")?;
         Ok(())
     }
@@ -407,15 +439,26 @@ impl KvCache {
     /// row `j` goes to the cache index that `at` `(1, kv_heads, r, d)`, u32, holds at `j`.
     pub(crate) fn set_rows(&mut self, l: usize, k: &Tensor, v: &Tensor, at: &Tensor) -> Result<()> {
         let (ck, cv) = &self.layers[l];
-        let rows = |t: &Tensor| t.to_dtype(ck.dtype()).and_then(|t| t.contiguous());
-        ck.scatter_set(at, &rows(k).ctx("kv rows")?, 2)
+        let dtype = ck.dtype();
+        // A q8 row is wider than its floats: the index of its first element, across it.
+        let at = if dtype == Q8_CACHE {
+            let (b, h, r, _) = at.dims4().ctx("kv rows")?;
+            &at.narrow(3, 0, 1)
+                .and_then(|a| a.broadcast_as((b, h, r, ck.dim(3)?)))
+                .and_then(|a| a.contiguous())
+                .ctx("kv rows")?
+        } else {
+            at
+        };
+        ck.scatter_set(at, &to_cache_rows(k, dtype)?, 2)
             .ctx("kv rows")?;
-        cv.scatter_set(at, &rows(v).ctx("kv rows")?, 2)
+        cv.scatter_set(at, &to_cache_rows(v, dtype)?, 2)
             .ctx("kv rows")?;
         Ok(())
     }
 
-    /// Layer `l`'s first `n` cached rows, keys and values.
+    /// Layer `l`'s first `n` cached rows, keys and values, as the cache holds them (q8 rows
+    /// as [`kv_q8`] lays them out: see [`KvCache::float_rows`]).
     pub(crate) fn rows(&self, l: usize, n: usize) -> Result<(Tensor, Tensor)> {
         let (ck, cv) = &self.layers[l];
         Ok((
@@ -428,21 +471,32 @@ impl KvCache {
         self.len += n;
     }
 
-    /// A copy of the cached KV.
+    /// `t` (rows of the cache) as floats in `dtype`: widened from q8, converted otherwise.
+    pub(crate) fn float_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
+        if t.dtype() == Q8_CACHE {
+            kv_q8::dequantize(t, dtype, t.device())
+        } else {
+            t.to_dtype(dtype).ctx("cache rows")
+        }
+    }
+
+    /// A copy of the cached KV (a q8 cache's widened to f32).
     pub fn to_kv(&self) -> Result<Kv> {
+        let export = |t: &Tensor| -> Result<Tensor> {
+            let t = t
+                .narrow(2, 0, self.len)
+                .and_then(|t| t.contiguous())
+                .ctx("kv export")?;
+            if t.dtype() == Q8_CACHE {
+                kv_q8::dequantize(&t, DType::F32, t.device())
+            } else {
+                Ok(t)
+            }
+        };
         let layers = self
             .layers
             .iter()
-            .map(|(k, v)| {
-                Ok((
-                    k.narrow(2, 0, self.len)
-                        .and_then(|t| t.contiguous())
-                        .ctx("kv export")?,
-                    v.narrow(2, 0, self.len)
-                        .and_then(|t| t.contiguous())
-                        .ctx("kv export")?,
-                ))
-            })
+            .map(|(k, v)| Ok((export(k)?, export(v)?)))
             .collect::<Result<_>>()?;
         Kv::new(layers)
     }

@@ -28,6 +28,7 @@ mod generate;
 mod gguf;
 pub mod hub;
 mod kv;
+mod kv_q8;
 mod linear;
 mod quant;
 mod rope;
@@ -49,6 +50,7 @@ pub use generate::{
     generate, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
 };
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
+pub use kv_q8::{q8_bytes_per_token, Q8_CACHE};
 pub use simd::{kernel_path, set_kernel_path, KernelPath, KERNELS_ENV};
 pub use template::{chatml, Message, Piece, RagPrompt};
 pub use tokenizer::{TokenStream, Tokenizer};

@@ -62,6 +62,14 @@ impl Limits {
         model
             .kv_layout()
             .and_then(|mut l| {
+                if self.cache_dtype == model::Q8_CACHE {
+                    let (layers, heads) = (l.layers as usize, l.kv_heads as usize);
+                    return Ok(model::q8_bytes_per_token(
+                        layers,
+                        heads,
+                        l.head_dim as usize,
+                    ));
+                }
                 l.dtype = model::kv_schema_dtype(self.cache_dtype)?;
                 Ok(l.bytes_per_token())
             })

@@ -427,3 +427,48 @@ fn the_whole_prompt_is_what_full_prefills() {
     assert_eq!(long.finish_reason, "length");
     close(rag, engine);
 }
+
+/// `serve.cache_dtype = "q8"`: every planted question answered from stored KV with 8-bit
+/// decoding caches still names its fact, and teacher-forcing the f16 cache's answers through
+/// q8 caches agrees with nearly every decision.
+#[test]
+fn q8_decoding_caches_answer_as_f16_ones_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = planted_engine(dir.path(), "");
+    let start = |cache_dtype| {
+        let config = ServeConfig {
+            cache_dtype,
+            ..ServeConfig::default()
+        };
+        Rag::start(engine.clone(), config).unwrap()
+    };
+    let (f16, q8) = (start(CacheDtype::F16), start(CacheDtype::Q8));
+    let argmaxes =
+        |t: &Tensor| -> Vec<u32> { t.argmax(model::D::Minus1).unwrap().to_vec1().unwrap() };
+    let (mut agree, mut total) = (0, 0);
+    for &(_, _, question, want) in PLANTED {
+        for asm in [Assembly::Full, Assembly::Reposition, Assembly::default()] {
+            let query = planted_query(question, asm, 20, false);
+            let hits = q8.retrieve(&query).unwrap();
+            let f = common::answer(&q8, query.clone(), hits.clone());
+            assert!(
+                f.answer.to_lowercase().contains(&want.to_lowercase()),
+                "q8 {asm}: {question} -> {:?}",
+                f.answer
+            );
+            let r = f16.reference(&query, hits.clone()).unwrap();
+            let forced = q8.forced(&query, hits, &r.targets).unwrap();
+            let same = argmaxes(&forced)
+                .iter()
+                .zip(&r.targets)
+                .filter(|(a, b)| a == b)
+                .count();
+            agree += same;
+            total += r.targets.len();
+        }
+    }
+    eprintln!("q8 vs f16 caches: {agree} of {total} decisions agree");
+    assert!(agree as f64 >= 0.95 * total as f64, "{agree} of {total}");
+    drop(f16);
+    close(q8, engine);
+}

@@ -6,7 +6,9 @@
 //! head instead of a call and a trip through memory.
 //! The softmax's `exp` is ggml's vectorized one (as the AVX2 loops'); the division by the
 //! sum is applied once to the output. Caches in f16 are widened to f32 as each row is
-//! loaded (`vcvtph2ps`), so an f16 cache costs half the memory traffic and no extra pass.
+//! loaded (`vcvtph2ps`), so an f16 cache costs half the memory traffic and no extra pass;
+//! q8 caches' codes likewise (`vpmovsxbd`), their row scales folded into the scores and the
+//! value weights.
 
 #![allow(unused_unsafe)]
 
@@ -16,11 +18,26 @@ use half::f16;
 
 /// Cache elements the kernel reads as f32 lanes.
 pub(super) trait Lanes: Copy {
+    /// Whether a row carries a factor after its `d` elements ([`Lanes::scale`]).
+    const SCALED: bool = false;
+    /// Elements a row holds after its `d` values.
+    const TAIL: usize = 0;
+
     /// Sixteen elements from `p` as f32 lanes.
     ///
     /// # Safety
     /// The CPU has AVX-512F; sixteen elements are readable at `p`.
     unsafe fn load16(p: *const Self) -> __m512;
+
+    /// The factor of the row at `row` (`d` elements, then its tail): 1 unless [`Self::SCALED`].
+    ///
+    /// # Safety
+    /// The row and its tail are readable at `row`.
+    #[inline]
+    unsafe fn scale(row: *const Self, d: usize) -> f32 {
+        let _ = (row, d);
+        1.0
+    }
 }
 
 impl Lanes for f32 {
@@ -36,6 +53,25 @@ impl Lanes for f16 {
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f16) -> __m512 {
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then the row's f32 scale; the codes are
+/// widened as they load and the scale multiplies the row's score or value weight.
+impl Lanes for u8 {
+    const SCALED: bool = true;
+    const TAIL: usize = 4;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+    }
+
+    #[inline]
+    unsafe fn scale(row: *const u8, d: usize) -> f32 {
+        // SAFETY: the caller's: the row's four scale bytes follow its `d` codes.
+        f32::from_le_bytes(unsafe { row.add(d).cast::<[u8; 4]>().read_unaligned() })
     }
 }
 
@@ -72,8 +108,8 @@ pub(super) unsafe fn group<T: Lanes>(
         takes(d)
             && from <= pos
             && o.len() == q.len()
-            && pos * ks + d <= k.len()
-            && pos * vs + d <= v.len()
+            && pos * ks + d + T::TAIL <= k.len()
+            && pos * vs + d + T::TAIL <= v.len()
     );
     // Heads per pass: their queries fill at most sixteen registers.
     let most = 256 / d;
@@ -149,24 +185,37 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         // ([`sum16`]: ~3 instructions per key instead of a horizontal sum's ~9), the scores
         // stored as one vector.
         let sv = _mm512_set1_ps(scale);
+        let d = 16 * V;
         let mut parts = [[_mm512_setzero_ps(); 16]; H];
+        let mut row_scales = [1f32; 16];
         let mut j = 0;
         while j + 16 <= n {
             for k in 0..16 {
-                let kr = load::<T, V>(kp.add((r.from + j + k) * r.ks));
+                let at = kp.add((r.from + j + k) * r.ks);
+                let kr = load::<T, V>(at);
+                if T::SCALED {
+                    row_scales[k] = T::scale(at, d);
+                }
                 for (part, qh) in parts.iter_mut().zip(&qv) {
                     part[k] = dot(qh, &kr);
                 }
             }
+            let f = if T::SCALED {
+                _mm512_mul_ps(sv, _mm512_loadu_ps(row_scales.as_ptr()))
+            } else {
+                sv
+            };
             for (h, part) in parts.iter().enumerate() {
-                _mm512_storeu_ps(pp.add(h * n + j), _mm512_mul_ps(sum16(part), sv));
+                _mm512_storeu_ps(pp.add(h * n + j), _mm512_mul_ps(sum16(part), f));
             }
             j += 16;
         }
         while j < n {
-            let kr = load::<T, V>(kp.add((r.from + j) * r.ks));
+            let at = kp.add((r.from + j) * r.ks);
+            let kr = load::<T, V>(at);
+            let f = scale * T::scale(at, d);
             for (h, qh) in qv.iter().enumerate() {
-                *pp.add(h * n + j) = _mm512_reduce_add_ps(dot(qh, &kr)) * scale;
+                *pp.add(h * n + j) = _mm512_reduce_add_ps(dot(qh, &kr)) * f;
             }
             j += 1;
         }
@@ -178,9 +227,11 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         }
         let mut ov = [[_mm512_setzero_ps(); V]; H];
         for j in 0..n {
-            let vr = load::<T, V>(vp.add((r.from + j) * r.vs));
+            let at = vp.add((r.from + j) * r.vs);
+            let vr = load::<T, V>(at);
+            let f = T::scale(at, d);
             for (h, oh) in ov.iter_mut().enumerate() {
-                let w = _mm512_set1_ps(*pp.add(h * n + j));
+                let w = _mm512_set1_ps(*pp.add(h * n + j) * f);
                 for (acc, x) in oh.iter_mut().zip(&vr) {
                     *acc = _mm512_fmadd_ps(w, *x, *acc);
                 }
