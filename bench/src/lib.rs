@@ -15,6 +15,8 @@ pub mod llama;
 pub mod load;
 pub mod model;
 pub mod peer;
+mod peer_cache;
+mod peer_llama;
 mod progress;
 pub mod qa;
 mod qa_codec;

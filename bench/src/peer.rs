@@ -25,11 +25,12 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use retrieval::SearchFilter;
 use serve::ServeConfig;
+
+use crate::peer_llama::{start_llama, Llama};
 
 use crate::sse::{post, Streamed};
 use crate::{dataset, percentile, Error, Line};
@@ -79,21 +80,28 @@ pub struct Args {
     /// is skipped, and stored chunks are not prefilled again.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// ragkv's decoding caches (`serve.cache_dtype`): f16, f32 or q8.
+    #[arg(long, default_value = "f16", value_parser = crate::peer_cache::parse_cache)]
+    pub cache_dtype: serve::CacheDtype,
+    /// Also measure ragkv with these caches, and compare (`peer.cache_qps`,
+    /// `peer.cache_answer_tokens`).
+    #[arg(long, value_parser = crate::peer_cache::parse_cache)]
+    pub versus_cache: Option<serve::CacheDtype>,
 }
 
 /// One answered query, as the client saw it.
 #[derive(Debug, Clone)]
-struct Outcome {
-    first_ms: f64,
-    total_ms: f64,
+pub(crate) struct Outcome {
+    pub(crate) first_ms: f64,
+    pub(crate) total_ms: f64,
     /// Prompt tokens the server reports: ragkv's assembled prompt, llama-server's evaluated.
-    prompt: usize,
-    completion: usize,
+    pub(crate) prompt: usize,
+    pub(crate) completion: usize,
     /// Where ragkv says the time went (queue, load, assemble, prefill, decode; ms); none
     /// from llama-server.
-    stages: Option<[f64; 5]>,
+    pub(crate) stages: Option<[f64; 5]>,
     /// The answer's text.
-    answer: String,
+    pub(crate) answer: String,
 }
 
 /// The stages of [`Outcome::stages`].
@@ -106,20 +114,20 @@ const STAGES: [&str; 5] = [
 ];
 
 /// A server under test: how to send question `i`.
-trait Peer: Sync {
+pub(crate) trait Peer: Sync {
     fn ask(&self, i: usize) -> Result<Outcome, String>;
 }
 
-const TIMEOUT: Duration = Duration::from_secs(900);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(900);
 
-fn json_usize(v: &serde_json::Value, path: &[&str]) -> usize {
+pub(crate) fn json_usize(v: &serde_json::Value, path: &[&str]) -> usize {
     path.iter()
         .try_fold(v, |v, k| v.get(k))
         .and_then(|v| v.as_u64())
         .unwrap_or(0) as usize
 }
 
-fn first(r: &Streamed, what: &str) -> Result<f64, String> {
+pub(crate) fn first(r: &Streamed, what: &str) -> Result<f64, String> {
     if r.status != 200 {
         let msg = r.events.last().map(|e| e.1.as_str()).unwrap_or("");
         return Err(format!("{what}: HTTP {}: {msg}", r.status));
@@ -128,13 +136,13 @@ fn first(r: &Streamed, what: &str) -> Result<f64, String> {
         .ok_or_else(|| format!("{what}: no token event in the response"))
 }
 
-struct Ragkv<'a> {
-    addr: SocketAddr,
-    questions: &'a [String],
-    top_k: usize,
-    max_tokens: usize,
+pub(crate) struct Ragkv<'a> {
+    pub(crate) addr: SocketAddr,
+    pub(crate) questions: &'a [String],
+    pub(crate) top_k: usize,
+    pub(crate) max_tokens: usize,
     /// The assembly strategy (`None`: the server's default).
-    assembly: Option<&'static str>,
+    pub(crate) assembly: Option<&'static str>,
 }
 
 impl Peer for Ragkv<'_> {
@@ -163,45 +171,6 @@ impl Peer for Ragkv<'_> {
             completion: json_usize(&done, &["completion_tokens"]),
             stages: Some(STAGES.map(stage)),
             answer: done["answer"].as_str().unwrap_or_default().to_string(),
-        })
-    }
-}
-
-struct Llama<'a> {
-    addr: SocketAddr,
-    prompts: &'a [Vec<u32>],
-    max_tokens: usize,
-}
-
-impl Peer for Llama<'_> {
-    fn ask(&self, i: usize) -> Result<Outcome, String> {
-        let body = serde_json::json!({
-            "prompt": self.prompts[i], "n_predict": self.max_tokens, "cache_prompt": false,
-            "stream": true, "temperature": 0.0, "ignore_eos": true,
-        });
-        let r =
-            post(self.addr, "/completion", &body, b"data: ", TIMEOUT).map_err(|e| e.to_string())?;
-        let first_ms = first(&r, "llama-server")?;
-        let chunks: Vec<serde_json::Value> = r
-            .events
-            .iter()
-            .filter_map(|e| serde_json::from_str(&e.1).ok())
-            .collect();
-        let answer = chunks
-            .iter()
-            .filter_map(|v| v["content"].as_str())
-            .collect::<String>();
-        let last = chunks
-            .iter()
-            .find(|v| v.get("timings").is_some())
-            .ok_or_else(|| format!("llama-server: no timings: {:?}", r.events.last()))?;
-        Ok(Outcome {
-            first_ms,
-            total_ms: r.total_ms,
-            prompt: json_usize(last, &["timings", "prompt_n"]),
-            completion: json_usize(last, &["timings", "predicted_n"]),
-            stages: None,
-            answer,
         })
     }
 }
@@ -243,11 +212,11 @@ fn phase(
 
 /// What one side measured.
 #[derive(Debug, Default)]
-struct Side {
+pub(crate) struct Side {
     /// Time to first token of each question alone, sorted.
     ttft: Vec<f64>,
     /// Queries/s per client count.
-    qps: Vec<f64>,
+    pub(crate) qps: Vec<f64>,
     /// Prompts whose reported length differs from the tokens computed for them.
     prompt_mismatches: usize,
     /// Answers that did not have `max_tokens` tokens.
@@ -257,10 +226,10 @@ struct Side {
     /// Mean of each stage per client count (ragkv only).
     stages: Vec<Option<serde_json::Value>>,
     /// Each question's answer in the time-to-first-token phase.
-    answers: Vec<String>,
+    pub(crate) answers: Vec<String>,
 }
 
-fn measure(
+pub(crate) fn measure(
     name: &str,
     peer: &dyn Peer,
     prompts: &[Vec<u32>],
@@ -315,72 +284,6 @@ fn measure(
     Ok(side)
 }
 
-/// A started llama-server, killed when dropped.
-struct LlamaServer(Child);
-
-impl Drop for LlamaServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts llama-server on a free loopback port (its output to `log`) and waits until it
-/// answers `/health`.
-fn start_llama(
-    bin: &std::path::Path,
-    model: &std::path::Path,
-    args: &Args,
-    ctx_per_slot: usize,
-    log: &std::path::Path,
-) -> Result<(LlamaServer, SocketAddr), Error> {
-    let out = std::fs::File::create(log).map_err(crate::io(log.display().to_string()))?;
-    let err = out
-        .try_clone()
-        .map_err(crate::io(log.display().to_string()))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(crate::io("free port"))?
-        .port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
-    let child = crate::llama::command(bin)
-        .arg("--model")
-        .arg(model)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--threads", &threads.to_string()])
-        .args(["--threads-batch", &threads.to_string()])
-        .args(["--parallel", &args.slots.to_string()])
-        .args(["--ctx-size", &(ctx_per_slot * args.slots).to_string()])
-        // Every prompt prefilled in full: no prompt cache, in the slots or in host memory.
-        .args(["--no-cache-prompt", "--cache-ram", "0", "--no-webui"])
-        .stdout(Stdio::from(out))
-        .stderr(Stdio::from(err))
-        .spawn()
-        .map_err(crate::io(format!("starting {}", bin.display())))?;
-    let mut server = LlamaServer(child);
-    let t = Instant::now();
-    loop {
-        if let Ok((200, _)) = serve::client::request(addr, "GET", "/health", None, None) {
-            return Ok((server, addr));
-        }
-        if let Ok(Some(status)) = server.0.try_wait() {
-            return Err(Error::Check(format!(
-                "llama-server exited ({status}) before answering: see {}",
-                log.display()
-            )));
-        }
-        if t.elapsed() > Duration::from_secs(120) {
-            return Err(Error::Check(
-                "llama-server did not become healthy in 120 s".into(),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 /// Runs the benchmark.
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     if args.clients.is_empty() || args.clients.contains(&0) || args.rounds == 0 {
@@ -420,9 +323,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let config = ServeConfig {
         max_inflight: max_clients.max(args.slots) * 2,
         max_batch: args.slots,
+        cache_dtype: args.cache_dtype,
         ..ServeConfig::default()
     };
-    let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config)?;
+    let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config.clone())?;
 
     // The prompts, and the chunks they retrieve materialized.
     let t = Instant::now();
@@ -481,10 +385,18 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         == 0;
     drop(rt);
     drop(rag);
+    let versus = match args.versus_cache {
+        Some(d) => {
+            let side =
+                crate::peer_cache::measure_versus(&engine, &config, d, &questions, &prompts, args)?;
+            crate::peer_cache::lines(&engine, args, d, &ours, &side)?
+        }
+        None => Vec::new(),
+    };
     crate::engine::close(engine);
 
     if args.skip_llama {
-        return Ok(scaling(args, &ours).into_iter().collect());
+        return Ok(scaling(args, &ours).into_iter().chain(versus).collect());
     }
     let ctx_per_slot = (longest + args.max_tokens + 64).div_ceil(256) * 256;
     let theirs = {
@@ -502,6 +414,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         detail["answers_full_prefill"] = agreement("full", &full_answers, &theirs.answers);
         detail["answers_stored_kv"] = agreement("stored", &ours.answers, &theirs.answers);
     }
+    out.extend(versus);
     Ok(out)
 }
 

@@ -546,7 +546,7 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
             let q8 = |_| {
                 Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev)
-                    .and_then(|x| Ok(crate::kv_q8::quantize(&x).unwrap()))
+                    .map(|x| crate::kv_q8::quantize(&x).unwrap())
                     .and_then(|x| x.narrow(2, 0, t))
                     .unwrap()
             };
