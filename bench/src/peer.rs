@@ -389,7 +389,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         Some(d) => {
             let side =
                 crate::peer_cache::measure_versus(&engine, &config, d, &questions, &prompts, args)?;
-            crate::peer_cache::lines(&engine, args, d, &ours, &side)?
+            crate::peer_cache::lines(&engine, &config, &questions, args, d, &ours, &side)?
         }
         None => Vec::new(),
     };

@@ -418,7 +418,7 @@ fn question(
             forced,
         );
         if let (Some(c), Some((r, f1_unc))) = (coded, unc) {
-            let v = c.forced(&query(a), hits.clone(), &r.targets, &rows(&r.logits)?)?;
+            let v = c.forced(rag, &query(a), hits.clone(), &r.targets)?;
             answer.uncompressed = Some(VsUncompressed {
                 f1: f1_unc,
                 tokens: v.tokens,

@@ -142,21 +142,23 @@ impl Kv {
     }
 
     /// Copies the KV to `device` in `dtype`. This is the import step, kept apart from
-    /// compute so that a loader can run it while the model decodes another request.
+    /// compute so that a loader can run it while the model decodes another request. With
+    /// [`Q8_CACHE`] the rows are quantized for a q8 decoding cache (which takes them as they
+    /// are); such a `Kv` only goes into a [`KvCache`].
     pub fn to(&self, device: &Device, dtype: DType) -> Result<Kv> {
+        let conv = |t: &Tensor| -> Result<Tensor> {
+            let t = t.to_device(device).ctx("kv to device")?;
+            if dtype == Q8_CACHE {
+                q8_check(device, t.dim(3).ctx("kv dims")?)?;
+                kv_q8::quantize(&t)
+            } else {
+                t.to_dtype(dtype).ctx("kv to device")
+            }
+        };
         let layers = self
             .layers
             .iter()
-            .map(|(k, v)| -> Result<_> {
-                Ok((
-                    k.to_device(device)
-                        .and_then(|t| t.to_dtype(dtype))
-                        .ctx("kv to device")?,
-                    v.to_device(device)
-                        .and_then(|t| t.to_dtype(dtype))
-                        .ctx("kv to device")?,
-                ))
-            })
+            .map(|(k, v)| -> Result<_> { Ok((conv(k)?, conv(v)?)) })
             .collect::<Result<_>>()?;
         Ok(Kv {
             layers,
@@ -238,9 +240,26 @@ fn tensor_from_bytes(
     Tensor::from_raw_buffer(b, dtype, &[shape.0, shape.1, shape.2], device).ctx("kv from bytes")
 }
 
+/// Whether a q8 cache can hold heads of `d` elements on `device`.
+fn q8_check(device: &Device, d: usize) -> Result<()> {
+    if !device.is_cpu() {
+        return Err(Error::Kv {
+            why: "q8 decoding caches are CPU-only".into(),
+        });
+    }
+    if !kv_q8::supports(d) {
+        return Err(Error::Kv {
+            why: format!("q8 decoding caches need heads of a multiple of 32 elements, not {d}"),
+        });
+    }
+    Ok(())
+}
+
 /// Rows `(1, heads, n, d)` in the cache's `dtype`, contiguous: quantized for a q8 cache.
 fn to_cache_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if dtype == Q8_CACHE {
+    if dtype == Q8_CACHE && t.dtype() == Q8_CACHE {
+        t.contiguous().ctx("kv cache rows")
+    } else if dtype == Q8_CACHE {
         kv_q8::quantize(t)
     } else {
         t.to_dtype(dtype)
@@ -272,10 +291,8 @@ impl KvCache {
         device: &Device,
     ) -> Result<KvCache> {
         let capacity = capacity.max(16);
-        if dtype == Q8_CACHE && !device.is_cpu() {
-            return Err(Error::Kv {
-                why: "q8 decoding caches are CPU-only".into(),
-            });
+        if dtype == Q8_CACHE {
+            q8_check(device, head_dim)?;
         }
         let width = if dtype == Q8_CACHE {
             kv_q8::row_bytes(head_dim)
@@ -329,10 +346,8 @@ impl KvCache {
         if total == 0 {
             return KvCache::new(n_layers, heads, dim, capacity, dtype, k0.device());
         }
-        if dtype == Q8_CACHE && !k0.device().is_cpu() {
-            return Err(Error::Kv {
-                why: "q8 decoding caches are CPU-only".into(),
-            });
+        if dtype == Q8_CACHE {
+            q8_check(k0.device(), dim)?;
         }
         let width = if dtype == Q8_CACHE {
             kv_q8::row_bytes(dim)

@@ -139,12 +139,6 @@ impl Assembly {
     /// thread converts them, the model thread only copies), the compute dtype where the
     /// whole context is scored first (`reposition+recompute`, `query-aware`).
     pub fn chunk_dtype(self, compute: DType, cache: DType) -> DType {
-        // A q8 cache quantizes rows as they go in: chunks come as the store's f16.
-        let cache = if cache == model::Q8_CACHE {
-            DType::F16
-        } else {
-            cache
-        };
         match self {
             Assembly::Naive | Assembly::Reposition | Assembly::Link(_) => cache,
             Assembly::Recompute(_) | Assembly::QueryAware(_) | Assembly::Full => compute,

@@ -47,8 +47,15 @@ pub(crate) fn import(
     dtype: DType,
 ) -> model::Result<Kv> {
     let model = &engine.model;
-    Kv::from_bytes(bytes, &engine.layout(), model.device())
-        .and_then(|kv| kv.to(model.device(), dtype))
+    let kv = Kv::from_bytes(bytes, &engine.layout(), model.device())?;
+    if dtype == model::Q8_CACHE {
+        // Keys turn before they are quantized (re-positioning works on the stored floats);
+        // the q8 cache then takes the rows as they are.
+        return assembly
+            .place(model, kv, pos)
+            .and_then(|kv| kv.to(model.device(), dtype));
+    }
+    kv.to(model.device(), dtype)
         .and_then(|kv| assembly.place(model, kv, pos))
 }
 

@@ -7,8 +7,7 @@
 //! The softmax's `exp` is ggml's vectorized one (as the AVX2 loops'); the division by the
 //! sum is applied once to the output. Caches in f16 are widened to f32 as each row is
 //! loaded (`vcvtph2ps`), so an f16 cache costs half the memory traffic and no extra pass;
-//! q8 caches' codes likewise (`vpmovsxbd`), their row scales folded into the scores and the
-//! value weights.
+//! q8 caches' codes likewise (`vpmovsxbd`), times their block's scale.
 
 #![allow(unused_unsafe)]
 
@@ -18,10 +17,10 @@ use half::f16;
 
 /// Cache elements the kernel reads as f32 lanes.
 pub(super) trait Lanes: Copy {
-    /// Whether a row carries a factor after its `d` elements ([`Lanes::scale`]).
-    const SCALED: bool = false;
-    /// Elements a row holds after its `d` values.
-    const TAIL: usize = 0;
+    /// Elements a row of `d` takes in the cache (more than `d` where scales follow).
+    fn row_len(d: usize) -> usize {
+        d
+    }
 
     /// Sixteen elements from `p` as f32 lanes.
     ///
@@ -29,14 +28,15 @@ pub(super) trait Lanes: Copy {
     /// The CPU has AVX-512F; sixteen elements are readable at `p`.
     unsafe fn load16(p: *const Self) -> __m512;
 
-    /// The factor of the row at `row` (`d` elements, then its tail): 1 unless [`Self::SCALED`].
+    /// A whole row of `16 V` values from `at`, as f32 lanes.
     ///
     /// # Safety
-    /// The row and its tail are readable at `row`.
+    /// The CPU has AVX-512F; the row ([`Lanes::row_len`]) is readable at `at`.
     #[inline]
-    unsafe fn scale(row: *const Self, d: usize) -> f32 {
-        let _ = (row, d);
-        1.0
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_row<const V: usize>(at: *const Self) -> [__m512; V] {
+        // SAFETY: the caller's contract.
+        std::array::from_fn(|c| unsafe { Self::load16(at.add(16 * c)) })
     }
 }
 
@@ -56,11 +56,12 @@ impl Lanes for f16 {
     }
 }
 
-/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then the row's f32 scale; the codes are
-/// widened as they load and the scale multiplies the row's score or value weight.
+/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then an f32 scale per 32 of them; the
+/// codes are widened as they load and multiplied by their block's scale in registers.
 impl Lanes for u8 {
-    const SCALED: bool = true;
-    const TAIL: usize = 4;
+    fn row_len(d: usize) -> usize {
+        crate::kv_q8::row_bytes(d)
+    }
 
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -69,9 +70,17 @@ impl Lanes for u8 {
     }
 
     #[inline]
-    unsafe fn scale(row: *const u8, d: usize) -> f32 {
-        // SAFETY: the caller's: the row's four scale bytes follow its `d` codes.
-        f32::from_le_bytes(unsafe { row.add(d).cast::<[u8; 4]>().read_unaligned() })
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_row<const V: usize>(at: *const u8) -> [__m512; V] {
+        // Heads of 64-256: blocks of 32, two vectors each; their scales follow the codes.
+        let scales = at.wrapping_add(16 * V).cast::<f32>();
+        std::array::from_fn(|c| {
+            // SAFETY: the caller's contract: the codes and the `V / 2` scales are readable.
+            unsafe {
+                let s = scales.add(c / 2).read_unaligned();
+                _mm512_mul_ps(Self::load16(at.add(16 * c)), _mm512_set1_ps(s))
+            }
+        })
     }
 }
 
@@ -108,8 +117,8 @@ pub(super) unsafe fn group<T: Lanes>(
         takes(d)
             && from <= pos
             && o.len() == q.len()
-            && pos * ks + d + T::TAIL <= k.len()
-            && pos * vs + d + T::TAIL <= v.len()
+            && pos * ks + T::row_len(d) <= k.len()
+            && pos * vs + T::row_len(d) <= v.len()
     );
     // Heads per pass: their queries fill at most sixteen registers.
     let most = 256 / d;
@@ -168,7 +177,7 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         #[target_feature(enable = "avx512f")]
         unsafe fn load<T: Lanes, const V: usize>(at: *const T) -> [__m512; V] {
             // SAFETY: the CPU has AVX-512F; the rows are in bounds (asserted by `group`).
-            std::array::from_fn(|c| unsafe { T::load16(at.add(16 * c)) })
+            unsafe { T::load_row::<V>(at) }
         }
         let qv: [[__m512; V]; H] =
             std::array::from_fn(|h| load::<f32, V>(q.as_ptr().add(h * 16 * V)));
@@ -185,37 +194,24 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         // ([`sum16`]: ~3 instructions per key instead of a horizontal sum's ~9), the scores
         // stored as one vector.
         let sv = _mm512_set1_ps(scale);
-        let d = 16 * V;
         let mut parts = [[_mm512_setzero_ps(); 16]; H];
-        let mut row_scales = [1f32; 16];
         let mut j = 0;
         while j + 16 <= n {
             for k in 0..16 {
-                let at = kp.add((r.from + j + k) * r.ks);
-                let kr = load::<T, V>(at);
-                if T::SCALED {
-                    row_scales[k] = T::scale(at, d);
-                }
+                let kr = load::<T, V>(kp.add((r.from + j + k) * r.ks));
                 for (part, qh) in parts.iter_mut().zip(&qv) {
                     part[k] = dot(qh, &kr);
                 }
             }
-            let f = if T::SCALED {
-                _mm512_mul_ps(sv, _mm512_loadu_ps(row_scales.as_ptr()))
-            } else {
-                sv
-            };
             for (h, part) in parts.iter().enumerate() {
-                _mm512_storeu_ps(pp.add(h * n + j), _mm512_mul_ps(sum16(part), f));
+                _mm512_storeu_ps(pp.add(h * n + j), _mm512_mul_ps(sum16(part), sv));
             }
             j += 16;
         }
         while j < n {
-            let at = kp.add((r.from + j) * r.ks);
-            let kr = load::<T, V>(at);
-            let f = scale * T::scale(at, d);
+            let kr = load::<T, V>(kp.add((r.from + j) * r.ks));
             for (h, qh) in qv.iter().enumerate() {
-                *pp.add(h * n + j) = _mm512_reduce_add_ps(dot(qh, &kr)) * f;
+                *pp.add(h * n + j) = _mm512_reduce_add_ps(dot(qh, &kr)) * scale;
             }
             j += 1;
         }
@@ -227,11 +223,9 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         }
         let mut ov = [[_mm512_setzero_ps(); V]; H];
         for j in 0..n {
-            let at = vp.add((r.from + j) * r.vs);
-            let vr = load::<T, V>(at);
-            let f = T::scale(at, d);
+            let vr = load::<T, V>(vp.add((r.from + j) * r.vs));
             for (h, oh) in ov.iter_mut().enumerate() {
-                let w = _mm512_set1_ps(*pp.add(h * n + j) * f);
+                let w = _mm512_set1_ps(*pp.add(h * n + j));
                 for (acc, x) in oh.iter_mut().zip(&vr) {
                     *acc = _mm512_fmadd_ps(w, *x, *acc);
                 }
