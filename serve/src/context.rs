@@ -59,6 +59,28 @@ pub(crate) fn import(
         .and_then(|kv| assembly.place(model, kv, pos))
 }
 
+/// A chunk's stored KV into `buf`: from the engine's namespace, or, when that misses and
+/// chunks are stored with a lossy codec, from the same model's lossless namespace (a store
+/// written before the codec changed serves as it did until `ragkv rematerialize` re-encodes
+/// it).
+fn read_stored(engine: &Engine, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<()> {
+    let n = tokens.len();
+    match engine
+        .store
+        .get_batch_into(engine.namespace(), tokens, n, buf)
+    {
+        Err(e) if e.is_miss() && !e.is_damage() => match engine.lossless_source() {
+            Some(src) => engine
+                .store
+                .get_batch_into(src, tokens, n, buf)
+                .map(|_| ())
+                .map_err(|_| e),
+            None => Err(e),
+        },
+        r => r.map(|_| ()),
+    }
+}
+
 /// Reads the stored KV of a query's chunks (verified, imported, placed from position `pos`
 /// on); a chunk whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without
 /// it. Chunks whose text tokenizes to nothing are left out.
@@ -83,10 +105,7 @@ pub(crate) fn read_chunks(
         };
         let mut corrupt = false;
         let kv = if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-            match engine
-                .store
-                .get_batch_into(engine.namespace(), &tokens, tokens.len(), buf)
-            {
+            match read_stored(engine, &tokens, buf) {
                 Ok(_) => {
                     m.kv_bytes_loaded
                         .fetch_add(buf.len() as u64, Ordering::Relaxed);
