@@ -35,8 +35,9 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
 
     // A client that keeps asking until told to stop.
     let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let client = {
-        let stop = stop.clone();
+        let (stop, answered) = (stop.clone(), answered.clone());
         std::thread::spawn(move || {
             let mut results = Vec::new();
             let questions = [
@@ -50,6 +51,7 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
                                               "max_tokens": 4});
                 let r = serve::client::request(addr, "POST", "/v1/query", None, Some(&body));
                 results.push(r.map_err(|e| e.to_string()));
+                answered.fetch_add(1, Ordering::Relaxed);
                 i += 1;
             }
             results
@@ -89,6 +91,16 @@ fn cron_rematerialize_and_gc_during_queries_lose_no_query() {
     assert_eq!(done["planned"], 0, "{done}");
     assert_eq!(done["present"], points, "{done}");
 
+    // At least three queries overlap the maintenance, however slowly this machine answers
+    // them (a loaded machine may have finished the schedule before the third).
+    let t = Instant::now();
+    while answered.load(Ordering::Relaxed) < 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "queries stopped being answered"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     stop.store(true, Ordering::Relaxed);
     let results = client.join().unwrap();
     assert!(results.len() >= 3, "{} queries", results.len());

@@ -42,7 +42,22 @@ pub fn open_with(
     chunk_tokens: usize,
     chunk_preamble: &str,
 ) -> Result<ingest::Engine, Error> {
-    let store = kvstore::Store::open(dir.join("kv"), kvstore::StoreOptions::default())?;
+    open_coded(dir, llm, chunk_tokens, chunk_preamble, kvstore::Codec::None)
+}
+
+/// [`open_with`] storing chunk KV with `codec`.
+pub fn open_coded(
+    dir: &Path,
+    llm: &ModelArgs,
+    chunk_tokens: usize,
+    chunk_preamble: &str,
+    codec: kvstore::Codec,
+) -> Result<ingest::Engine, Error> {
+    let opts = kvstore::StoreOptions {
+        default_codec: codec,
+        ..kvstore::StoreOptions::default()
+    };
+    let store = kvstore::Store::open(dir.join("kv"), opts)?;
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default())
         .map_err(|x| e("embedder")(x.to_string()))?;
     let index = retrieval::VectorIndex::open(
@@ -88,9 +103,10 @@ pub fn open_indexed(
     dataset: &Path,
     docs: usize,
     tag: &str,
+    codec: kvstore::Codec,
 ) -> Result<ingest::Engine, Error> {
     let marker = work.join(format!("indexed-{docs}"));
-    let engine = open_with(work, llm, chunk_tokens, chunk_preamble)?;
+    let engine = open_coded(work, llm, chunk_tokens, chunk_preamble, codec)?;
     if !marker.exists() {
         let corpus = crate::dataset::documents(dataset, docs)?;
         eprintln!("[{tag}] indexing {} documents (vectors only)", corpus.len());

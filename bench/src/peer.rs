@@ -314,6 +314,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         &ds,
         args.docs,
         "peer",
+        kvstore::Codec::None,
     )?);
     let questions: Vec<String> = dataset::questions(&ds, args.questions)?
         .into_iter()

@@ -105,7 +105,7 @@ pub struct Args {
     pub codec: Option<kvstore::Codec>,
 }
 
-fn parse_codec(s: &str) -> Result<kvstore::Codec, String> {
+pub(crate) fn parse_codec(s: &str) -> Result<kvstore::Codec, String> {
     kvstore::Codec::from_name(s).ok_or_else(|| {
         let names: Vec<&str> = kvstore::Codec::ALL.iter().map(|c| c.name()).collect();
         format!("{s:?} is not a codec ({})", names.join(", "))
@@ -276,6 +276,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             &ds,
             args.docs,
             "qa",
+            kvstore::Codec::None,
         )?);
         let config = ServeConfig {
             system_prompt: SYSTEM.into(),

@@ -40,6 +40,10 @@ pub struct Args {
     /// there, ingestion is skipped.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Codec of the stored chunk KV (`kvstore.codec`: none, q8, q4, ...); use a separate
+    /// `--dir` per codec.
+    #[arg(long, default_value = "none", value_parser = crate::qa::parse_codec)]
+    pub codec: kvstore::Codec,
 }
 
 fn check(what: &str) -> impl Fn(String) -> Error + '_ {
@@ -90,6 +94,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         &ds,
         args.docs,
         "ttft",
+        args.codec,
     )?);
     let questions = dataset::questions(&ds, args.questions)?;
     let rag = Rag::start(
