@@ -75,7 +75,9 @@ pub struct KvStoreConfig {
     pub sync_interval_ms: u64,
     /// Put batches of at least this many KiB bypass the page cache (`O_DIRECT`); 0: never.
     pub direct_write_min_kib: usize,
-    /// Default codec: none, lz4, zstd, lz4-planes, zstd-planes, int8 (lossy).
+    /// Codec of new namespaces: none, lz4, zstd, lz4-planes, zstd-planes (lossless), q8, q4,
+    /// int8 (lossy: each its own namespace). Default `q8`: half of f16's bytes, answers that
+    /// agree with f16 stored KV (docs/BENCHMARKS.md, issue 37).
     pub codec: String,
     /// In-memory hot tier, MiB (0 disables).
     pub hot_tier_mib: usize,
@@ -132,7 +134,7 @@ impl Default for KvStoreConfig {
             sync: "batch".into(),
             sync_interval_ms: 1000,
             direct_write_min_kib: d.direct_write_min_bytes.map_or(0, |b| b >> 10),
-            codec: d.default_codec.name().into(),
+            codec: kvstore::Codec::Q8.name().into(),
             hot_tier_mib: d.hot_tier_bytes >> 20,
             location_cache_mib: d.location_cache_bytes >> 20,
             merge_dead_ratio: d.merge.dead_ratio,
@@ -278,7 +280,7 @@ impl Config {
             other => bail!("kvstore.sync: unknown policy {other:?} (batch, interval, none)"),
         };
         let Some(codec) = kvstore::Codec::from_name(&k.codec) else {
-            bail!("kvstore.codec: unknown codec {:?} (none, lz4, zstd, lz4-planes, zstd-planes, int8)", k.codec);
+            bail!("kvstore.codec: unknown codec {:?} (none, lz4, zstd, lz4-planes, zstd-planes, q8, q4, int8)", k.codec);
         };
         let d = kvstore::StoreOptions::default();
         let policy = match k.eviction.as_str() {

@@ -50,6 +50,12 @@ fn a_full_disk_stops_ingest_cleanly_and_a_rerun_after_freeing_space_completes() 
         }
     };
     let data = fs.join("data");
+    // f16 KV (codec none), whose ~38 MiB are what fills this file system.
+    let ragkv = |data: &std::path::Path| {
+        let mut c = ragkv(data);
+        c.env("RAGKV__KVSTORE__CODEC", "none");
+        c
+    };
     let ingest = || {
         ragkv(&data)
             .args(["ingest", "--progress", "quiet", "--json"])
