@@ -30,7 +30,7 @@ pub(crate) const fn row_bytes(d: usize) -> usize {
 }
 
 /// Elements of a q8 row of `w` bytes.
-const fn dim_of(w: usize) -> usize {
+pub(crate) const fn dim_of(w: usize) -> usize {
     w / (BLOCK + 4) * BLOCK
 }
 
