@@ -95,6 +95,7 @@ pub fn open_coded(
 /// [`open_with`] in `work`, indexing the first `docs` corpus documents (vectors only) unless
 /// `work` already holds their whole index (an interrupted indexing goes on: ingest skips what
 /// it has). `tag` prefixes the progress lines.
+#[allow(clippy::too_many_arguments)]
 pub fn open_indexed(
     work: &Path,
     llm: &ModelArgs,

@@ -101,15 +101,8 @@ pub struct Args {
     pub dir: Option<PathBuf>,
     /// Also answer from stored KV encoded with this codec (`q8`, `q4`, ...) and compare it,
     /// strategy by strategy, with the same stored KV in f16 (`*_vs_uncompressed` fields).
-    #[arg(long, value_parser = parse_codec)]
+    #[arg(long, value_parser = crate::qa_codec::parse_codec)]
     pub codec: Option<kvstore::Codec>,
-}
-
-pub(crate) fn parse_codec(s: &str) -> Result<kvstore::Codec, String> {
-    kvstore::Codec::from_name(s).ok_or_else(|| {
-        let names: Vec<&str> = kvstore::Codec::ALL.iter().map(|c| c.name()).collect();
-        format!("{s:?} is not a codec ({})", names.join(", "))
-    })
 }
 
 /// One strategy's result: the JSON line `ragkv eval qa` prints.
@@ -175,10 +168,10 @@ pub(crate) struct RunHeader {
 
 /// One answer's scores.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Answer {
+pub(crate) struct Answer {
     strategy: String,
     answer: String,
-    f1: f64,
+    pub(crate) f1: f64,
     em: bool,
     ttft_ms: f64,
     identical: bool,
@@ -189,16 +182,16 @@ struct Answer {
     /// With `--codec`: the answer of the same strategy from the f16 store, its F1, and this
     /// answer's context teacher-forced on it (tokens, agreeing decisions, summed KL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    uncompressed: Option<VsUncompressed>,
+    pub(crate) uncompressed: Option<VsUncompressed>,
 }
 
 /// One answer from quantized stored KV against the same strategy's from f16 stored KV.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct VsUncompressed {
-    f1: f64,
-    tokens: usize,
-    agree: usize,
-    kl_sum: f64,
+pub(crate) struct VsUncompressed {
+    pub(crate) f1: f64,
+    pub(crate) tokens: usize,
+    pub(crate) agree: usize,
+    pub(crate) kl_sum: f64,
 }
 
 /// One question's line in the log: the reference (`full`) first, then each strategy.
@@ -491,38 +484,10 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 agreement_tokens_vs_uncompressed_ci95: None,
                 kl_vs_uncompressed: None,
             };
-            vs_uncompressed(&mut line, &xs, header);
+            crate::qa_codec::vs_uncompressed(&mut line, &xs, header);
             line
         })
         .collect()
-}
-
-/// With a codec, fills `line`'s comparison with the f16 store from its answers' logs.
-fn vs_uncompressed(line: &mut QaLine, xs: &[&Answer], header: &RunHeader) {
-    let pairs: Vec<(&Answer, &VsUncompressed)> = xs
-        .iter()
-        .filter_map(|a| a.uncompressed.as_ref().map(|u| (*a, u)))
-        .collect();
-    if header.codec.is_empty() || pairs.is_empty() {
-        return;
-    }
-    let n = pairs.len() as f64;
-    let diffs: Vec<f64> = pairs.iter().map(|(a, u)| a.f1 - u.f1).collect();
-    let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
-    let tokens = pairs.iter().map(|(_, u)| u.tokens).sum::<usize>();
-    let agree = pairs.iter().map(|(_, u)| u.agree).sum::<usize>();
-    let per_question: Vec<(f64, f64)> = pairs
-        .iter()
-        .map(|(_, u)| (u.agree as f64, u.tokens as f64))
-        .collect();
-    line.codec = Some(header.codec.clone());
-    line.f1_points_vs_uncompressed = Some(diffs.iter().sum::<f64>() / n * 100.0);
-    line.f1_points_vs_uncompressed_ci95 = Some((lo * 100.0, hi * 100.0));
-    line.agreement_tokens_vs_uncompressed = Some(agree as f64 / tokens.max(1) as f64);
-    line.agreement_tokens_vs_uncompressed_ci95 =
-        Some(score::bootstrap_ratio_ci95(&per_question, 10_000));
-    line.kl_vs_uncompressed =
-        Some(pairs.iter().map(|(_, u)| u.kl_sum).sum::<f64>() / tokens.max(1) as f64);
 }
 
 #[cfg(test)]

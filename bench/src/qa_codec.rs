@@ -14,6 +14,7 @@ use std::sync::Arc;
 use retrieval::Hit;
 use serve::{Query, Rag, ServeConfig};
 
+use crate::qa::{Answer, QaLine, RunHeader, VsUncompressed};
 use crate::score;
 use crate::Error;
 
@@ -115,4 +116,40 @@ impl Coded {
         drop(self.rag);
         crate::engine::close(self.engine);
     }
+}
+
+/// With a codec, fills `line`'s comparison with the f16 store from its answers' logs.
+pub(crate) fn vs_uncompressed(line: &mut QaLine, xs: &[&Answer], header: &RunHeader) {
+    let pairs: Vec<(&Answer, &VsUncompressed)> = xs
+        .iter()
+        .filter_map(|a| a.uncompressed.as_ref().map(|u| (*a, u)))
+        .collect();
+    if header.codec.is_empty() || pairs.is_empty() {
+        return;
+    }
+    let n = pairs.len() as f64;
+    let diffs: Vec<f64> = pairs.iter().map(|(a, u)| a.f1 - u.f1).collect();
+    let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
+    let tokens = pairs.iter().map(|(_, u)| u.tokens).sum::<usize>();
+    let agree = pairs.iter().map(|(_, u)| u.agree).sum::<usize>();
+    let per_question: Vec<(f64, f64)> = pairs
+        .iter()
+        .map(|(_, u)| (u.agree as f64, u.tokens as f64))
+        .collect();
+    line.codec = Some(header.codec.clone());
+    line.f1_points_vs_uncompressed = Some(diffs.iter().sum::<f64>() / n * 100.0);
+    line.f1_points_vs_uncompressed_ci95 = Some((lo * 100.0, hi * 100.0));
+    line.agreement_tokens_vs_uncompressed = Some(agree as f64 / tokens.max(1) as f64);
+    line.agreement_tokens_vs_uncompressed_ci95 =
+        Some(score::bootstrap_ratio_ci95(&per_question, 10_000));
+    line.kl_vs_uncompressed =
+        Some(pairs.iter().map(|(_, u)| u.kl_sum).sum::<f64>() / tokens.max(1) as f64);
+}
+
+/// Parses a codec name (`--codec`).
+pub(crate) fn parse_codec(s: &str) -> Result<kvstore::Codec, String> {
+    kvstore::Codec::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = kvstore::Codec::ALL.iter().map(|c| c.name()).collect();
+        format!("{s:?} is not a codec ({})", names.join(", "))
+    })
 }

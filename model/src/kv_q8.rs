@@ -277,4 +277,37 @@ mod tests {
             0.0
         );
     }
+
+    /// Parts already quantized for a q8 cache (the loader's) go in as they are, first or
+    /// after float ones, and come back within a q8 step of the floats.
+    #[test]
+    fn q8_parts_go_in_as_they_are() {
+        let dev = Device::Cpu;
+        let part = |len: usize, seed: f32| {
+            let t = |o: f32| {
+                let data: Vec<f32> = (0..2 * len * 32)
+                    .map(|i| (i as f32 * 0.37 + seed + o).sin())
+                    .collect();
+                Tensor::from_vec(data, (1, 2, len, 32), &dev).unwrap()
+            };
+            crate::Kv::new((0..2).map(|l| (t(l as f32), t(l as f32 + 0.5))).collect()).unwrap()
+        };
+        let (a, b) = (part(5, 0.0), part(7, 1.0));
+        let qa = a.to(&dev, Q8_CACHE).unwrap();
+        for (parts, floats) in [
+            (vec![qa.clone(), b.clone()], vec![a.clone(), b.clone()]),
+            (vec![b.clone(), qa.clone()], vec![b.clone(), a.clone()]),
+        ] {
+            let cache = crate::KvCache::from_parts_in(&parts, 3, Q8_CACHE).unwrap();
+            assert_eq!((cache.len(), cache.dtype()), (12, Q8_CACHE));
+            let back = cache.to_kv().unwrap();
+            let want = crate::Kv::concat(&floats).unwrap();
+            for ((k, v), (wk, wv)) in back.layers.iter().zip(&want.layers) {
+                for (x, y) in [(k, wk), (v, wv)] {
+                    let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
+                    assert!(d.to_scalar::<f32>().unwrap() < 1.0 / 127.0);
+                }
+            }
+        }
+    }
 }
