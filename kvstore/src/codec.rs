@@ -10,7 +10,8 @@
 //!   f32 scales, then one i8 per element in layout order. Decodes back to the layout's dtype.
 //!   Superseded by `q8`, whose groups are smaller; kept so stores that use it stay readable.
 //! - `q8`, `q4` (lossy): grouped quantization with f16 scales, formats in [`crate::quant`];
-//!   decoded straight into the block's place in the reader's buffer ([`decode_into_place`]).
+//!   decoded straight into the block's place in the reader's buffer
+//!   ([`crate::quant::decode_into_place`]).
 
 use schema::{Codec, KvLayout};
 
@@ -95,14 +96,7 @@ pub fn encode_block(
     tokens: usize,
     raw: &[u8],
 ) -> crate::Result<Vec<u8>> {
-    if raw.len() != layout.bytes_for(tokens) {
-        return Err(crate::Error::KvSize {
-            got: raw.len(),
-            expected: layout.bytes_for(tokens),
-            tokens,
-            layout: *layout,
-        });
-    }
+    check_len(layout, tokens, raw.len())?;
     encode(codec, layout, tokens, raw, 3).map_err(|why| crate::Error::Invalid {
         what: "KV block",
         why,
@@ -118,41 +112,31 @@ pub fn decode_block(
     enc: &[u8],
     out: &mut [u8],
 ) -> crate::Result<()> {
-    if out.len() != layout.bytes_for(tokens) {
-        return Err(crate::Error::KvSize {
-            got: out.len(),
-            expected: layout.bytes_for(tokens),
-            tokens,
-            layout: *layout,
-        });
-    }
+    check_len(layout, tokens, out.len())?;
     decode_into(codec, layout, tokens, enc, out).map_err(|why| crate::Error::Invalid {
         what: "KV block",
         why,
     })
 }
 
-/// Whether `codec` decodes a block straight into its place in a layer-major buffer
-/// ([`decode_into_place`]); the others decode into a scratch buffer that is then scattered.
-pub(crate) fn decodes_in_place(codec: Codec) -> bool {
-    matches!(codec, Codec::Q8 | Codec::Q4)
+/// `len` must be the raw bytes of `tokens` tokens in `layout`.
+fn check_len(layout: &KvLayout, tokens: usize, len: usize) -> crate::Result<()> {
+    if len == layout.bytes_for(tokens) {
+        return Ok(());
+    }
+    Err(crate::Error::KvSize {
+        got: len,
+        expected: layout.bytes_for(tokens),
+        tokens,
+        layout: *layout,
+    })
 }
 
-/// Decodes block `enc` of `tokens` tokens into its place in `out`, a layer-major buffer of
-/// `total` tokens where the block starts at token `start` (codecs of [`decodes_in_place`]).
-pub(crate) fn decode_into_place(
-    codec: Codec,
-    layout: &KvLayout,
-    tokens: usize,
-    enc: &[u8],
-    out: &mut [u8],
-    total: usize,
-    start: usize,
-) -> Result<(), String> {
-    if !decodes_in_place(codec) {
-        return Err(format!("{codec} does not decode in place"));
-    }
-    crate::quant::decode_into_place(layout, tokens, enc, out, total, start)
+/// Whether `codec` decodes a block straight into its place in a layer-major buffer
+/// ([`crate::quant::decode_into_place`]); the others decode into a scratch buffer that is
+/// then scattered.
+pub(crate) fn decodes_in_place(codec: Codec) -> bool {
+    matches!(codec, Codec::Q8 | Codec::Q4)
 }
 
 fn split_planes(raw: &[u8], size: usize) -> Vec<u8> {

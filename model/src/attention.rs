@@ -95,20 +95,18 @@ pub(crate) fn takes(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | crate::kv_q8::Q8_CACHE)
 }
 
-/// Rows `rows` (stride `stride`) of `d` elements from `src`, widened to f32 one after the
-/// other into `dst`.
+/// Rows `rows` of `d` elements widened to f32 one after the other into `dst`, `row(j, out)`
+/// writing row `j`: the scratch the loops read for f16 and q8 caches.
 fn widen(
-    src: &[f16],
-    stride: usize,
     rows: std::ops::RangeInclusive<usize>,
     d: usize,
     dst: &mut Vec<f32>,
+    row: impl Fn(usize, &mut [f32]),
 ) {
-    use half::slice::HalfFloatSliceExt;
     dst.clear();
     dst.resize(rows.clone().count() * d, 0.0);
     for (out, j) in dst.chunks_exact_mut(d).zip(rows) {
-        src[j * stride..j * stride + d].convert_to_f32_slice(out);
+        row(j, out);
     }
 }
 
@@ -280,14 +278,26 @@ pub(crate) fn attend(
                         o,
                     ),
                     (Elems::F16(kd), Elems::F16(vd)) => {
-                        widen(&kd[k0..], k.row, from..=pos, d, &mut kw);
-                        widen(&vd[v0..], v.row, from..=pos, d, &mut vw);
+                        use half::slice::HalfFloatSliceExt;
+                        let (ks, vs) = (&kd[k0..], &vd[v0..]);
+                        widen(from..=pos, d, &mut kw, |j, out| {
+                            ks[j * k.row..j * k.row + d].convert_to_f32_slice(out)
+                        });
+                        widen(from..=pos, d, &mut vw, |j, out| {
+                            vs[j * v.row..j * v.row + d].convert_to_f32_slice(out)
+                        });
                         let rows = || (0..n).map(|j| j * d);
                         kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
                     }
                     (Elems::Q8(kd), Elems::Q8(vd)) => {
-                        crate::kv_q8::widen_rows(&kd[k0..], k.row, from..=pos, d, &mut kw);
-                        crate::kv_q8::widen_rows(&vd[v0..], v.row, from..=pos, d, &mut vw);
+                        use crate::kv_q8::{dequantize_row, row_bytes};
+                        let (ks, vs, w) = (&kd[k0..], &vd[v0..], row_bytes(d));
+                        widen(from..=pos, d, &mut kw, |j, out| {
+                            dequantize_row(&ks[j * k.row..j * k.row + w], out)
+                        });
+                        widen(from..=pos, d, &mut vw, |j, out| {
+                            dequantize_row(&vs[j * v.row..j * v.row + w], out)
+                        });
                         let rows = || (0..n).map(|j| j * d);
                         kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
                     }
@@ -499,21 +509,24 @@ mod tests {
     /// equals the f32 path over the same values widened, for heads of 64, 128 and 256
     /// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
     /// ones (rows widened into scratch); keys and values of different dtypes are refused.
-    #[test]
-    fn f16_caches_match_the_f32_path_over_their_values() {
+    /// Attention over caches that `store` makes from f32 values equals the f32 path over
+    /// what `widen` reads back from them, for heads of each of `dims` elements, with and
+    /// without a window; returns the stored keys and values of the last shape.
+    fn matches_the_f32_path(
+        dims: &[usize],
+        store: impl Fn(Tensor) -> Tensor,
+        widen: impl Fn(&Tensor) -> Tensor,
+    ) {
         let dev = Device::Cpu;
-        for d in [64, 128, 256, 20] {
+        for &d in dims {
             let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
             let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
-            let half = |_| {
-                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev)
-                    .and_then(|x| x.to_dtype(DType::F16))
-                    .and_then(|x| x.narrow(2, 0, t))
-                    .unwrap()
+            let cache = || {
+                let x = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+                store(x).narrow(2, 0, t).unwrap()
             };
-            let (k16, v16) = (half(0), half(1));
-            let wide = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
-            let (k32, v32) = (wide(&k16), wide(&v16));
+            let (k, v) = (cache(), cache());
+            let (k32, v32) = (widen(&k), widen(&v));
             let seq = |k, v| Seq {
                 row: 0,
                 len: s,
@@ -522,7 +535,7 @@ mod tests {
                 pos: None,
             };
             for window in [None, Some(9)] {
-                let got = attend(&q, &[seq(&k16, &v16)], window, 0.125).unwrap();
+                let got = attend(&q, &[seq(&k, &v)], window, 0.125).unwrap();
                 let want = attend(&q, &[seq(&k32, &v32)], window, 0.125).unwrap();
                 let diff = max_diff(&got, &want);
                 assert!(
@@ -530,48 +543,36 @@ mod tests {
                     "heads of {d}, window {window:?}: differs by {diff}"
                 );
             }
-            assert!(attend(&q, &[seq(&k16, &v32)], None, 0.125).is_err());
+            assert!(attend(&q, &[seq(&k, &v32)], None, 0.125).is_err());
         }
     }
 
-    /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths
-    /// included.
+    /// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
+    /// equals the f32 path over the same values widened, for heads of 64, 128 and 256
+    /// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
+    /// ones (rows widened into scratch); keys and values of different dtypes are refused.
+    #[test]
+    fn f16_caches_match_the_f32_path_over_their_values() {
+        matches_the_f32_path(
+            &[64, 128, 256, 20],
+            |x| x.to_dtype(DType::F16).unwrap(),
+            |x| x.to_dtype(DType::F32).unwrap(),
+        );
+    }
+
     /// q8 caches (`serve.cache_dtype = "q8"`): the same, over the values the codes and
     /// scales stand for (AVX-512 scaling in registers for 64-256, scratch widening for 96).
     #[test]
     fn q8_caches_match_the_f32_path_over_their_values() {
-        let dev = Device::Cpu;
-        for d in [64, 128, 256, 96] {
-            let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
-            let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
-            let q8 = |_| {
-                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev)
-                    .map(|x| crate::kv_q8::quantize(&x).unwrap())
-                    .and_then(|x| x.narrow(2, 0, t))
-                    .unwrap()
-            };
-            let (k8, v8) = (q8(0), q8(1));
-            let wide = |x: &Tensor| crate::kv_q8::dequantize(x, DType::F32, &dev).unwrap();
-            let (k32, v32) = (wide(&k8), wide(&v8));
-            let seq = |k, v| Seq {
-                row: 0,
-                len: s,
-                k,
-                v,
-                pos: None,
-            };
-            for window in [None, Some(9)] {
-                let got = attend(&q, &[seq(&k8, &v8)], window, 0.125).unwrap();
-                let want = attend(&q, &[seq(&k32, &v32)], window, 0.125).unwrap();
-                let diff = max_diff(&got, &want);
-                assert!(
-                    diff < 1e-5,
-                    "heads of {d}, window {window:?}: differs by {diff}"
-                );
-            }
-        }
+        matches_the_f32_path(
+            &[64, 128, 256, 96],
+            |x| crate::kv_q8::quantize(&x).unwrap(),
+            |x| crate::kv_q8::dequantize(x, DType::F32, &Device::Cpu).unwrap(),
+        );
     }
 
+    /// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths
+    /// included.
     #[test]
     fn kernels_agree() {
         let best = Kernel::best();

@@ -174,22 +174,6 @@ pub(crate) fn dequantize(t: &Tensor, dtype: DType, device: &Device) -> Result<Te
         .ctx("q8 rows")
 }
 
-/// Rows of a q8 cache (`stride` bytes apart, `rows` of them from `src`) widened to f32 one
-/// after the other into `dst`: the scratch the non-AVX-512 attention loops read.
-pub(crate) fn widen_rows(
-    src: &[u8],
-    stride: usize,
-    rows: std::ops::RangeInclusive<usize>,
-    d: usize,
-    dst: &mut Vec<f32>,
-) {
-    dst.clear();
-    dst.resize(rows.clone().count() * d, 0.0);
-    for (out, j) in dst.chunks_exact_mut(d).zip(rows) {
-        dequantize_row(&src[j * stride..j * stride + row_bytes(d)], out);
-    }
-}
-
 /// The bytes a token's KV takes in a q8 cache of `layers × kv_heads` rows of `d`.
 pub fn q8_bytes_per_token(layers: usize, kv_heads: usize, d: usize) -> usize {
     2 * layers * kv_heads * row_bytes(d)
@@ -256,14 +240,7 @@ mod tests {
         let q = quantize(&t).unwrap();
         assert_eq!(q.dims(), &[1, 3, 5, 72]);
         let back = dequantize(&q, DType::F32, &dev).unwrap();
-        let diff = (back - &t)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = crate::test_util::max_diff(&back, &t);
         assert!(diff < 0.05, "{diff}");
         let zeros = Tensor::zeros((1, 1, 2, 32), DType::F16, &dev).unwrap();
         let back = dequantize(&quantize(&zeros).unwrap(), DType::F16, &dev).unwrap();
@@ -304,8 +281,7 @@ mod tests {
             let want = crate::Kv::concat(&floats).unwrap();
             for ((k, v), (wk, wv)) in back.layers.iter().zip(&want.layers) {
                 for (x, y) in [(k, wk), (v, wv)] {
-                    let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
-                    assert!(d.to_scalar::<f32>().unwrap() < 1.0 / 127.0);
+                    assert!(crate::test_util::max_diff(x, y) < 1.0 / 127.0);
                 }
             }
         }

@@ -517,7 +517,7 @@ impl Inner {
             }
             scatter(out, total, payload, b.start, n, layout);
         } else if codec::decodes_in_place(loc.codec) {
-            codec::decode_into_place(loc.codec, layout, n, payload, out, total, b.start).map_err(
+            crate::quant::decode_into_place(layout, n, payload, out, total, b.start).map_err(
                 |e| {
                     Retry::Fail(Error::Corrupt {
                         segment: loc.segment,
