@@ -7,6 +7,10 @@
 #                                    the path of llama-server on its last line
 #   scripts/llama-server.sh avx2     AVX2 + FMA + F16C only, AVX-512 off: the peer of ragkv's
 #                                    `model.kernels = "avx2"` path (into $RAGKV_CACHE/llama.cpp-avx2)
+#   scripts/llama-server.sh cuda     the CUDA peer of `--features cuda` (into $RAGKV_CACHE/llama.cpp-cuda):
+#                                    kernels for $CUDA_COMPUTE_CAP (default 90, H100/H200), CPU code
+#                                    for any AVX2 x86; needs the toolkit from scripts/cuda-toolkit.sh
+#                                    (eval its output first). About an hour on 2 cores.
 #
 # Environment:
 #   RAGKV_CACHE   cache directory (default: ~/.cache/ragkv); the build lands in $RAGKV_CACHE/llama.cpp
@@ -28,8 +32,15 @@ case "$isa" in
       -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
       -DGGML_AVX_VNNI=OFF -DGGML_BMI2=ON)
     ;;
+  cuda)
+    dest="$cache/llama.cpp-cuda"
+    [ -n "${CUDA_HOME:-}" ] || { log "CUDA_HOME is not set: eval \"\$(scripts/cuda-toolkit.sh)\" first"; exit 2; }
+    isa_flags=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_COMPUTE_CAP:-90}"
+      -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDAToolkit_ROOT="$CUDA_HOME"
+      -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+    ;;
   *)
-    log "unknown build '$isa' (native, avx2)"
+    log "unknown build '$isa' (native, avx2, cuda)"
     exit 2
     ;;
 esac

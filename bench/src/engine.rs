@@ -18,6 +18,10 @@ pub struct ModelArgs {
     /// Keep GGUF weights quantized in memory (`model.weights = "quantized"`).
     #[arg(long)]
     pub quantized: bool,
+    /// Compute device of the model: cpu, cuda or cuda:N (`model.device`; CUDA needs a
+    /// `--features cuda` build).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 impl ModelArgs {
@@ -70,8 +74,15 @@ pub fn open_coded(
         .model
         .clone()
         .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let device = model::device(if llm.device.is_empty() {
+        "cpu"
+    } else {
+        &llm.device
+    })
+    .map_err(|x| e("model.device")(x.to_string()))?;
     let opts = model::LoadOptions {
         quantized: llm.quantized,
+        device,
         ..model::LoadOptions::default()
     };
     let llm = model::ModelSource::from_path(&path)

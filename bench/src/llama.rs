@@ -61,9 +61,10 @@ pub struct BenchFigures {
     pub decode: f64,
 }
 
-/// Runs `llama-bench -m model -p prompt -n decode -d 0,depth -t threads -r reps -o json`:
-/// prefill from an empty context, decode after `depth` tokens (the context a decode after a
-/// prompt of `depth` tokens attends to).
+/// Runs `llama-bench -m model -p prompt -n decode -d 0,depth -t threads -ngl gpu_layers -r reps
+/// -o json`: prefill from an empty context, decode after `depth` tokens (the context a decode
+/// after a prompt of `depth` tokens attends to); `gpu_layers` 0 on a CPU run.
+#[allow(clippy::too_many_arguments)]
 pub fn bench(
     bin: &Path,
     model: &Path,
@@ -71,6 +72,7 @@ pub fn bench(
     decode: usize,
     depth: usize,
     threads: usize,
+    gpu_layers: usize,
     reps: usize,
 ) -> Result<BenchFigures, Error> {
     let out = command(bin)
@@ -79,6 +81,7 @@ pub fn bench(
         .args(["-p", &prompt.to_string(), "-n", &decode.to_string()])
         .args(["-d", &format!("0,{depth}")])
         .args(["-t", &threads.to_string(), "-r", &reps.max(1).to_string()])
+        .args(["-ngl", &gpu_layers.to_string()])
         .args(["-o", "json"])
         .output()
         .map_err(crate::io(format!("running {}", bin.display())))?;

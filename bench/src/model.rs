@@ -27,6 +27,15 @@ pub struct Args {
     /// of lines per model (default: the SmolLM2 file fetched by scripts/setup.sh).
     #[arg(long)]
     pub model: Vec<PathBuf>,
+    /// A random-weight GGUF of a real model's shape, `SHAPE:TYPE` (`qwen2.5-0.5b:q8_0`;
+    /// shapes: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, qwen2.5-1.5b), written into
+    /// `--synthetic-dir` unless already there and benchmarked like a `--model` (timings are the
+    /// real model's; the answers are noise). Repeatable.
+    #[arg(long, value_name = "SHAPE:TYPE")]
+    pub synthetic: Vec<String>,
+    /// Where `--synthetic` files are written (default: `synthetic/` in the models directory).
+    #[arg(long)]
+    pub synthetic_dir: Option<PathBuf>,
     /// Prompt length for prefill.
     #[arg(long, default_value_t = 512)]
     pub prompt_tokens: usize,
@@ -87,11 +96,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs the benchmark for each model in turn. Every line's `detail` names its model file and
 /// the kernel path the run used (`model.kernels`, resolved on this CPU).
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
-    let paths = if args.model.is_empty() {
-        vec![model::models_dir().join(model::SMOLLM2_FILE)]
-    } else {
-        args.model.clone()
-    };
+    let mut paths = args.model.clone();
+    for spec in &args.synthetic {
+        let dir = args
+            .synthetic_dir
+            .clone()
+            .unwrap_or_else(|| model::models_dir().join("synthetic"));
+        paths.push(synthetic(spec, &dir)?);
+    }
+    if paths.is_empty() {
+        paths.push(model::models_dir().join(model::SMOLLM2_FILE));
+    }
     let kernels = model::kernel_path().resolved();
     let mut lines = Vec::new();
     for path in paths {
@@ -106,6 +121,29 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         }
     }
     Ok(lines)
+}
+
+/// The file of `SHAPE:TYPE` in `dir`, written first unless it is already there.
+pub fn synthetic(spec: &str, dir: &std::path::Path) -> Result<PathBuf, Error> {
+    let (name, ty) = spec.split_once(':').ok_or_else(|| {
+        Error::Check(format!(
+            "--synthetic {spec:?}: expected SHAPE:TYPE, e.g. qwen2.5-0.5b:q8_0"
+        ))
+    })?;
+    let shape = model::shape_preset(name).map_err(merr)?;
+    let dtype = model::block_type(ty).map_err(merr)?;
+    let path = dir.join(format!("{name}-{}.gguf", ty.to_ascii_lowercase()));
+    if !path.exists() {
+        let t = Instant::now();
+        model::write_shaped(shape, dtype, &path, 7).map_err(merr)?;
+        eprintln!(
+            "wrote {} ({:.0} MB) in {:.1} s",
+            path.display(),
+            std::fs::metadata(&path).map_or(0.0, |m| m.len() as f64 / 1e6),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(path)
 }
 
 fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
@@ -172,6 +210,9 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
     let mut llama_prefill = Vec::new();
     let mut llama_decode = Vec::new();
     let mut agree = true;
+    let mut last_tokens = Vec::new();
+    // llama-bench offloads every layer on a GPU run, none on a CPU one.
+    let gpu_layers = if device.is_cpu() { 0 } else { 999 };
     for rep in 0..=args.reps {
         // Ours.
         let mut cache = if device.is_cpu() && args.cache == "f16" {
@@ -205,7 +246,9 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
                 .forward(&mut cache, &[next], Logits::Last)
                 .map_err(merr)?;
         }
+        sync()?;
         let d = t.elapsed().as_secs_f64() / args.decode_tokens.max(1) as f64;
+        last_tokens = ours_tokens.clone();
 
         if let Some((stock_model, stock_cfg)) = &stock {
             let (sp, sd, stock_tokens) =
@@ -217,7 +260,8 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
             }
         }
         if let (Some(bin), true) = (&llama_bench, rep > 0) {
-            let f = crate::llama::bench(bin, &path, n, args.decode_tokens, n, threads, 1)?;
+            let f =
+                crate::llama::bench(bin, &path, n, args.decode_tokens, n, threads, gpu_layers, 1)?;
             eprintln!(
                 "rep {rep}: llama.cpp {:.0} tok/s, {:.1} ms/tok",
                 f.prefill,
@@ -262,8 +306,15 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
         std::hint::black_box(c);
     }
     let mut lines = Vec::new();
+    if !device.is_cpu() {
+        lines.push(device_agreement(&path, &opts, &prompt, &last_tokens)?);
+    }
     if !llama_prefill.is_empty() {
-        let name = format!("llama.cpp llama-bench, same GGUF, {threads} threads");
+        let name = if device.is_cpu() {
+            format!("llama.cpp llama-bench, same GGUF, {threads} threads")
+        } else {
+            "llama.cpp llama-bench, same GGUF, every layer on the GPU".to_string()
+        };
         lines.push(
             Line::higher(
                 "model.prefill_vs_llama_cpp",
@@ -338,6 +389,50 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
         ),
     ]);
     Ok(lines)
+}
+
+/// The device's greedy tokens checked against the CPU path on the same file, teacher-forced:
+/// the CPU decoder is fed the prompt and the device's tokens, and each of its argmaxes is
+/// compared with the device's next token. Percent equal (100: every step agrees).
+fn device_agreement(
+    path: &std::path::Path,
+    opts: &LoadOptions,
+    prompt: &[u32],
+    tokens: &[u32],
+) -> Result<Line, Error> {
+    let source = ModelSource::from_path(path).map_err(merr)?;
+    let cpu_opts = LoadOptions {
+        device: candle_core::Device::Cpu,
+        ..opts.clone()
+    };
+    let cpu = Model::load(&source, &cpu_opts).map_err(merr)?;
+    let mut cache = cpu.new_cache(prompt.len() + tokens.len()).map_err(merr)?;
+    let mut logits = cpu
+        .decoder()
+        .forward(&mut cache, prompt, Logits::Last)
+        .map_err(merr)?;
+    let mut equal = 0;
+    for &t in tokens {
+        if model::Decoder::argmax(&logits).map_err(merr)? == t {
+            equal += 1;
+        }
+        logits = cpu
+            .decoder()
+            .forward(&mut cache, &[t], Logits::Last)
+            .map_err(merr)?;
+    }
+    let share = 100.0 * equal as f64 / tokens.len().max(1) as f64;
+    eprintln!(
+        "device vs CPU: {equal}/{} greedy tokens equal",
+        tokens.len()
+    );
+    Ok(Line::higher(
+        "model.device_tokens_vs_cpu",
+        share,
+        100.0,
+        "% greedy tokens equal (teacher-forced)",
+        "the CPU path on the same file",
+    ))
 }
 
 /// candle-transformers' Llama on our weights, exported in HF layout (dequantized, f32).

@@ -86,6 +86,15 @@ pub(crate) fn start_llama(
         .args(["--threads", &threads.to_string()])
         .args(["--threads-batch", &threads.to_string()])
         .args(["--parallel", &args.slots.to_string()])
+        // Every layer on the GPU when ragkv runs on one, none otherwise.
+        .args([
+            "--n-gpu-layers",
+            if args.llm.device.starts_with("cuda") {
+                "999"
+            } else {
+                "0"
+            },
+        ])
         .args(["--ctx-size", &(ctx_per_slot * args.slots).to_string()])
         // Every prompt prefilled in full: no prompt cache, in the slots or in host memory.
         .args(["--no-cache-prompt", "--cache-ram", "0", "--no-webui"])

@@ -121,22 +121,21 @@ impl Kv {
         let plane = layout.plane_token_bytes() * len;
         let (heads, dim) = (layout.kv_heads as usize, layout.head_dim as usize);
         let dtype = from_schema_dtype(layout.dtype);
-        let mut layers = Vec::with_capacity(layout.layers as usize);
-        for l in 0..layout.layers as usize {
-            let mut kv = [None, None];
-            for (c, slot) in kv.iter_mut().enumerate() {
-                let b = &bytes[(2 * l + c) * plane..(2 * l + c + 1) * plane];
-                let t = tensor_from_bytes(b, dtype, (len, heads, dim), device)?
-                    .transpose(0, 1)
+        // One upload of every plane (on CUDA: one pinned host-to-device copy), then a
+        // transposed copy of each plane on the device.
+        let layers_n = layout.layers as usize;
+        let all = crate::upload::upload(bytes, dtype, &[2 * layers_n, len, heads, dim], device)?;
+        debug_assert_eq!(plane, len * heads * dim * dtype.size_in_bytes());
+        let mut layers = Vec::with_capacity(layers_n);
+        for l in 0..layers_n {
+            let part = |c: usize| -> Result<Tensor> {
+                all.get(2 * l + c)
+                    .and_then(|t| t.transpose(0, 1))
                     .and_then(|t| t.unsqueeze(0))
                     .and_then(|t| t.contiguous())
-                    .ctx("kv import")?;
-                *slot = Some(t);
-            }
-            let [Some(k), Some(v)] = kv else {
-                unreachable!()
+                    .ctx("kv import")
             };
-            layers.push((k, v));
+            layers.push((part(0)?, part(1)?));
         }
         Ok(Kv { layers, len })
     }
@@ -226,18 +225,6 @@ fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The store's bytes are little-endian, as the machines ragkv runs on are; candle reads them
-/// as native-endian elements.
-fn tensor_from_bytes(
-    b: &[u8],
-    dtype: DType,
-    shape: (usize, usize, usize),
-    device: &Device,
-) -> Result<Tensor> {
-    const _: () = assert!(cfg!(target_endian = "little"), "KV bytes are little-endian");
-    Tensor::from_raw_buffer(b, dtype, &[shape.0, shape.1, shape.2], device).ctx("kv from bytes")
 }
 
 /// Whether a q8 cache can hold heads of `d` elements on `device`.

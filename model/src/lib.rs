@@ -35,8 +35,10 @@ mod rope;
 mod simd;
 mod swiglu;
 pub mod synthetic;
+mod synthetic_shape;
 mod template;
 mod tokenizer;
+mod upload;
 mod weights;
 
 use std::collections::HashMap;
@@ -52,6 +54,7 @@ pub use generate::{
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
 pub use kv_q8::{q8_bytes_per_token, Q8_CACHE};
 pub use simd::{kernel_path, set_kernel_path, KernelPath, KERNELS_ENV};
+pub use synthetic_shape::{block_type, shape as shape_preset, write_shaped, Shape, SHAPES};
 pub use template::{chatml, Message, Piece, RagPrompt};
 pub use tokenizer::{TokenStream, Tokenizer};
 pub use weights::ModelSource;
@@ -237,6 +240,14 @@ impl Model {
 
     pub fn device(&self) -> &Device {
         self.decoder.device()
+    }
+
+    /// Waits until the work this thread queued on the model's device is done (a no-op on the
+    /// CPU). On CUDA each thread queues on its own stream, and nothing orders one thread's
+    /// stream after another's: a loader thread calls this before handing the tensors it made
+    /// to the decoding thread.
+    pub fn settle(&self) -> Result<()> {
+        upload::settle(self.device())
     }
 
     /// Bytes the loaded weights hold in memory (quantized matrices at their block size).

@@ -66,7 +66,7 @@ pub struct Synthetic {
 
 /// The family's special tokens (the first is BOS, the second EOS, the third ends a turn),
 /// its GGUF pre-tokenizer name and its chat template.
-fn family(arch: Arch) -> (&'static [&'static str], &'static str, &'static str) {
+pub(crate) fn family(arch: Arch) -> (&'static [&'static str], &'static str, &'static str) {
     match arch {
         Arch::Llama => (
             &[
@@ -110,7 +110,7 @@ const MISTRAL_TEMPLATE: &str = "{%- if messages[0]['role'] == 'system' %}{%- set
 const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
 /// GPT-2's byte-to-symbol table: the symbol each byte value gets in a byte-level vocabulary.
-fn byte_symbols() -> Vec<char> {
+pub(crate) fn byte_symbols() -> Vec<char> {
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
     let mut n = 0;
     (0u32..256)

@@ -48,15 +48,19 @@ pub(crate) fn import(
 ) -> model::Result<Kv> {
     let model = &engine.model;
     let kv = Kv::from_bytes(bytes, &engine.layout(), model.device())?;
-    if dtype == model::Q8_CACHE {
+    let kv = if dtype == model::Q8_CACHE {
         // Keys turn before they are quantized (re-positioning works on the stored floats);
         // the q8 cache then takes the rows as they are.
-        return assembly
+        assembly
             .place(model, kv, pos)
-            .and_then(|kv| kv.to(model.device(), dtype));
-    }
-    kv.to(model.device(), dtype)
-        .and_then(|kv| assembly.place(model, kv, pos))
+            .and_then(|kv| kv.to(model.device(), dtype))?
+    } else {
+        kv.to(model.device(), dtype)
+            .and_then(|kv| assembly.place(model, kv, pos))?
+    };
+    // On a GPU the tensors go to the model thread: this thread's stream must be done.
+    model.settle()?;
+    Ok(kv)
 }
 
 /// A chunk's stored KV into `buf`: from the engine's namespace, or, when that misses and

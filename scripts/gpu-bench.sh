@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The GPU measurements in one go: ragkv's CUDA path against llama.cpp's CUDA build on the same
+# GGUF files (random weights of real models' shapes, written on the GPU machine), JSON lines
+# into a directory. Two steps, because a GPU machine here is lent for minutes and reaches no
+# network:
+#
+#   scripts/gpu-bench.sh pack DIR   on the build machine: packs a stripped `--features cuda`
+#                                   release ragkv, llama.cpp's CUDA build (scripts/llama-server.sh
+#                                   cuda), the embedder, ONNX Runtime and the evaluation dataset
+#                                   into DIR (xz tarballs, < 64 MiB together)
+#   scripts/gpu-bench.sh run DIR OUT   on the GPU machine: unpacks DIR, then writes into OUT
+#                                   results.jsonl (every benchmark line) and log.txt (stderr)
+#
+# `run` links against the CUDA 13 libraries already on the GPU machine (the NVIDIA wheels of its
+# PyTorch install) and the driver's libcuda. Measured (each step bounded by a timeout):
+#   1. ragkv bench model --device cuda: prefill and decode against llama-bench (every layer on
+#      the GPU), and the GPU's greedy tokens against the CPU path on the same file
+#   2. ragkv bench ttft --device cuda: stored KV against full prefill, KV load hidden behind decode
+#   3. ragkv bench peer --device cuda: llama-server CUDA (8 slots) beside ragkv, 1/8/32 clients
+#
+# Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
+# GPU_BENCH_STEPS (default "model ttft peer").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[gpu-bench] %s\n' "$*" >&2; }
+cache="${RAGKV_CACHE:-$HOME/.cache/ragkv}"
+
+pack() {
+  local dir=$1 target="${CARGO_TARGET_DIR:-$cache/target}"
+  mkdir -p "$dir"
+  local bin="$target/release/ragkv"
+  [ -x "$bin" ] || { log "no $bin: build it first (eval \"\$(scripts/cuda-toolkit.sh)\"; cargo build --release --features cuda --bin ragkv)"; exit 1; }
+  local llama="$cache/llama.cpp-cuda/bin"
+  [ -x "$llama/llama-server" ] || { log "no $llama: run scripts/llama-server.sh cuda first"; exit 1; }
+  local stage
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' RETURN
+  mkdir -p "$stage/bin" "$stage/llama" "$stage/cache/models" "$stage/data"
+  cp "$bin" "$stage/bin/ragkv"
+  strip "$stage/bin/ragkv"
+  cp -P "$llama"/llama-server "$llama"/llama-bench "$llama"/lib*.so* "$stage/llama/"
+  strip "$stage/llama/llama-server" "$stage/llama/llama-bench"
+  for f in "$stage"/llama/lib*.so*; do [ -L "$f" ] || strip --strip-unneeded "$f"; done
+  cp -r "$cache/models/all-MiniLM-L6-v2" "$stage/cache/models/"
+  cp -rL "$cache/onnxruntime" "$stage/cache/onnxruntime"
+  rm -f "$stage/cache/onnxruntime/libonnxruntime.so"
+  cp -r "${RAGKV_DATASET:-../shared/datasets/longbench-hotpotqa}" "$stage/data/longbench-hotpotqa"
+  for part in bin llama cache data; do
+    tar -C "$stage" -cJf "$dir/$part.tar.xz" "$part"
+  done
+  du -ch "$dir"/*.tar.xz >&2
+}
+
+run() {
+  local dir=$1 out=$2
+  mkdir -p "$out"
+  local root
+  root=$(mktemp -d /tmp/gpu-bench.XXXX)
+  for part in bin llama cache data; do
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$dir/$part.tar.xz" "$root"
+  done
+  ln -sf "$(ls "$root"/cache/onnxruntime/libonnxruntime.so.* | head -n 1)" "$root/cache/onnxruntime/libonnxruntime.so"
+  # CUDA 13 user-space libraries from the machine's Python wheels (cuBLAS, cudart, NVRTC, ...).
+  local libs
+  libs=$(python3 - <<'EOF'
+import glob, os, site
+dirs = set()
+for sp in site.getsitepackages():
+    for f in glob.glob(os.path.join(sp, "nvidia", "**", "lib*.so*"), recursive=True):
+        dirs.add(os.path.dirname(f))
+print(":".join(sorted(dirs)))
+EOF
+)
+  export LD_LIBRARY_PATH="$root/llama:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export RAGKV_CACHE="$root/cache"
+  local ragkv="$root/bin/ragkv" ds="$root/data/longbench-hotpotqa" synth="$root/cache/models/synthetic"
+  local logf="$out/log.txt" res="$out/results.jsonl"
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
+    lscpu | grep -E 'Model name|^CPU\(s\)'
+  } >>"$logf" 2>&1
+  local shapes="${GPU_BENCH_SHAPES:-smollm2-135m:q4_1 qwen2.5-0.5b:q8_0}"
+  local steps=" ${GPU_BENCH_STEPS:-model ttft peer} "
+  step() { # name timeout-seconds command...
+    local name=$1 limit=$2
+    shift 2
+    log "$name: $*"
+    echo "=== $name ($(date +%T)): $*" >>"$logf"
+    local t0=$SECONDS
+    if timeout "$limit" "$@" >"$out/.lines" 2>>"$logf"; then
+      echo "=== $name ok in $((SECONDS - t0)) s" >>"$logf"
+    else
+      echo "=== $name FAILED (exit $?) after $((SECONDS - t0)) s" >>"$logf"
+    fi
+    sed "s/^{/{\"step\":\"$name\",/" "$out/.lines" >>"$res"
+    rm -f "$out/.lines"
+  }
+  local synth_args=()
+  for s in $shapes; do synth_args+=(--synthetic "$s"); done
+  if [[ $steps == *" model "* ]]; then
+    step model 180 "$ragkv" bench model --device cuda "${synth_args[@]}" --synthetic-dir "$synth" \
+      --llama-bench "$root/llama/llama-bench" --no-stock --reps 3
+  fi
+  for s in $shapes; do
+    local file="$synth/${s%%:*}-${s##*:}.gguf"
+    [ -f "$file" ] || "$ragkv" bench model --synthetic "$s" --synthetic-dir "$synth" --reps 1 \
+      --no-stock --device cpu --prompt-tokens 16 --decode-tokens 1 >/dev/null 2>>"$logf" || true
+    if [[ $steps == *" ttft "* ]]; then
+      step "ttft:$s" 100 "$ragkv" bench ttft --device cuda --model "$file" --quantized \
+        --dataset "$ds" --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}"
+    fi
+    # The peer comparison for the first shape only (the lease is minutes long).
+    if [[ $steps == *" peer "* && $s == "${shapes%% *}" ]]; then
+      step "peer:$s" 150 "$ragkv" bench peer --device cuda --model "$file" --quantized \
+        --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 \
+        --llama-server "$root/llama/llama-server" --dir "$root/peer-${s%%:*}"
+    fi
+  done
+  log "done: $res"
+}
+
+case "${1:-}" in
+  pack) pack "${2:?pack DIR}" ;;
+  run) run "${2:?run DIR OUT}" "${3:?run DIR OUT}" ;;
+  *)
+    log "usage: scripts/gpu-bench.sh pack DIR | run DIR OUT"
+    exit 2
+    ;;
+esac
