@@ -6,13 +6,14 @@
 #
 #   scripts/gpu-bench.sh pack DIR   on the build machine: packs a stripped `--features cuda`
 #                                   release ragkv, llama.cpp's CUDA build (scripts/llama-server.sh
-#                                   cuda), the embedder, ONNX Runtime and the evaluation dataset
-#                                   into DIR (xz tarballs, < 64 MiB together)
+#                                   cuda), the embedder and the evaluation dataset into DIR (xz
+#                                   tarballs, < 64 MiB together)
 #   scripts/gpu-bench.sh run DIR OUT   on the GPU machine: unpacks DIR, then writes into OUT
 #                                   results.jsonl (every benchmark line) and log.txt (stderr)
 #
 # `run` links against the CUDA 13 libraries already on the GPU machine (the NVIDIA wheels of its
-# PyTorch install) and the driver's libcuda. Measured (each step bounded by a timeout):
+# PyTorch install), the driver's libcuda and the ONNX Runtime of its Python `onnxruntime`
+# package (or `$ORT_DYLIB_PATH`). Measured (each step bounded by a timeout):
 #   1. ragkv bench model --device cuda: prefill and decode against llama-bench (every layer on
 #      the GPU), and the GPU's greedy tokens against the CPU path on the same file
 #   2. ragkv bench ttft --device cuda: stored KV against full prefill, KV load hidden behind decode
@@ -43,9 +44,13 @@ pack() {
   strip "$stage/llama/llama-server" "$stage/llama/llama-bench"
   for f in "$stage"/llama/lib*.so*; do [ -L "$f" ] || strip --strip-unneeded "$f"; done
   cp -r "$cache/models/all-MiniLM-L6-v2" "$stage/cache/models/"
-  cp -rL "$cache/onnxruntime" "$stage/cache/onnxruntime"
-  rm -f "$stage/cache/onnxruntime/libonnxruntime.so"
-  cp -r "${RAGKV_DATASET:-../shared/datasets/longbench-hotpotqa}" "$stage/data/longbench-hotpotqa"
+  # The questions and the first documents (the runs index 200).
+  local ds="${RAGKV_DATASET:-../shared/datasets/longbench-hotpotqa}"
+  mkdir -p "$stage/data/longbench-hotpotqa/documents"
+  cp "$ds/dev.jsonl" "$stage/data/longbench-hotpotqa/"
+  for ((i = 0; i < ${GPU_BENCH_DOCS:-250}; i++)); do
+    cp "$ds/documents/doc_$i.txt" "$stage/data/longbench-hotpotqa/documents/"
+  done
   for part in bin llama cache data; do
     tar -C "$stage" -cJf "$dir/$part.tar.xz" "$part"
   done
@@ -60,7 +65,10 @@ run() {
   for part in bin llama cache data; do
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$dir/$part.tar.xz" "$root"
   done
-  ln -sf "$(ls "$root"/cache/onnxruntime/libonnxruntime.so.* | head -n 1)" "$root/cache/onnxruntime/libonnxruntime.so"
+  if [ -z "${ORT_DYLIB_PATH:-}" ]; then
+    ORT_DYLIB_PATH=$(python3 -c 'import glob, os, onnxruntime; print(sorted(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so*")))[0])') || true
+    export ORT_DYLIB_PATH
+  fi
   # CUDA 13 user-space libraries from the machine's Python wheels (cuBLAS, cudart, NVRTC, ...).
   local libs
   libs=$(python3 - <<'EOF'

@@ -125,11 +125,13 @@ pub fn block_type(name: &str) -> Result<GgmlDType> {
         "q4k" => GgmlDType::Q4K,
         "q5k" => GgmlDType::Q5K,
         "q6k" => GgmlDType::Q6K,
-        _ => return Err(Error::Input {
-            why: format!(
+        _ => {
+            return Err(Error::Input {
+                why: format!(
                 "unknown block type {name:?} (f16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)"
             ),
-        }),
+            })
+        }
     })
 }
 
@@ -198,7 +200,7 @@ fn plans(s: &Shape) -> Vec<Plan> {
 /// The block type a matrix of `cols` columns gets: `want`, or Q8_0 when its rows do not
 /// divide into `want`'s blocks.
 fn fitting(want: GgmlDType, cols: usize) -> GgmlDType {
-    if cols % want.block_size() == 0 {
+    if cols.is_multiple_of(want.block_size()) {
         want
     } else {
         GgmlDType::Q8_0

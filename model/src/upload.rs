@@ -52,7 +52,7 @@ mod cuda {
 
     /// Whether stored KV goes through pinned memory (`RAGKV_CUDA_UPLOAD` unset or `pinned`).
     pub(super) fn pinned_path() -> bool {
-        std::env::var("RAGKV_CUDA_UPLOAD").map_or(true, |v| v != "plain")
+        std::env::var("RAGKV_CUDA_UPLOAD").as_deref() != Ok("plain")
     }
 
     /// A thread's staging buffer, for one CUDA context.
