@@ -35,8 +35,15 @@ case "$isa" in
   cuda)
     dest="$cache/llama.cpp-cuda"
     [ -n "${CUDA_HOME:-}" ] || { log "CUDA_HOME is not set: eval \"\$(scripts/cuda-toolkit.sh)\" first"; exit 2; }
+    # libggml-cuda needs libcuda.so.1 (the SONAME); the toolkit's stub is named libcuda.so.
+    stub_dir="$cache/llama.cpp-cuda/link-stubs"
+    mkdir -p "$stub_dir"
+    ln -sf "$CUDA_HOME/lib64/stubs/libcuda.so" "$stub_dir/libcuda.so.1"
     isa_flags=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_COMPUTE_CAP:-90}"
       -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDAToolkit_ROOT="$CUDA_HOME"
+      # The executables link libggml-cuda, whose own CUDA libraries (and the driver stub) the
+      # linker must find too.
+      "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$CUDA_HOME/lib64:$stub_dir"
       -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
     ;;
   *)
