@@ -20,7 +20,9 @@
 #   3. ragkv bench peer --device cuda: llama-server CUDA (8 slots) beside ragkv, 1/8/32 clients
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
-# GPU_BENCH_STEPS (default "model ttft peer").
+# GPU_BENCH_STEPS (default "model ttft peer"), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags,
+# e.g. "--codec q8"); RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of
+# the pinned one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -128,7 +130,7 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
       --no-stock --device cpu --prompt-tokens 16 --decode-tokens 1 >/dev/null 2>>"$logf" || true
     if [[ $steps == *" ttft "* ]]; then
       local ttft=("$ragkv" bench ttft --device cuda --model "$file" --quantized --dataset "$ds"
-        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}")
+        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" ${GPU_BENCH_TTFT_ARGS:-})
       # Should the pinned upload fail, the same run on candle's own copy.
       step "ttft:$s" 90 "${ttft[@]}" ||
         RAGKV_CUDA_UPLOAD=plain step "ttft-plain:$s" 90 "${ttft[@]}" || true
