@@ -336,7 +336,8 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
             .bar(1.0),
         );
     }
-    if let ModelSource::Gguf(_) = source {
+    // Host memory says nothing of a model loaded onto a GPU.
+    if let (ModelSource::Gguf(_), true) = (&source, device.is_cpu()) {
         // Ratio = file / resident: at least 1/1.3 when resident memory is at most 1.3x the file.
         lines.push(
             Line::lower(
