@@ -37,6 +37,7 @@ pub use open::UNREFERENCED_DIR;
 mod planes;
 mod read;
 mod reports;
+mod verify;
 mod workers;
 mod write;
 

@@ -1,0 +1,289 @@
+//! Unit tests of `attention.rs` (a module of it, kept in its own file).
+
+use super::*;
+use crate::test_util::max_diff;
+use candle_core::{Device, Tensor};
+
+/// softmax(q kᵀ · scale) v with candle's operations, for one query row.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, from: usize, scale: f32) -> Tensor {
+    let (_, heads, _, d) = q.dims4().unwrap();
+    let (kv, t) = (k.dim(1).unwrap(), k.dim(2).unwrap());
+    let qg = q
+        .contiguous()
+        .unwrap()
+        .reshape((1, kv, heads / kv, d))
+        .unwrap();
+    let (kw, vw) = (
+        k.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
+        v.narrow(2, from, t - from).unwrap().contiguous().unwrap(),
+    );
+    let att = (qg.matmul(&kw.t().unwrap()).unwrap() * scale as f64).unwrap();
+    let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
+    att.matmul(&vw).unwrap().reshape((1, heads * d)).unwrap()
+}
+
+/// Several decoding sequences of a step, each over its own cache view (live rows of a
+/// larger buffer), grouped heads, with and without a window: each row equals the
+/// reference computed alone.
+#[test]
+fn matches_the_reference_on_cache_views() {
+    let dev = Device::Cpu;
+    let (heads, kv, d, cap) = (6, 2, 20, 40);
+    let q = Tensor::randn(0f32, 1.0, (1, heads, 3, d), &dev).unwrap();
+    let caches: Vec<(Tensor, Tensor)> = (0..2)
+        .map(|_| {
+            (
+                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap(),
+                Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap(),
+            )
+        })
+        .collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    for (t0, t1, from) in [(29, 7, 0), (33, 21, 5)] {
+        let views: Vec<(Tensor, Tensor)> = caches
+            .iter()
+            .zip([t0, t1])
+            .map(|((k, v), t)| (k.narrow(2, 0, t).unwrap(), v.narrow(2, 0, t).unwrap()))
+            .collect();
+        // Sequence 0 is the step's row 2, sequence 1 its row 0 (strided rows of `q`).
+        let seqs = [
+            Seq {
+                row: 2,
+                len: 1,
+                k: &views[0].0,
+                v: &views[0].1,
+                pos: None,
+            },
+            Seq {
+                row: 0,
+                len: 1,
+                k: &views[1].0,
+                v: &views[1].1,
+                pos: None,
+            },
+        ];
+        // A window that starts at `from` for sequence 0's token (at cache index t0 - 1).
+        let window = (from > 0).then(|| t0 - from);
+        let got = attend(&q, &seqs, window, scale).unwrap();
+        assert_eq!(got.dims(), [3, heads * d]);
+        for s in &seqs {
+            let qi = q.narrow(2, s.row, 1).unwrap();
+            let t = s.k.dim(2).unwrap();
+            let lo = window.map_or(0, |w| t.saturating_sub(w));
+            let want = reference(&qi, s.k, s.v, lo, scale);
+            let diff = max_diff(&got.narrow(0, s.row, 1).unwrap(), &want);
+            assert!(
+                diff < 1e-5,
+                "row {}, window {window:?}: differs by {diff}",
+                s.row
+            );
+        }
+    }
+}
+
+/// A repair's query rows at explicit cache indices (anywhere, not the last rows), heads
+/// of 64 (the AVX-512 kernel where the CPU has it) and of 20: each row sees the keys up
+/// to its own index, within the window.
+#[test]
+fn rows_at_explicit_positions_see_their_own_prefix() {
+    let dev = Device::Cpu;
+    for d in [64, 20] {
+        let (heads, kv, t) = (6, 2, 40);
+        let at = [2usize, 7, 8, 23, 39];
+        let q = Tensor::randn(0f32, 1.0, (1, heads, at.len(), d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
+        for window in [None, Some(5)] {
+            let seqs = [Seq {
+                row: 0,
+                len: at.len(),
+                k: &k,
+                v: &v,
+                pos: Some(&at),
+            }];
+            let got = attend(&q, &seqs, window, 0.125).unwrap();
+            for (row, &pos) in at.iter().enumerate() {
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let (kk, vv) = (
+                    k.narrow(2, 0, pos + 1).unwrap(),
+                    v.narrow(2, 0, pos + 1).unwrap(),
+                );
+                let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
+                let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
+                assert!(
+                    diff < 1e-5,
+                    "d {d}, row {row} at {pos}, window {window:?}: {diff}"
+                );
+            }
+        }
+        // A position past the cache is refused.
+        let bad = [2usize, 7, 8, 23, 40];
+        let seqs = [Seq {
+            row: 0,
+            len: bad.len(),
+            k: &k,
+            v: &v,
+            pos: Some(&bad),
+        }];
+        assert!(attend(&q, &seqs, None, 0.125).is_err());
+    }
+}
+
+/// A decoding token (over a cache of `short` rows) and a prompt of `s` rows after `past`
+/// cached ones, in one step: every row equals the reference computed alone, each prompt
+/// row seeing the keys up to its own cache index (causal), within the window.
+fn check_prompt_beside_a_token(heads: usize, kv: usize, d: usize, s: usize, past: usize) {
+    let dev = Device::Cpu;
+    let (t, short, cap) = (past + s, 11, past + s + 8);
+    let q = Tensor::randn(0f32, 1.0, (1, heads, s + 1, d), &dev).unwrap();
+    let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+    let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+    let view = |n| (kc.narrow(2, 0, n).unwrap(), vc.narrow(2, 0, n).unwrap());
+    let ((k, v), (k1, v1)) = (view(t), view(short));
+    for window in [None, Some(9)] {
+        let seqs = [
+            Seq {
+                row: 0,
+                len: 1,
+                k: &k1,
+                v: &v1,
+                pos: None,
+            },
+            Seq {
+                row: 1,
+                len: s,
+                k: &k,
+                v: &v,
+                pos: None,
+            },
+        ];
+        let got = attend(&q, &seqs, window, 0.125).unwrap();
+        // Row 0: the token at cache index `short - 1`; row 1 + i: the prompt's row i.
+        let rows = std::iter::once(short - 1).chain((0..s).map(|i| past + i));
+        for (row, pos) in rows.enumerate() {
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let (kk, vv) = view(pos + 1);
+            let want = reference(&q.narrow(2, row, 1).unwrap(), &kk, &vv, lo, 0.125);
+            let diff = max_diff(&got.narrow(0, row, 1).unwrap(), &want);
+            assert!(
+                diff < 1e-5,
+                "{heads}/{kv} heads of {d}, row {row}, window {window:?}: differs by {diff}"
+            );
+        }
+    }
+}
+
+/// A prompt longer than one task's rows, beside a decoding token (the AVX2 or portable
+/// loops: 16-element heads).
+#[test]
+fn prompts_are_causal_and_windowed() {
+    check_prompt_beside_a_token(4, 2, 16, ROWS_PER_TASK + 5, 9);
+}
+
+/// Heads of 64, 128 and 256 elements (the AVX-512 kernel where the CPU has it), in groups
+/// of three and of seven query heads per KV head (passes of four, two or one heads, the
+/// last one shorter).
+#[test]
+fn wide_heads_match_the_reference() {
+    for d in [64, 128, 256] {
+        check_prompt_beside_a_token(6, 2, d, 19, 23);
+        check_prompt_beside_a_token(7, 1, d, 19, 23);
+    }
+}
+
+/// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
+/// equals the f32 path over the same values widened, for heads of 64, 128 and 256
+/// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
+/// ones (rows widened into scratch); keys and values of different dtypes are refused.
+/// Attention over caches that `store` makes from f32 values equals the f32 path over
+/// what `widen` reads back from them, for heads of each of `dims` elements, with and
+/// without a window; returns the stored keys and values of the last shape.
+fn matches_the_f32_path(
+    dims: &[usize],
+    store: impl Fn(Tensor) -> Tensor,
+    widen: impl Fn(&Tensor) -> Tensor,
+) {
+    let dev = Device::Cpu;
+    for &d in dims {
+        let (heads, kv, cap, t, s) = (6, 2, 48, 37, 3);
+        let q = Tensor::randn(0f32, 1.0, (1, heads, s, d), &dev).unwrap();
+        let cache = || {
+            let x = Tensor::randn(0f32, 1.0, (1, kv, cap, d), &dev).unwrap();
+            store(x).narrow(2, 0, t).unwrap()
+        };
+        let (k, v) = (cache(), cache());
+        let (k32, v32) = (widen(&k), widen(&v));
+        let seq = |k, v| Seq {
+            row: 0,
+            len: s,
+            k,
+            v,
+            pos: None,
+        };
+        for window in [None, Some(9)] {
+            let got = attend(&q, &[seq(&k, &v)], window, 0.125).unwrap();
+            let want = attend(&q, &[seq(&k32, &v32)], window, 0.125).unwrap();
+            let diff = max_diff(&got, &want);
+            assert!(
+                diff < 1e-5,
+                "heads of {d}, window {window:?}: differs by {diff}"
+            );
+        }
+        assert!(attend(&q, &[seq(&k, &v32)], None, 0.125).is_err());
+    }
+}
+
+/// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
+/// equals the f32 path over the same values widened, for heads of 64, 128 and 256
+/// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
+/// ones (rows widened into scratch); keys and values of different dtypes are refused.
+#[test]
+fn f16_caches_match_the_f32_path_over_their_values() {
+    matches_the_f32_path(
+        &[64, 128, 256, 20],
+        |x| x.to_dtype(DType::F16).unwrap(),
+        |x| x.to_dtype(DType::F32).unwrap(),
+    );
+}
+
+/// q8 caches (`serve.cache_dtype = "q8"`): the same, over the values the codes and
+/// scales stand for (AVX-512 scaling in registers for 64-256, scratch widening for 96).
+#[test]
+fn q8_caches_match_the_f32_path_over_their_values() {
+    matches_the_f32_path(
+        &[64, 128, 256, 96],
+        |x| crate::kv_q8::quantize(&x).unwrap(),
+        |x| crate::kv_q8::dequantize(x, DType::F32, &Device::Cpu).unwrap(),
+    );
+}
+
+/// The AVX2 loops (where the CPU has them) agree with the portable ones, odd lengths
+/// included.
+#[test]
+fn kernels_agree() {
+    let best = Kernel::best();
+    let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+    let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
+    for n in [0, 1, 8, 15, 16, 37] {
+        let (x, y) = (
+            best.dot(&a[..n], &b[..n]),
+            Kernel::Portable.dot(&a[..n], &b[..n]),
+        );
+        assert!((x - y).abs() < 1e-5, "dot {n}: {x} vs {y}");
+        let (mut o1, mut o2) = (b[..n].to_vec(), b[..n].to_vec());
+        best.axpy(&mut o1, 0.7, &a[..n]);
+        Kernel::Portable.axpy(&mut o2, 0.7, &a[..n]);
+        assert!(o1.iter().zip(&o2).all(|(x, y)| (x - y).abs() < 1e-6));
+    }
+    // exp over the softmax's whole range, down to where f32 underflows.
+    let xs: Vec<f32> = (0..400).map(|i| -(i as f32) * 0.25 + 3.0).collect();
+    let (mut e1, mut e2) = (xs.clone(), xs.clone());
+    let (s1, s2) = (
+        best.exp_sub(&mut e1, 3.0),
+        Kernel::Portable.exp_sub(&mut e2, 3.0),
+    );
+    for (x, y) in e1.iter().zip(&e2) {
+        assert!((x - y).abs() <= 4e-7 * y.abs() + 1e-37, "exp: {x} vs {y}");
+    }
+    assert!((s1 - s2).abs() < 1e-5 * s2);
+}
