@@ -20,7 +20,8 @@
 #   3. ragkv bench peer --device cuda: llama-server CUDA (8 slots) beside ragkv, 1/8/32 clients
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
-# GPU_BENCH_STEPS (default "model ttft peer"), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags,
+# GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
+# shipped as $DIR/smollm2.part*), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags,
 # e.g. "--codec q8"); RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of
 # the pinned one.
 set -euo pipefail
@@ -65,8 +66,13 @@ run() {
   local root
   root=$(mktemp -d /tmp/gpu-bench.XXXX)
   for part in bin llama cache data; do
+    [ -f "$dir/$part.tar.xz" ] || continue
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$dir/$part.tar.xz" "$root"
   done
+  # The real SmolLM2 file, shipped in parts (it does not fit in one transfer beside the rest).
+  if ls "$dir"/smollm2.part* >/dev/null 2>&1; then
+    cat "$dir"/smollm2.part* >"$root/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  fi
   if [ -z "${ORT_DYLIB_PATH:-}" ]; then
     ORT_DYLIB_PATH=$(python3 -c 'import glob, os, onnxruntime; print(sorted(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so*")))[0])') || true
     export ORT_DYLIB_PATH
@@ -98,7 +104,11 @@ EOF
     log "$name: $*"
     echo "=== $name ($(date +%T)): $*" >>"$logf"
     local t0=$SECONDS rc=0
-    timeout "$limit" "$@" >"$out/.lines" 2>>"$logf" || rc=$?
+    if declare -F "$1" >/dev/null; then # a function of this script: the call's limit bounds it
+      "$@" >"$out/.lines" 2>>"$logf" || rc=$?
+    else
+      timeout "$limit" "$@" >"$out/.lines" 2>>"$logf" || rc=$?
+    fi
     echo "=== $name exit $rc after $((SECONDS - t0)) s" >>"$logf"
     sed "s/^{/{\"step\":\"$name\",/" "$out/.lines" >>"$res"
     rm -f "$out/.lines"
@@ -117,6 +127,26 @@ torch.cuda.synchronize()
 gbs = 5 * x.numel() / (time.perf_counter() - t) / 1e9
 print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ratio": 1.0, "unit": "GB/s",
   "baseline_name": "PyTorch pinned 1 GiB host-to-device copies (the limit ragkv is measured against)"}))' || true
+  fi
+  # The quickstart on the GPU: ingest examples/corpus (prefill on the GPU), serve, ask the
+  # README's question from stored KV; then the same question on the CPU from the same store.
+  if [[ $steps == *" quickstart "* ]]; then
+    quickstart() {
+      local device=$1 data="$root/quickstart"
+      export RAGKV__MODEL__DEVICE=$device
+      [ -d "$data" ] || "$ragkv" --data-dir "$data" ingest examples/corpus --progress lines >&2 || return 1
+      "$ragkv" --data-dir "$data" serve --bind 127.0.0.1:0 >&2 &
+      local server=$! url
+      for _ in $(seq 1 600); do [ -s "$data/server.json" ] && break; sleep 0.1; done
+      url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["url"])' "$data/server.json")
+      curl -sf -X POST "$url/v1/query" -H 'content-type: application/json' \
+        -d '{"question": "Who was the last resident keeper of the Varrow Point Lighthouse, and what did she do in October 1972?", "top_k": 2, "max_tokens": 96, "stream": false}' |
+        python3 -c 'import json, sys; d = json.load(sys.stdin); a = d.get("answer", ""); print(json.dumps({"bench": "quickstart_answer", "ours": float("Thorvald" in a), "baseline": 1.0, "ratio": float("Thorvald" in a), "unit": "names the keeper", "baseline_name": "the corpus: Agnes Thorvald", "detail": {"device": sys.argv[1], "answer": a, "kv": [c.get("kv") for c in d.get("citations", [])], "timings": d.get("timings")}}))' "$device"
+      kill -TERM "$server"; wait "$server" || true
+      rm -f "$data/server.json"
+    }
+    step quickstart-cuda 120 quickstart cuda || true
+    step quickstart-cpu 120 quickstart cpu || true
   fi
   local synth_args=()
   for s in $shapes; do synth_args+=(--synthetic "$s"); done
