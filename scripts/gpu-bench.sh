@@ -93,7 +93,7 @@ EOF
   local ragkv="$root/bin/ragkv" ds="$root/data/longbench-hotpotqa" synth="$root/cache/models/synthetic"
   local logf="$out/log.txt" res="$out/results.jsonl"
   {
-    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv || true
     lscpu | grep -E 'Model name|^CPU\(s\)'
   } >>"$logf" 2>&1
   local shapes="${GPU_BENCH_SHAPES:-smollm2-135m:q4_1 qwen2.5-0.5b:q8_0}"
@@ -134,7 +134,10 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
     quickstart() {
       local device=$1 data="$root/quickstart"
       export RAGKV__MODEL__DEVICE=$device
-      [ -d "$data" ] || "$ragkv" --data-dir "$data" ingest examples/corpus --progress lines >&2 || return 1
+      if [ ! -f "$data/.ingested" ]; then
+        "$ragkv" --data-dir "$data" ingest examples/corpus --progress lines >&2 || return 1
+        touch "$data/.ingested"
+      fi
       "$ragkv" --data-dir "$data" serve --bind 127.0.0.1:0 >&2 &
       local server=$! url
       for _ in $(seq 1 600); do [ -s "$data/server.json" ] && break; sleep 0.1; done
@@ -145,8 +148,9 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
       kill -TERM "$server"; wait "$server" || true
       rm -f "$data/server.json"
     }
-    step quickstart-cuda 120 quickstart cuda || true
-    step quickstart-cpu 120 quickstart cpu || true
+    for d in ${GPU_BENCH_QUICKSTART_DEVICES:-cuda cpu}; do
+      step "quickstart-$d" 120 quickstart "$d" || true
+    done
   fi
   local synth_args=()
   for s in $shapes; do synth_args+=(--synthetic "$s"); done
@@ -156,7 +160,7 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
   fi
   for s in $shapes; do
     local file="$synth/${s%%:*}-${s##*:}.gguf"
-    [ -f "$file" ] || "$ragkv" bench model --synthetic "$s" --synthetic-dir "$synth" --reps 1 \
+    [[ -f $file || ($steps != *" ttft "* && $steps != *" peer "*) ]] || "$ragkv" bench model --synthetic "$s" --synthetic-dir "$synth" --reps 1 \
       --no-stock --device cpu --prompt-tokens 16 --decode-tokens 1 >/dev/null 2>>"$logf" || true
     if [[ $steps == *" ttft "* ]]; then
       local ttft=("$ragkv" bench ttft --device cuda --model "$file" --quantized --dataset "$ds"
