@@ -167,6 +167,8 @@ impl Rag {
             .model
             .prefill(&tokens, 0)
             .map_err(|e| e.to_string())?;
+        // The model thread takes this KV: on a GPU this thread's stream must be done with it.
+        engine.model.settle().map_err(|e| e.to_string())?;
         let prefix = Arc::new(Prefix { tokens, kv, prompt });
         let prefix_tokens = prefix.tokens.len();
         // A configuration whose default query cannot fit is refused at start-up.
