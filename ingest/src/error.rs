@@ -5,7 +5,7 @@
 pub enum Error {
     #[error("KV store: {0}")]
     Store(#[from] kvstore::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Remote(#[from] remote::Error),
     #[error("retrieval: {0}")]
     Retrieval(#[from] retrieval::Error),

@@ -26,6 +26,7 @@ pub enum WriteMode {
 pub enum ReadMode {
     /// A local miss is fetched from the tier (then kept locally, under the local quota).
     Through,
+    /// Never read.
     #[default]
     Off,
 }
@@ -37,20 +38,26 @@ pub struct RemoteConfig {
     /// The S3 endpoint (`http://127.0.0.1:3900` for a Garage on loopback; empty: the AWS
     /// endpoint of `region`), or `file:///a/directory` for a directory shared by the nodes.
     pub url: String,
+    /// The bucket (ignored for `file://` URLs).
     pub bucket: String,
     /// Key prefix inside the bucket (several deployments can share one bucket).
     pub prefix: String,
+    /// The S3 region (any name for S3-compatible servers that do not check it).
     pub region: String,
     /// `env` (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) or the path of a file with
     /// `access_key_id = ...` and `secret_access_key = ...` lines.
     pub credentials: String,
+    /// When chunk KV is written to the tier.
     pub write: WriteMode,
+    /// When the tier is read.
     pub read: ReadMode,
     /// One operation, its retries included.
     pub timeout_ms: u64,
+    /// Establishing one connection.
     pub connect_timeout_ms: u64,
     /// Retries of a failed request, with exponential backoff from `backoff_ms`.
     pub retries: usize,
+    /// First backoff between retries (doubled each time).
     pub backoff_ms: u64,
     /// Requests in flight at once.
     pub concurrency: usize,
@@ -95,10 +102,12 @@ pub(crate) enum Target {
 
 impl RemoteConfig {
     /// Whether the tier is used at all.
+    /// Whether the tier is read or written at all.
     pub fn enabled(&self) -> bool {
         self.write != WriteMode::Off || self.read != ReadMode::Off
     }
 
+    /// `timeout_ms` as a duration.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
     }

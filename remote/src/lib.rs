@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv's shared KV tier on S3-compatible object storage (Garage, MinIO, Ceph RGW, a
 //! cloud's S3), or a directory every node mounts.
 //!

@@ -25,14 +25,20 @@ pub const FORMAT: u32 = 1;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// Format version of the manifest.
     pub format: u32,
+    /// The KV namespace (model fingerprint), hex.
     pub namespace: String,
+    /// The document id.
     pub doc: String,
+    /// The document version (content hash).
     pub version: String,
+    /// Keys of the chunk KV objects, in chunk order.
     pub objects: Vec<String>,
 }
 
 impl Manifest {
+    /// A manifest of the current format.
     pub fn new(ns: NamespaceId, doc: &str, version: &str, objects: Vec<String>) -> Manifest {
         Manifest {
             format: FORMAT,
@@ -43,6 +49,7 @@ impl Manifest {
         }
     }
 
+    /// JSON bytes, as stored.
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a manifest serializes")
     }

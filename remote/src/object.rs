@@ -71,7 +71,9 @@ pub fn encode(ns: NamespaceId, layout: KvLayout, tokens: &[u32], kv: &[u8]) -> R
 /// A verified object's layout and where its KV lies in the object's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decoded {
+    /// The KV layout the object states.
     pub layout: KvLayout,
+    /// Where the layer-major KV bytes lie in the object.
     pub kv: std::ops::Range<usize>,
 }
 

@@ -25,6 +25,7 @@ mod documents;
 /// One sequence's KV fetched from the tier, verified.
 #[derive(Debug, Clone)]
 pub struct Fetched {
+    /// The KV's layout.
     pub layout: KvLayout,
     /// Layer-major KV bytes.
     pub kv: Vec<u8>,
@@ -35,15 +36,20 @@ pub struct Fetched {
 /// One sequence to store: its tokens and their KV.
 #[derive(Debug, Clone, Copy)]
 pub struct Item<'a> {
+    /// The sequence's tokens (its key).
     pub tokens: &'a [u32],
+    /// The KV's layout.
     pub layout: KvLayout,
+    /// Layer-major KV bytes.
     pub kv: &'a [u8],
 }
 
 /// What [`Remote::delete_doc`] removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeleteReport {
+    /// Manifests removed (one per stored version of the document).
     pub manifests: usize,
+    /// Reference markers removed.
     pub references: usize,
     /// KV objects no other document version referenced any more.
     pub objects: usize,
@@ -52,12 +58,15 @@ pub struct DeleteReport {
 /// What [`Remote::gc`] found and removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcReport {
+    /// Manifests listed.
     pub manifests: usize,
+    /// KV objects listed.
     pub objects: usize,
     /// Reference markers whose document version has no manifest (older than the grace).
     pub dead_references: usize,
     /// KV objects nothing references (older than the grace), and their bytes.
     pub orphans: usize,
+    /// Bytes of those orphans.
     pub orphan_bytes: u64,
 }
 
@@ -77,14 +86,21 @@ struct Counters {
 /// A snapshot of the tier's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TierStats {
+    /// Sequences asked for.
     pub gets: u64,
+    /// Of those, found and verified.
     pub hits: u64,
+    /// Not stored.
     pub misses: u64,
+    /// Stored but not verifying.
     pub corrupt: u64,
     /// Failed requests (after retries) and timeouts.
     pub errors: u64,
+    /// KV bytes of the hits.
     pub bytes_read: u64,
+    /// Objects stored.
     pub puts: u64,
+    /// Their bytes.
     pub bytes_written: u64,
 }
 
@@ -372,6 +388,7 @@ impl Remote {
         })
     }
 
+    /// The counters since open.
     pub fn stats(&self) -> TierStats {
         let c = &self.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

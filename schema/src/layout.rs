@@ -21,8 +21,11 @@ use crate::SchemaError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
+    /// IEEE 754 single precision (4 bytes).
     F32,
+    /// IEEE 754 half precision (2 bytes).
     F16,
+    /// bfloat16 (2 bytes).
     BF16,
 }
 
@@ -72,9 +75,13 @@ impl std::fmt::Display for DType {
 /// Shape of a model's KV cache per token: see the module docs for the byte order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
+    /// Decoder layers.
     pub layers: u16,
+    /// Key/value heads per layer.
     pub kv_heads: u16,
+    /// Elements per head.
     pub head_dim: u16,
+    /// Element type.
     pub dtype: DType,
 }
 

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Shared types for every ragkv layer: model identity and KV namespaces, the KV tensor layout,
 //! token digests, and the location record the KV index stores. No I/O lives here.
 //!
@@ -18,18 +19,29 @@ pub enum SchemaError {
     /// The record is shorter than its version requires.
     #[error("{what}: record truncated ({got} bytes, need {need})")]
     Truncated {
+        /// Which record.
         what: &'static str,
+        /// Bytes present.
         got: usize,
+        /// Bytes the version needs.
         need: usize,
     },
     /// The record carries a format version this build cannot read.
     #[error("{what}: unsupported format version {version}")]
-    UnsupportedVersion { what: &'static str, version: u8 },
+    UnsupportedVersion {
+        /// Which record.
+        what: &'static str,
+        /// The version byte found.
+        version: u8,
+    },
     /// A field holds a value outside its domain.
     #[error("{what}: invalid {field} value {value}")]
     InvalidField {
+        /// Which record.
         what: &'static str,
+        /// Which field.
         field: &'static str,
+        /// The value found.
         value: u64,
     },
 }

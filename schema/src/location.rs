@@ -120,13 +120,21 @@ impl std::fmt::Display for Codec {
 /// Where a block's KV lives and what it must verify as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Location {
+    /// Segment file id.
     pub segment: u64,
+    /// Byte offset of the record in the segment.
     pub offset: u64,
+    /// Length of the whole record (header, key, payload, trailer).
     pub length: u32,
+    /// Codec of the payload.
     pub codec: Codec,
+    /// KV layout of the block.
     pub layout: KvLayout,
+    /// Tokens in the block.
     pub tokens: u32,
+    /// Digest of the token prefix up to the block's end, checked on read.
     pub digest: TokenDigest,
+    /// CRC32C of the encoded payload, checked on read.
     pub payload_crc: u32,
 }
 
