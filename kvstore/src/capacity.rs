@@ -52,7 +52,10 @@ pub enum EvictionPolicy {
     Lfu,
     /// Sequences not read for `ttl` are evicted by the periodic sweep even without pressure;
     /// under pressure, least recently used first.
-    Ttl { ttl: Duration },
+    Ttl {
+        /// Idle time after which a sequence goes.
+        ttl: Duration,
+    },
     /// Keep a sequence while the recompute its expected reuse saves is worth more than the
     /// storage it occupies (judged by the periodic sweep once a sequence is `prior_s` old);
     /// under pressure, the lowest net value per byte goes first.
@@ -152,7 +155,9 @@ pub struct CapacityOptions {
     /// Share of the quota eviction brings a group down to. Default 0.85: each eviction pass
     /// frees a tenth of the quota, so passes are rare.
     pub low_water: f64,
+    /// What is evicted first.
     pub policy: EvictionPolicy,
+    /// What a write does when eviction cannot make room.
     pub on_full: OnFull,
     /// How often access statistics are persisted and TTL / cost sweeps run. Default 5 s.
     pub flush_interval: Duration,
@@ -214,9 +219,11 @@ impl CapacityOptions {
 /// Access statistics of one stored sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AccessInfo {
+    /// Tokens of the sequence.
     pub tokens: u32,
     /// Payload bytes (uncompressed KV of the whole sequence).
     pub bytes: u64,
+    /// Stored, ms since the epoch.
     pub created_ms: u64,
     /// Last read, hit or miss (or store).
     pub last_ms: u64,

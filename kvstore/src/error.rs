@@ -16,7 +16,9 @@ pub enum Error {
     /// The RocksDB index failed.
     #[error("index ({op}): {source}")]
     Index {
+        /// The index operation.
         op: &'static str,
+        /// RocksDB's error.
         #[source]
         source: rocksdb::Error,
     },
@@ -24,7 +26,9 @@ pub enum Error {
     /// A persisted record could not be decoded.
     #[error("{context}: {source}")]
     Schema {
+        /// Which record, where.
         context: String,
+        /// The decoding error.
         #[source]
         source: schema::SchemaError,
     },
@@ -33,39 +37,64 @@ pub enum Error {
     /// the token digest did not match. The KV is not returned; treat it as a miss.
     #[error("corrupt record in segment {segment} at offset {offset}: {what}")]
     Corrupt {
+        /// Segment file id.
         segment: u64,
+        /// Byte offset of the record.
         offset: u64,
+        /// What failed to verify.
         what: String,
     },
 
     /// An index entry points into a segment file that no longer exists.
     #[error("segment {segment} is missing ({path})")]
-    SegmentMissing { segment: u64, path: PathBuf },
+    SegmentMissing {
+        /// Segment file id.
+        segment: u64,
+        /// Where the file should be.
+        path: PathBuf,
+    },
 
     /// The requested prefix is not (fully) cached.
     #[error("not cached: {cached} of {requested} tokens are stored")]
-    Miss { requested: usize, cached: usize },
+    Miss {
+        /// Tokens asked for.
+        requested: usize,
+        /// Tokens of the longest stored prefix.
+        cached: usize,
+    },
 
     /// The caller's KV bytes do not match the layout and token count.
     #[error("kv has {got} bytes, layout {layout} needs {expected} for {tokens} tokens")]
     KvSize {
+        /// Bytes passed.
         got: usize,
+        /// Bytes the layout needs.
         expected: usize,
+        /// Tokens passed.
         tokens: usize,
+        /// The layout passed.
         layout: schema::KvLayout,
     },
 
     /// The namespace stores a different KV layout than the caller passed.
     #[error("namespace {ns} stores layout {stored}, caller passed {given}")]
     LayoutMismatch {
+        /// The namespace.
         ns: schema::NamespaceId,
+        /// Its layout.
         stored: schema::KvLayout,
+        /// The caller's.
         given: schema::KvLayout,
     },
 
     /// Invalid options or arguments.
     #[error("invalid {what}: {why}")]
-    Invalid { what: &'static str, why: String },
+    Invalid {
+        /// The option or argument.
+        what: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
 
     /// A write would leave less than `min_free_bytes` free on the file system.
     #[error(
@@ -73,9 +102,13 @@ pub enum Error {
          reserve of {reserve} (kvstore min_free_bytes): free space, then run again"
     )]
     DiskFull {
+        /// The store's directory.
         path: std::path::PathBuf,
+        /// Bytes free on its file system.
         free: u64,
+        /// Bytes the write needs.
         needed: u64,
+        /// `min_free_bytes`.
         reserve: u64,
     },
 
@@ -85,15 +118,24 @@ pub enum Error {
         "quota of group {group:?} exceeded: {used} of {quota} bytes used, write needs {needed}"
     )]
     QuotaExceeded {
+        /// The namespace group.
         group: String,
+        /// Bytes it holds.
         used: u64,
+        /// Its quota.
         quota: u64,
+        /// Bytes the write needs.
         needed: u64,
     },
 
     /// Another process holds the store's lock.
     #[error("data directory {path} is locked by another process ({holder})")]
-    Locked { path: PathBuf, holder: String },
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// Who holds it (from the lock file).
+        holder: String,
+    },
 
     /// A background worker panicked; the store refuses further writes rather than risk
     /// corrupting data.

@@ -71,8 +71,11 @@ impl Family {
 /// Index I/O counters (RocksDB statistics), bytes since open.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IndexIo {
+    /// Read by compactions.
     pub compact_read_bytes: u64,
+    /// Written by compactions.
     pub compact_write_bytes: u64,
+    /// Written by memtable flushes.
     pub flush_write_bytes: u64,
 }
 

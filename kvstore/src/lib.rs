@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv's KV-cache storage engine.
 //!
 //! Key-value separation in the manner of WiscKey: a RocksDB index maps block keys to small
@@ -57,12 +58,17 @@ pub use store::{
 /// Space accounting of one segment file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentStats {
+    /// Segment file id.
     pub id: u64,
     /// Committed file length in bytes.
     pub len: u64,
+    /// Bytes of records the index still names.
     pub live_bytes: u64,
+    /// Bytes of records deleted or replaced (reclaimed when the merger rewrites the file).
     pub dead_bytes: u64,
+    /// Records the index still names.
     pub live_records: u64,
+    /// No longer appended to.
     pub sealed: bool,
 }
 
@@ -71,10 +77,15 @@ pub struct SegmentStats {
 pub struct Stats {
     /// Blocks in the index.
     pub entries: u64,
+    /// Live record bytes over all segments.
     pub live_bytes: u64,
+    /// Dead record bytes over all segments.
     pub dead_bytes: u64,
+    /// Every segment file.
     pub segments: Vec<SegmentStats>,
+    /// Registered namespaces.
     pub namespaces: usize,
+    /// `probe` calls.
     pub probes: u64,
     /// Probes that found not even the first block.
     pub empty_probes: u64,
@@ -86,10 +97,13 @@ pub struct Stats {
     pub corrupt: u64,
     /// Blocks served from the hot tier.
     pub hot_hits: u64,
+    /// Bytes the hot tier holds.
     pub hot_bytes: u64,
+    /// Blocks appended to the tensor log.
     pub blocks_written: u64,
     /// Blocks a put found already stored.
     pub blocks_deduped: u64,
+    /// Record bytes appended.
     pub bytes_written: u64,
     /// Of `bytes_written`, those written with direct I/O (`StoreOptions::direct_write_min_bytes`).
     pub bytes_written_direct: u64,
@@ -97,6 +111,7 @@ pub struct Stats {
     pub bytes_read: u64,
     /// Segments retired by the merger.
     pub merges: u64,
+    /// Bytes the merger copied into new segments.
     pub bytes_merged: u64,
     /// Sequences evicted by the capacity policy (since open).
     pub evicted_sequences: u64,
@@ -106,6 +121,7 @@ pub struct Stats {
     pub refused_writes: u64,
     /// Index LSM parameters in force, and how often the adaptive controller changed them.
     pub tuning: Tuning,
+    /// Changes of `tuning` by the adaptive controller since open.
     pub tuning_transitions: u64,
     /// The in-memory filter of every stored block (`presence.rs`).
     pub presence: PresenceStats,
@@ -116,9 +132,13 @@ pub struct Stats {
 /// What the location cache holds; counters are since open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LocationCacheStats {
+    /// Locations held.
     pub entries: u64,
+    /// Most it holds.
     pub capacity: u64,
+    /// Lookups it answered.
     pub hits: u64,
+    /// Lookups that went to the index.
     pub misses: u64,
 }
 

@@ -122,9 +122,11 @@ pub(crate) struct Presence {
 pub struct PresenceStats {
     /// Keys inserted since the last build (including the build's own), and its capacity.
     pub keys: u64,
+    /// Keys the filter was sized for.
     pub capacity: u64,
     /// Deleted keys whose bits are still set.
     pub stale: u64,
+    /// Memory of the filter.
     pub bytes: u64,
     /// Builds since open (the first at open).
     pub rebuilds: u64,

@@ -7,6 +7,7 @@ use crate::error::Error;
 /// One sequence to store: KV for `tokens`, starting at position 0, in the layer-major layout.
 #[derive(Debug, Clone, Copy)]
 pub struct PutItem<'a> {
+    /// The sequence's tokens (its key).
     pub tokens: &'a [u32],
     /// Layer-major KV of `tokens`. Empty: the sequence is already stored and is only
     /// attached to `doc` (an [`Error::Miss`] if any of its blocks is absent).
@@ -30,7 +31,9 @@ pub struct PutReport {
 /// KV read back from the store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvData {
+    /// The namespace's layout.
     pub layout: KvLayout,
+    /// Tokens returned.
     pub tokens: usize,
     /// Layer-major bytes (`schema::KvLayout` docs) for `tokens` tokens.
     pub bytes: Vec<u8>,
@@ -50,7 +53,9 @@ pub struct DeleteReport {
 /// Result of [`super::Store::verify`].
 #[derive(Debug, Default)]
 pub struct VerifyReport {
+    /// Index entries checked.
     pub entries: u64,
+    /// Of those, records that verified.
     pub ok: u64,
     /// Keys that failed, with the reason.
     pub failures: Vec<(Vec<u8>, Error)>,
@@ -59,9 +64,13 @@ pub struct VerifyReport {
 /// A namespace as [`super::Store::namespaces`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamespaceStats {
+    /// The namespace.
     pub id: NamespaceId,
+    /// Its KV layout.
     pub layout: KvLayout,
+    /// Its records' codec.
     pub codec: Codec,
+    /// Its quota group.
     pub group: String,
     /// First registered, ms since the epoch (0 for namespaces of format version 1).
     pub registered_ms: u64,
@@ -87,7 +96,9 @@ impl NamespaceStats {
 /// What [`super::Store::inspect`] found.
 #[derive(Debug)]
 pub enum SeqState {
+    /// Every block stored, and read back verified.
     Present,
+    /// Not (fully) stored.
     Absent,
     /// Stored but unusable; the error says why.
     Damaged(Error),
