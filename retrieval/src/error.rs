@@ -11,20 +11,35 @@ pub enum Error {
          embedder.onnxruntime (config) or ORT_DYLIB_PATH to libonnxruntime.so",
         display_paths(searched)
     )]
-    OnnxRuntimeMissing { searched: Vec<PathBuf> },
+    OnnxRuntimeMissing {
+        /// Every place looked at.
+        searched: Vec<PathBuf>,
+    },
     /// The library exists but cannot be loaded or is too old for the `ort` bindings.
     #[error("ONNX Runtime at {path} is unusable: {reason}")]
-    OnnxRuntimeUnusable { path: PathBuf, reason: String },
+    OnnxRuntimeUnusable {
+        /// The library.
+        path: PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A model file is missing or unreadable.
     #[error("embedding model file {path}: {source}")]
     ModelFile {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
     /// fastembed (tokenizer or ONNX session) failed.
     #[error("embedding model {model}: {reason}")]
-    Embed { model: String, reason: String },
+    Embed {
+        /// The embedding model.
+        model: String,
+        /// What failed.
+        reason: String,
+    },
     /// A catalog model was named but this build cannot download models.
     #[error("embedding model {0:?}: catalog models need the `hub` feature and network access; use a local model directory instead")]
     HubUnavailable(String),
@@ -32,32 +47,56 @@ pub enum Error {
     #[error(
         "vector dimension mismatch: the index holds {expected}-dimensional vectors, got {got}"
     )]
-    Dimension { expected: usize, got: usize },
+    Dimension {
+        /// The index's dimension.
+        expected: usize,
+        /// The vector's.
+        got: usize,
+    },
     /// Bad configuration or argument.
     #[error("invalid {what}: {reason}")]
-    Invalid { what: &'static str, reason: String },
+    Invalid {
+        /// The setting or argument.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The embedded Qdrant Edge shard failed.
     #[error("embedded index at {path}: {op}: {reason}")]
     Edge {
+        /// The shard's directory.
         path: PathBuf,
+        /// The operation.
         op: &'static str,
+        /// What failed.
         reason: String,
     },
     /// The remote Qdrant server failed (after retries where the call is retryable).
     #[error("Qdrant at {url}, collection {collection:?}: {op}: {reason}")]
     Remote {
+        /// The server.
         url: String,
+        /// The collection.
         collection: String,
+        /// The operation.
         op: &'static str,
+        /// What failed.
         reason: String,
     },
     /// A stored payload does not have the shape ragkv writes.
     #[error("point {id}: malformed payload: {reason}")]
-    Payload { id: String, reason: String },
+    Payload {
+        /// The point's id.
+        id: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Filesystem error outside the engines.
     #[error("{path}: {source}")]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },

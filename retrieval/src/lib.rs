@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv retrieval: text embeddings ([`Embedder`], fastembed on a dynamically loaded ONNX
 //! Runtime) and the vector index ([`VectorIndex`], Qdrant: embedded Qdrant Edge by default, a
 //! remote server or cluster when a URL is configured).

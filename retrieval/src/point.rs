@@ -31,8 +31,11 @@ pub struct ChunkPayload {
 /// A point to upsert: its id, its embedding and its payload.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChunkPoint {
+    /// The point's id (derived from the chunk, [`point_id`]).
     pub id: Uuid,
+    /// The chunk's embedding.
     pub vector: Vec<f32>,
+    /// What the point describes.
     pub payload: ChunkPayload,
 }
 
@@ -50,9 +53,11 @@ impl ChunkPoint {
 /// One search result.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Hit {
+    /// The point's id.
     pub id: Uuid,
     /// Cosine similarity (higher is closer).
     pub score: f32,
+    /// The chunk it names.
     pub payload: ChunkPayload,
 }
 
@@ -74,6 +79,7 @@ impl SearchFilter {
         }
     }
 
+    /// Whether it lets every chunk through.
     pub fn is_empty(&self) -> bool {
         self.doc_ids.is_empty() && self.metadata.is_empty()
     }

@@ -125,6 +125,7 @@ impl EdgeIndex {
         Ok(index)
     }
 
+    /// Dimension of the vectors it holds.
     pub fn dim(&self) -> usize {
         self.dim
     }
@@ -144,6 +145,7 @@ impl EdgeIndex {
             .map_err(|e| self.edge_err(op, e))
     }
 
+    /// Inserts or replaces points (by id).
     pub fn upsert(&self, points: &[ChunkPoint]) -> Result<()> {
         if points.is_empty() {
             return Ok(());
@@ -172,6 +174,7 @@ impl EdgeIndex {
         Ok(())
     }
 
+    /// The `k` points closest to `vector` (cosine) that pass `filter`, best first.
     pub fn search(&self, vector: &[f32], k: usize, filter: &SearchFilter) -> Result<Vec<Hit>> {
         let params = (self.hnsw_ef > 0).then(|| SearchParams {
             hnsw_ef: Some(self.hnsw_ef),
@@ -207,6 +210,7 @@ impl EdgeIndex {
             .collect()
     }
 
+    /// Every point passing `filter`, with its payload.
     pub fn scroll(&self, filter: &SearchFilter) -> Result<Vec<(Uuid, ChunkPayload)>> {
         let mut out = Vec::new();
         let mut offset = None;
@@ -234,6 +238,7 @@ impl EdgeIndex {
         }
     }
 
+    /// Deletes every point of a document.
     pub fn delete_document(&self, doc_id: &str) -> Result<()> {
         let filter = Filter::new_must(keyword(DOC_ID_FIELD, doc_id)?);
         self.update(
@@ -242,6 +247,7 @@ impl EdgeIndex {
         )
     }
 
+    /// Deletes points by id.
     pub fn delete_points(&self, ids: &[Uuid]) -> Result<()> {
         self.update(
             "delete",
@@ -251,6 +257,7 @@ impl EdgeIndex {
         )
     }
 
+    /// Points passing `filter`.
     pub fn count(&self, filter: &SearchFilter) -> Result<usize> {
         self.shard
             .count(CountRequest {
@@ -260,12 +267,15 @@ impl EdgeIndex {
             .map_err(|e| self.edge_err("count", e))
     }
 
+    /// Persists what was written.
     pub fn flush(&self) -> Result<()> {
         let _w = self.write.lock();
         self.shard.flush();
         Ok(())
     }
 
+    /// Runs Qdrant Edge's optimizer (merges segments, builds their HNSW index); whether
+    /// anything changed.
     pub fn optimize(&self) -> Result<bool> {
         let _w = self.write.lock();
         let t = std::time::Instant::now();
@@ -282,6 +292,7 @@ impl EdgeIndex {
         Ok(changed)
     }
 
+    /// Counts describing the index.
     pub fn info(&self) -> IndexInfo {
         let i = self.shard.info();
         IndexInfo {

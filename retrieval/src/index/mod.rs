@@ -113,11 +113,13 @@ impl IndexConfig {
 pub struct IndexInfo {
     /// `embedded` or `remote`.
     pub backend: &'static str,
+    /// Vector dimension.
     pub dim: usize,
     /// Points stored (approximate for the embedded backend until optimized).
     pub points: usize,
     /// Points covered by an HNSW index (the rest are searched by brute force).
     pub indexed: usize,
+    /// Storage segments.
     pub segments: usize,
 }
 
@@ -126,7 +128,9 @@ pub struct IndexInfo {
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
 pub enum VectorIndex {
+    /// A Qdrant Edge shard in the data directory.
     Embedded(EdgeIndex),
+    /// A collection of a Qdrant server.
     Remote(RemoteIndex),
 }
 

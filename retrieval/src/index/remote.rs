@@ -107,6 +107,7 @@ impl RemoteIndex {
         Ok(index)
     }
 
+    /// Dimension of the vectors it holds.
     pub fn dim(&self) -> usize {
         self.dim
     }
@@ -227,6 +228,7 @@ impl RemoteIndex {
         Ok(())
     }
 
+    /// Inserts or replaces points (by id).
     pub fn upsert(&self, points: &[ChunkPoint]) -> Result<()> {
         for batch in points.chunks(self.upsert_batch) {
             let mut list = Vec::with_capacity(batch.len());
@@ -248,6 +250,7 @@ impl RemoteIndex {
         Ok(())
     }
 
+    /// The `k` points closest to `vector` (cosine) that pass `filter`, best first.
     pub fn search(&self, vector: &[f32], k: usize, filter: &SearchFilter) -> Result<Vec<Hit>> {
         let mut req = SearchPointsBuilder::new(self.collection.clone(), vector.to_vec(), k as u64)
             .with_payload(true);
@@ -275,6 +278,7 @@ impl RemoteIndex {
             .collect()
     }
 
+    /// Every point passing `filter`, with its payload.
     pub fn scroll(&self, filter: &SearchFilter) -> Result<Vec<(Uuid, ChunkPayload)>> {
         let mut out = Vec::new();
         let mut offset: Option<PointId> = None;
@@ -305,6 +309,7 @@ impl RemoteIndex {
         }
     }
 
+    /// Deletes every point of a document.
     pub fn delete_document(&self, doc_id: &str) -> Result<()> {
         self.delete(Filter::must([Condition::matches(
             DOC_ID_FIELD,
@@ -312,6 +317,7 @@ impl RemoteIndex {
         )]))
     }
 
+    /// Deletes points by id.
     pub fn delete_points(&self, ids: &[Uuid]) -> Result<()> {
         let ids: Vec<PointId> = ids.iter().map(|u| PointId::from(u.to_string())).collect();
         self.delete(ids)
@@ -329,6 +335,7 @@ impl RemoteIndex {
         .map(drop)
     }
 
+    /// Points passing `filter`.
     pub fn count(&self, filter: &SearchFilter) -> Result<usize> {
         let mut req = CountPointsBuilder::new(self.collection.clone()).exact(true);
         if let Some(f) = to_filter(filter)? {
@@ -342,6 +349,7 @@ impl RemoteIndex {
         Ok(res.result.map_or(0, |r| r.count as usize))
     }
 
+    /// Counts describing the index.
     pub fn info(&self) -> Result<IndexInfo> {
         let n = self.collection.clone();
         let info = self.call("collection_info", move |c| {
