@@ -59,9 +59,13 @@ pub enum RopeStyle {
 /// Llama 3 frequency scaling.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeScaling {
+    /// Frequency divisor applied to the lowest frequencies.
     pub factor: f64,
+    /// Wavelengths above `original_max_position_embeddings / low_freq_factor` get the full `factor`.
     pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_position_embeddings / high_freq_factor` stay unscaled.
     pub high_freq_factor: f64,
+    /// The context the model was pretrained at.
     pub original_max_position_embeddings: usize,
 }
 
@@ -89,24 +93,38 @@ pub struct LayerPattern {
 /// Everything the decoder needs to know about a model's shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
+    /// Model family.
     pub arch: Arch,
+    /// Vocabulary size (rows of the embedding).
     pub vocab_size: usize,
+    /// Width of the residual stream.
     pub hidden: usize,
+    /// Width of the feed-forward's hidden layer.
     pub intermediate: usize,
+    /// Decoder layers.
     pub layers: usize,
+    /// Query heads per layer.
     pub heads: usize,
+    /// Key/value heads per layer (grouped-query attention when fewer than `heads`).
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// RMSNorm epsilon.
     pub rms_eps: f64,
+    /// RoPE base frequency.
     pub rope_theta: f64,
+    /// Llama 3 frequency scaling, when the model uses it.
     pub rope_scaling: Option<RopeScaling>,
     /// Linear RoPE scaling (positions divided by this factor; Gemma 3's global layers at
     /// 4B and up); `None`: none.
     pub rope_linear_factor: Option<f64>,
     /// Per-frequency divisors (GGUF `rope_freqs.weight`, how llama.cpp stores Llama 3 scaling).
     pub rope_freq_factors: Option<Vec<f64>>,
+    /// Which elements RoPE rotates together.
     pub rope_style: RopeStyle,
+    /// The output head is the embedding matrix.
     pub tie_embeddings: bool,
+    /// Query, key and value projections have biases (Qwen2).
     pub attn_bias: bool,
     /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
     pub qk_norm: bool,
@@ -118,7 +136,9 @@ pub struct ModelConfig {
     /// The attention scores' scale is `attn_scalar^-0.5`; `None`: `head_dim^-0.5` (Gemma's
     /// `query_pre_attn_scalar`).
     pub attn_scalar: Option<f64>,
+    /// The feed-forward's gate activation.
     pub activation: Activation,
+    /// Longest context the model supports.
     pub max_positions: usize,
 }
 

@@ -108,14 +108,17 @@ impl Decoder {
         })
     }
 
+    /// The model's shape.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
+    /// Compute (and KV) dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
     }

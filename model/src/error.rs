@@ -9,7 +9,9 @@ pub enum Error {
     /// A tensor operation failed.
     #[error("{context}: {source}")]
     Candle {
+        /// What was being done.
         context: String,
+        /// candle's error.
         #[source]
         source: candle_core::Error,
     },
@@ -18,31 +20,64 @@ pub enum Error {
     Io(#[from] std::io::Error),
     /// The model files are not where they were looked for.
     #[error("model not found: {what} (looked in {})", path.display())]
-    NotFound { what: String, path: PathBuf },
+    NotFound {
+        /// What is missing.
+        what: String,
+        /// Where it was looked for.
+        path: PathBuf,
+    },
     /// The model's metadata or config is missing a field or inconsistent.
     #[error("model config: {why}")]
-    Config { why: String },
+    Config {
+        /// What is missing or inconsistent.
+        why: String,
+    },
     /// A weight tensor is missing or has the wrong shape.
     #[error("weight {name}: {why}")]
-    Weight { name: String, why: String },
+    Weight {
+        /// The tensor.
+        name: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The architecture or a feature of it is not supported.
     #[error("unsupported: {what}")]
-    Unsupported { what: String },
+    Unsupported {
+        /// The architecture or feature.
+        what: String,
+    },
     /// The tokenizer could not be built or failed.
     #[error("tokenizer: {why}")]
-    Tokenizer { why: String },
+    Tokenizer {
+        /// What failed.
+        why: String,
+    },
     /// A Hugging Face reference (`hf:ORG/REPO[:FILE]`) could not be resolved.
     #[error("model {reference}: {why}")]
-    Hub { reference: String, why: String },
+    Hub {
+        /// The reference.
+        reference: String,
+        /// What failed.
+        why: String,
+    },
     /// The chat template could not be rendered.
     #[error("chat template: {why}")]
-    Template { why: String },
+    Template {
+        /// What failed.
+        why: String,
+    },
     /// KV bytes or tensors do not match the model's KV layout.
     #[error("kv: {why}")]
-    Kv { why: String },
+    Kv {
+        /// What does not match.
+        why: String,
+    },
     /// The request does not fit the model (context length, empty prompt, ...).
     #[error("invalid input: {why}")]
-    Input { why: String },
+    Input {
+        /// What does not fit.
+        why: String,
+    },
 }
 
 /// Result alias for the model crate.

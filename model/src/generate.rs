@@ -11,12 +11,15 @@ use crate::tokenizer::{TokenStream, Tokenizer};
 /// Generation options. `temperature == 0` is greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateParams {
+    /// Most tokens generated.
     pub max_tokens: usize,
+    /// Sampling temperature; 0: greedy.
     pub temperature: f64,
     /// Keep the `top_k` most likely tokens (0: all).
     pub top_k: usize,
     /// Keep the smallest set whose probability reaches `top_p` (1.0: all).
     pub top_p: f64,
+    /// Seed of the sampler's random generator.
     pub seed: u64,
     /// Extra stop tokens besides the tokenizer's end-of-turn tokens.
     pub stop_tokens: Vec<u32>,
@@ -44,6 +47,7 @@ impl Default for GenerateParams {
 }
 
 impl GenerateParams {
+    /// Refuses out-of-range options.
     pub fn validate(&self) -> Result<()> {
         let bad = |why: String| Err(Error::Input { why });
         if self.max_tokens == 0 {
@@ -73,8 +77,11 @@ pub enum FinishReason {
 /// The result of [`generate`].
 #[derive(Debug, Clone)]
 pub struct Generation {
+    /// The generated tokens (stop tokens excluded).
     pub tokens: Vec<u32>,
+    /// Their text.
     pub text: String,
+    /// Why generation ended.
     pub finish: FinishReason,
 }
 
@@ -86,6 +93,7 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler seeded from `params.seed`.
     pub fn new(params: GenerateParams) -> Sampler {
         Sampler {
             rng: rand::rngs::StdRng::seed_from_u64(params.seed),
@@ -93,6 +101,7 @@ impl Sampler {
         }
     }
 
+    /// The next token: the argmax at temperature 0, else a draw after top-k and top-p.
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
         if self.params.temperature <= 0.0 {
             return logits
@@ -140,7 +149,9 @@ impl Sampler {
 /// (`None`: the sequence is finished; see [`Decoding::finish`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Advance {
+    /// Text that became final with this token.
     pub text: Option<String>,
+    /// The token to feed next; `None`: finished.
     pub next: Option<u32>,
 }
 
@@ -158,6 +169,7 @@ pub struct Decoding<'a> {
 }
 
 impl<'a> Decoding<'a> {
+    /// A sequence's decoding state (options validated).
     pub fn new(tokenizer: &'a Tokenizer, params: &GenerateParams) -> Result<Decoding<'a>> {
         params.validate()?;
         Ok(Decoding {
@@ -244,6 +256,7 @@ impl<'a> Decoding<'a> {
         self.done
     }
 
+    /// What was generated.
     pub fn finish(self) -> Generation {
         self.out
     }

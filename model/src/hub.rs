@@ -21,7 +21,9 @@ pub const PREFIX: &str = "hf:";
 /// A parsed `hf:ORG/REPO[:FILE]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HubRef {
+    /// `ORG/REPO`.
     pub repo: String,
+    /// A file of the repository (a GGUF); `None`: the repository as an HF directory.
     pub file: Option<String>,
 }
 
@@ -75,6 +77,7 @@ impl std::str::FromStr for HubRef {
 pub struct HubOptions {
     /// The hub's address; `None`: `HF_ENDPOINT`, else the public hub.
     pub endpoint: Option<String>,
+    /// Where downloads are kept.
     pub cache_dir: PathBuf,
     /// Show download progress bars.
     pub progress: bool,

@@ -71,6 +71,7 @@ impl Kv {
         self.len
     }
 
+    /// Whether it covers no token.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -373,10 +374,12 @@ impl KvCache {
         })
     }
 
+    /// Tokens cached.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether no token is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv's LLM runtime on candle, with a KV cache that can be exported, stored, re-positioned
 //! and imported.
 //!
@@ -66,6 +67,7 @@ use error::Ctx;
 pub struct LoadOptions {
     /// Compute (and KV) dtype. Default f32; dense weights are converted to it.
     pub dtype: DType,
+    /// Where the weights and compute go.
     pub device: Device,
     /// Keep GGUF matrices in their quantized block types: memory near the file's size and a
     /// decode step that reads 4-8x fewer bytes, with 8-bit activations (llama.cpp's scheme).
@@ -107,7 +109,9 @@ pub fn pin_thread_count() {
 /// opening a CUDA device is an [`Error::Unsupported`] that says so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceSpec {
+    /// The CPU.
     Cpu,
+    /// A CUDA GPU by ordinal.
     Cuda(usize),
 }
 
@@ -222,22 +226,27 @@ impl Model {
         self.config().max_positions
     }
 
+    /// The model's shape.
     pub fn config(&self) -> &ModelConfig {
         self.decoder.config()
     }
 
+    /// The decoder (prefill, batched steps, KV operations).
     pub fn decoder(&self) -> &Decoder {
         &self.decoder
     }
 
+    /// The model's tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
 
+    /// Compute (and KV) dtype.
     pub fn dtype(&self) -> DType {
         self.decoder.dtype()
     }
 
+    /// The device the weights live on.
     pub fn device(&self) -> &Device {
         self.decoder.device()
     }

@@ -27,6 +27,7 @@ use crate::error::{Ctx, Error, Result};
 /// What to build.
 #[derive(Debug, Clone)]
 pub struct SyntheticSpec {
+    /// Model family.
     pub arch: Arch,
     /// Llama 3 RoPE scaling (HF `rope_scaling`, GGUF `rope_freqs.weight`); Llama only.
     pub llama3_scaling: bool,
@@ -40,10 +41,12 @@ pub struct SyntheticSpec {
     pub ends_turn_at_once: bool,
     /// More control tokens (e.g. a custom template's end of turn).
     pub extra_specials: Vec<String>,
+    /// Seed of the random weights.
     pub seed: u64,
 }
 
 impl SyntheticSpec {
+    /// The family's defaults, seed 7.
     pub fn new(arch: Arch) -> SyntheticSpec {
         SyntheticSpec {
             arch,
@@ -60,7 +63,9 @@ impl SyntheticSpec {
 /// Where it was written.
 #[derive(Debug, Clone)]
 pub struct Synthetic {
+    /// The GGUF file.
     pub gguf: PathBuf,
+    /// The HF directory (config, safetensors, tokenizer).
     pub hf_dir: PathBuf,
 }
 

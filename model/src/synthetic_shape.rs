@@ -31,15 +31,25 @@ use crate::error::{Ctx, Error, Result};
 pub struct Shape {
     /// Preset name (`qwen2.5-0.5b`).
     pub name: &'static str,
+    /// Model family.
     pub arch: Arch,
+    /// Width of the residual stream.
     pub hidden: usize,
+    /// Decoder layers.
     pub layers: usize,
+    /// Query heads per layer.
     pub heads: usize,
+    /// Key/value heads per layer.
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// Width of the feed-forward's hidden layer.
     pub intermediate: usize,
+    /// Vocabulary size.
     pub vocab: usize,
+    /// RoPE base frequency.
     pub rope_theta: f32,
+    /// Context length the metadata states.
     pub context: usize,
 }
 

@@ -20,11 +20,14 @@ use crate::error::{Error, Result};
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
+    /// `system`, `user` or `assistant`.
     pub role: String,
+    /// The message's text.
     pub content: String,
 }
 
 impl Message {
+    /// A message of `role`.
     pub fn new(role: &str, content: &str) -> Message {
         Message {
             role: role.into(),

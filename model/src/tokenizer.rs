@@ -50,6 +50,7 @@ pub struct Tokenizer {
     pub bos: Option<u32>,
     /// Generation stops at any of these.
     pub eos: Vec<u32>,
+    /// Whether prompts start with `bos`.
     pub add_bos: bool,
     /// Jinja chat template, if the model ships one.
     pub chat_template: Option<String>,
@@ -472,6 +473,7 @@ pub struct TokenStream<'a> {
 }
 
 impl<'a> TokenStream<'a> {
+    /// An empty stream.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
         TokenStream {
             tokenizer,
