@@ -12,7 +12,9 @@ use crate::pipeline::{kv_doc, kv_key, split_kv_doc, Engine};
 /// What [`Engine::check`] found. `problems` is empty when everything holds.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CheckReport {
+    /// Documents in the index.
     pub documents: usize,
+    /// Points (chunks) in the index.
     pub points: usize,
     /// Points whose KV was read back and verified (checksums, key, token digest).
     pub kv_verified: usize,
@@ -27,10 +29,12 @@ pub struct CheckReport {
     pub retokenized: usize,
     /// Points found by searching with their own text (when `search` was asked).
     pub searchable: usize,
+    /// What does not hold, one line each.
     pub problems: Vec<String>,
 }
 
 impl CheckReport {
+    /// Whether nothing is wrong.
     pub fn ok(&self) -> bool {
         self.problems.is_empty()
     }

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 /// Something that turns text into model tokens.
 pub trait Tokenize {
+    /// The text's tokens (no special tokens added).
     fn tokenize(&self, text: &str) -> Vec<u32>;
 }
 
@@ -77,9 +78,11 @@ pub struct Chunk {
     pub ordinal: u32,
     /// Byte range of the chunk in the document.
     pub start: usize,
+    /// End of that range (exclusive).
     pub end: usize,
     /// Where the new (non-overlapping) text of this chunk starts.
     pub fresh_start: usize,
+    /// The chunk's text.
     pub text: String,
     /// The chunk's model tokens (what gets prefilled).
     pub tokens: Vec<u32>,

@@ -33,7 +33,9 @@ impl std::str::FromStr for Materialize {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IngestConfig {
+    /// Model tokens per chunk, at most.
     pub chunk_tokens: usize,
+    /// Tokens a chunk repeats from the end of the previous one.
     pub overlap_tokens: usize,
     /// Documents larger than this are skipped with a reason.
     pub max_doc_bytes: u64,
@@ -70,6 +72,7 @@ impl Default for IngestConfig {
 }
 
 impl IngestConfig {
+    /// The chunker's settings.
     pub fn chunker(&self) -> ChunkerConfig {
         ChunkerConfig {
             chunk_tokens: self.chunk_tokens,
@@ -114,6 +117,7 @@ impl IngestConfig {
 /// Options of one run.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
+    /// When chunk KV is computed.
     pub materialize: Materialize,
     /// Delete indexed documents that none of the sources yielded (of this run's shard only).
     pub prune: bool,
@@ -127,7 +131,9 @@ pub struct RunOptions {
 /// given the same sources and `count` agrees on who owns what, whatever order it reads in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard {
+    /// This shard, `0..count`.
     pub index: u32,
+    /// Shards in all.
     pub count: u32,
 }
 

@@ -3,19 +3,32 @@
 /// Errors that stop an ingest run (bad documents do not: they are reported and skipped).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The KV store failed.
     #[error("KV store: {0}")]
     Store(#[from] kvstore::Error),
+    /// The shared KV tier failed.
     #[error(transparent)]
     Remote(#[from] remote::Error),
+    /// The embedder or the vector index failed.
     #[error("retrieval: {0}")]
     Retrieval(#[from] retrieval::Error),
+    /// The model failed.
     #[error("model: {0}")]
     Model(#[from] model::Error),
+    /// Bad options or arguments.
     #[error("invalid {what}: {why}")]
-    Invalid { what: &'static str, why: String },
+    Invalid {
+        /// The option or argument.
+        what: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// File-system I/O failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being read or written.
         what: String,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },

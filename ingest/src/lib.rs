@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv ingestion: document sources, token-aware chunking, and the pipeline that embeds
 //! chunks into the vector index and materializes their KV into the store
 //! ([`Engine::ingest`]; the commit order that makes it crash-safe is documented in

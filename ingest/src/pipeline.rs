@@ -71,10 +71,15 @@ pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 /// Everything ingest writes to, and the model that computes KV.
 #[derive(Debug)]
 pub struct Engine {
+    /// The KV store.
     pub store: Arc<Store>,
+    /// The vector index.
     pub index: Arc<VectorIndex>,
+    /// The embedding model.
     pub embedder: Arc<Embedder>,
+    /// The LLM whose KV is stored.
     pub model: Arc<Model>,
+    /// `[ingest]` settings.
     pub config: IngestConfig,
     /// The shared KV tier behind the local store, when configured ([`Engine::with_remote`]).
     pub remote: Option<Arc<Remote>>,

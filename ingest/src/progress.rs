@@ -10,11 +10,17 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 /// Counters the pipeline bumps; a display thread renders them.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Documents read.
     pub docs_seen: AtomicU64,
+    /// Documents committed (or skipped).
     pub docs_done: AtomicU64,
+    /// Chunks planned.
     pub chunks_total: AtomicU64,
+    /// Chunks written.
     pub chunks_done: AtomicU64,
+    /// Tokens to prefill.
     pub tokens_total: AtomicU64,
+    /// Tokens prefilled.
     pub tokens_done: AtomicU64,
 }
 
@@ -23,20 +29,25 @@ pub struct Counters {
 pub enum ProgressMode {
     /// Bars if stderr is a terminal, else log lines.
     Auto,
+    /// Progress bars.
     Bars,
+    /// A log line every few seconds.
     Lines,
+    /// Nothing.
     Quiet,
 }
 
 /// A running display; stops when dropped.
 #[derive(Debug)]
 pub struct Progress {
+    /// What the display shows; the pipeline bumps it.
     pub counters: Arc<Counters>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Progress {
+    /// Starts the display thread.
     pub fn start(mode: ProgressMode) -> Progress {
         let counters = Arc::new(Counters::default());
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -44,12 +44,16 @@ pub enum Scope {
     /// Stale chunks only (migration after a model change).
     Stale,
     /// Chunks to redo that were read at least `min_reads` times.
-    Hot { min_reads: u32 },
+    Hot {
+        /// Reads at least.
+        min_reads: u32,
+    },
 }
 
 /// Options of [`Engine::rematerialize`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RematOptions {
+    /// Which chunks.
     #[serde(flatten)]
     pub scope: Scope,
     /// Redo at most this many chunks (hottest first).
@@ -72,30 +76,43 @@ impl Default for RematOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Reason {
+    /// Not stored.
     Missing,
+    /// Stored but not verifying.
     Corrupt,
+    /// Stored under another model's namespace only.
     Stale,
 }
 
 /// One chunk a run redoes (or would, with `dry_run`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Planned {
+    /// Its document.
     pub doc_id: String,
+    /// Its position in the document.
     pub chunk: u32,
+    /// Its tokens.
     pub tokens: usize,
+    /// Why it is redone.
     pub reason: Reason,
+    /// Times it was read (access statistics).
     pub reads: u32,
 }
 
 /// What a run found and did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RematReport {
+    /// Nothing was changed.
     pub dry_run: bool,
     /// Materialized chunks examined.
     pub chunks: usize,
+    /// Of those, stored and verifying.
     pub present: usize,
+    /// Not stored.
     pub missing: usize,
+    /// Stored but not verifying.
     pub corrupt: usize,
+    /// Stored under another model's namespace only.
     pub stale: usize,
     /// Chunks selected by scope and limit.
     pub planned: usize,
@@ -107,11 +124,13 @@ pub struct RematReport {
     /// KV (a codec change), without prefill.
     #[serde(default)]
     pub reencoded: usize,
+    /// Tokens prefilled.
     pub tokens_prefilled: usize,
     /// Chunks that could not be redone, with the reason.
     pub failures: Vec<String>,
     /// The selected chunks (listed for dry runs; empty otherwise).
     pub plan: Vec<Planned>,
+    /// Wall time of the run.
     pub elapsed_s: f64,
     /// Stopped before the end ([`Engine::rematerialize_until`]): what is counted was done
     /// and stored; a later run redoes the rest.
@@ -128,15 +147,19 @@ pub struct GcReport {
     pub blocks_dropped: usize,
     /// KV documents of versions no point references any more, detached.
     pub orphans_detached: usize,
+    /// Segment files rewritten without their dead records.
     pub segments_rewritten: usize,
+    /// Bytes those rewrites gave back.
     pub bytes_reclaimed: u64,
     /// On the shared tier (when ingest writes there): reference markers of document versions
     /// without a manifest, and KV objects nothing references, both older than
     /// `remote.gc_grace_minutes`, removed.
     #[serde(default)]
     pub remote_dead_references: usize,
+    /// KV objects nothing references, removed from the shared tier.
     #[serde(default)]
     pub remote_orphans: usize,
+    /// Their bytes.
     #[serde(default)]
     pub remote_orphan_bytes: u64,
 }

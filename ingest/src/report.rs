@@ -7,11 +7,17 @@ use serde::Serialize;
 /// Time one pipeline stage spent working (not waiting on its queues).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct StageTimes {
+    /// Reading sources.
     pub read_s: f64,
+    /// Chunking and tokenizing.
     pub chunk_s: f64,
+    /// Embedding.
     pub embed_s: f64,
+    /// Prefilling chunk KV.
     pub prefill_s: f64,
+    /// Writing KV to the store (and the shared tier).
     pub write_kv_s: f64,
+    /// Upserting points into the index.
     pub upsert_s: f64,
 }
 
@@ -20,15 +26,20 @@ pub struct StageTimes {
 pub struct Failure {
     /// Document id, or the file/line it would have come from.
     pub origin: String,
+    /// What went wrong.
     pub reason: String,
 }
 
 /// The final report of a run.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
+    /// Documents indexed for the first time.
     pub docs_new: usize,
+    /// Documents already indexed with the same content.
     pub docs_unchanged: usize,
+    /// Documents whose content changed, re-indexed.
     pub docs_replaced: usize,
+    /// Documents pruned (`prune`).
     pub docs_deleted: usize,
     /// Documents that could not be ingested (bad input or a failing stage).
     pub docs_failed: usize,
@@ -46,8 +57,11 @@ pub struct Report {
     pub orphans_removed: usize,
     /// Documents read but left to other shards (`--shard`).
     pub docs_other_shards: usize,
+    /// Wall time of the run.
     pub elapsed_s: f64,
+    /// Time per stage.
     pub stages: StageTimes,
+    /// Documents that failed or were skipped.
     pub failures: Vec<Failure>,
 }
 

@@ -46,8 +46,11 @@ impl Source {
 /// A document read from a source.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Doc {
+    /// Document id (unique in the index).
     pub id: String,
+    /// Its text.
     pub text: String,
+    /// Free-form metadata, stored with every chunk (filterable).
     pub metadata: serde_json::Map<String, serde_json::Value>,
     /// Where it came from (path, or `file:line`), for reports.
     pub origin: String,
@@ -74,13 +77,21 @@ pub const CONTENT_HASH_LEN: usize = 32;
 /// One thing a source yields.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Item {
+    /// A document.
     Doc(Doc),
-    Skipped { origin: String, reason: String },
+    /// Something that could not become a document (unreadable, too large, not text).
+    Skipped {
+        /// Where it would have come from.
+        origin: String,
+        /// Why it was skipped.
+        reason: String,
+    },
 }
 
 /// Limits applied while reading.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadLimits {
+    /// Larger documents are skipped with a reason.
     pub max_doc_bytes: u64,
 }
 
