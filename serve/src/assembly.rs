@@ -73,6 +73,7 @@ impl Share {
         Ok(Share(((f * 1000.0).round() as u16).max(1)))
     }
 
+    /// The share as a fraction in (0, 1].
     pub fn get(self) -> f64 {
         f64::from(self.0) / 1000.0
     }
@@ -90,11 +91,17 @@ pub struct Repair {
 /// An assembly strategy (see the module table); a parameter left out comes from [`Repair`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Assembly {
+    /// `naive`: each chunk at positions `0..n`, as stored.
     Naive,
+    /// `reposition`: chunks consecutive after the prefix, keys rotated.
     Reposition,
+    /// `reposition+recompute[:share]`: the most deviating tokens recomputed.
     Recompute(Option<Share>),
+    /// `link[:k]`: the first `k` tokens of every chunk recomputed.
     Link(Option<u32>),
+    /// `query-aware[:share]`: the tokens the question attends to most recomputed.
     QueryAware(Option<Share>),
+    /// `full`: the chunks prefilled with the question, nothing stored used.
     Full,
 }
 

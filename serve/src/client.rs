@@ -12,27 +12,41 @@ use serde_json::Value;
 /// A client-side failure (connecting, or a malformed response).
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// Connecting, sending or reading failed.
     #[error("server at {addr}: {source}")]
     Io {
+        /// The server.
         addr: SocketAddr,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// The response is not HTTP as expected.
     #[error("server at {addr}: malformed response ({what})")]
     Malformed {
+        /// The server.
         addr: SocketAddr,
+        /// What is wrong.
         what: &'static str,
     },
+    /// The response exceeds `Limits::max_response_bytes`.
     #[error("server at {addr}: response larger than {limit} bytes")]
-    TooLarge { addr: SocketAddr, limit: u64 },
+    TooLarge {
+        /// The server.
+        addr: SocketAddr,
+        /// The limit.
+        limit: u64,
+    },
 }
 
 /// Bounds of one request.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// Longest wait for the connection.
     pub connect_timeout: Duration,
     /// Longest wait for the next bytes of the response (not for all of it).
     pub read_timeout: Duration,
+    /// Largest response read.
     pub max_response_bytes: u64,
 }
 
@@ -55,9 +69,11 @@ impl Limits {
 /// A response.
 #[derive(Debug, Clone)]
 pub struct Reply {
+    /// HTTP status code.
     pub status: u16,
     /// The header block, as sent (status line included).
     pub head: String,
+    /// The body, as text.
     pub body: String,
 }
 

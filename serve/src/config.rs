@@ -10,8 +10,10 @@ use crate::schedule::Cron;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CacheDtype {
+    /// Half precision (default).
     #[default]
     F16,
+    /// Single precision.
     F32,
     /// 8-bit rows with a scale each ([`model::Q8_CACHE`]; llama.cpp's `q8_0` cache): about
     /// half the bytes of f16 per decoding step, CPU only.
@@ -19,6 +21,7 @@ pub enum CacheDtype {
 }
 
 impl CacheDtype {
+    /// The tensor dtype (`model::Q8_CACHE` for `q8`).
     pub fn dtype(self) -> model::DType {
         match self {
             CacheDtype::F16 => model::DType::F16,
@@ -49,10 +52,15 @@ pub struct ServeConfig {
     pub prefill_chunk: usize,
     /// A request is cancelled after this long.
     pub request_timeout_ms: u64,
+    /// Longest question accepted.
     pub max_question_chars: usize,
+    /// Chunks retrieved when a request does not say.
     pub default_top_k: usize,
+    /// Most chunks a request may ask for.
     pub max_top_k: usize,
+    /// Answer length when a request does not say.
     pub default_max_tokens: usize,
+    /// Longest answer a request may ask for.
     pub max_tokens_limit: usize,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
@@ -76,7 +84,9 @@ pub struct ServeConfig {
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
     pub rematerialize_cron: String,
+    /// What the scheduled `rematerialize` redoes: `all`, `stale` or `hot:N`.
     pub rematerialize_scope: String,
+    /// Most chunks per scheduled run (0: no limit).
     pub rematerialize_limit: usize,
     /// Built-in schedule of `gc` (namespaces past their grace, orphaned KV, dead segment
     /// bytes); empty: none.
@@ -91,6 +101,7 @@ pub struct ServeConfig {
     /// connection idles), and its body within `body_timeout_ms`; else the connection closes
     /// (408 for a body).
     pub header_timeout_ms: u64,
+    /// A request's body must arrive within this.
     pub body_timeout_ms: u64,
 }
 

@@ -9,6 +9,7 @@ use crate::assembly::Assembly;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvSource {
+    /// Read from the store (or the shared tier), verified.
     Stored,
     /// Missing or failed verification: prefilled inline, written back in the background.
     Recomputed,
@@ -28,16 +29,22 @@ impl KvSource {
 /// One retrieved chunk, as reported to the client.
 #[derive(Debug, Clone, Serialize)]
 pub struct Citation {
+    /// The chunk's document.
     pub doc_id: String,
+    /// Its position in the document.
     pub chunk: u32,
+    /// Retrieval score (cosine similarity).
     pub score: f32,
+    /// Its tokens.
     pub tokens: usize,
+    /// Where its KV came from.
     pub kv: KvSource,
 }
 
 /// Milliseconds spent in each stage of one query.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Timings {
+    /// Embedding the question and searching.
     pub retrieve_ms: f64,
     /// Waiting for the loader and the model (queues).
     pub queue_ms: f64,
@@ -45,30 +52,40 @@ pub struct Timings {
     pub load_ms: f64,
     /// The part of `load_ms` during which the model was computing another query.
     pub load_hidden_ms: f64,
+    /// Placing the chunks' KV in the query's cache (and any repair).
     pub assemble_ms: f64,
     /// Question prefill up to the first token.
     pub prefill_ms: f64,
     /// From arrival to the first token.
     pub first_token_ms: f64,
+    /// From the first token to the last.
     pub decode_ms: f64,
+    /// From arrival to the last token.
     pub total_ms: f64,
 }
 
 /// The last event of a query.
 #[derive(Debug, Clone, Serialize)]
 pub struct Final {
+    /// The answer's text.
     pub answer: String,
+    /// The retrieved chunks, best first.
     pub citations: Vec<Citation>,
+    /// Chunks served from stored KV.
     pub kv_hits: usize,
+    /// Chunks whose KV was recomputed.
     pub kv_misses: usize,
+    /// The assembly strategy used.
     pub assembly: Assembly,
     /// Chunk tokens recomputed with full attention (`reposition+recompute`).
     pub recomputed_tokens: usize,
     /// Tokens of the assembled prompt (prefix + chunks + question) and of the answer.
     pub prompt_tokens: usize,
+    /// Tokens of the answer.
     pub completion_tokens: usize,
     /// `stop`, `length` or `cancelled`.
     pub finish_reason: String,
+    /// Time per stage.
     pub timings: Timings,
 }
 
@@ -90,7 +107,10 @@ pub enum FailKind {
 /// What a query's channel receives: text pieces, then one `Done` or `Error`.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// A piece of the answer's text.
     Token(String),
+    /// The query finished.
     Done(Box<Final>),
+    /// The query failed, with the kind and a message.
     Error(FailKind, String),
 }

@@ -28,6 +28,7 @@ pub struct HostRule {
 }
 
 impl HostRule {
+    /// The rule for a server bound to `bind` that also answers to `allowed` names.
     pub fn new(bind: &str, allowed: &[String]) -> HostRule {
         let bound = bind
             .parse::<std::net::SocketAddr>()

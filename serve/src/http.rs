@@ -35,10 +35,12 @@ use openai::chat;
 /// Shared state of the routes.
 #[derive(Debug, Clone)]
 pub struct AppState {
+    /// The serving pipeline.
     pub rag: Arc<Rag>,
 }
 
 impl AppState {
+    /// The routes' state around a pipeline.
     pub fn new(rag: Arc<Rag>) -> AppState {
         AppState { rag }
     }
@@ -101,13 +103,19 @@ async fn healthz(State(state): State<AppState>) -> Response {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QueryBody {
+    /// The question.
     pub question: String,
+    /// Chunks to retrieve (default `serve.default_top_k`).
     pub top_k: Option<usize>,
     /// Stream SSE events (default) or answer with one JSON object.
     pub stream: Option<bool>,
+    /// Longest answer (default `serve.default_max_tokens`).
     pub max_tokens: Option<usize>,
+    /// Sampling temperature (default 0: greedy).
     pub temperature: Option<f64>,
+    /// Nucleus sampling threshold (default 1: off).
     pub top_p: Option<f64>,
+    /// Sampler seed.
     pub seed: Option<u64>,
     /// `on` (default) or `off` (recompute every chunk's KV).
     pub kv: Option<String>,
@@ -124,7 +132,9 @@ pub struct QueryBody {
 /// `?kv=off`, `?assembly=...`.
 #[derive(Debug, Deserialize)]
 pub struct KvParam {
+    /// `on` or `off`.
     pub kv: Option<String>,
+    /// An assembly strategy (as in the body).
     pub assembly: Option<String>,
 }
 

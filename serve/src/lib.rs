@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! ragkv's HTTP RAG endpoint.
 //!
 //! | route | what |

@@ -22,7 +22,9 @@ use tokio::sync::{watch, Semaphore};
 /// Limits of the server loop.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// Open connections at most.
     pub max_connections: usize,
+    /// A request's headers must arrive within this.
     pub header_timeout: Duration,
     /// How long shutdown waits for requests in progress.
     pub drain: Duration,

@@ -25,16 +25,20 @@ use crate::schedule::Cron;
 pub struct Schedules {
     /// Re-materialization, with what it redoes.
     pub rematerialize: Option<(Cron, RematOptions)>,
+    /// Garbage collection.
     pub gc: Option<Cron>,
 }
 
 /// Why a job did not run.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
+    /// Another job is running.
     #[error("another maintenance job is running")]
     Busy,
+    /// The server is shutting down.
     #[error("the server is shutting down")]
     Closing,
+    /// The job failed.
     #[error("{0}")]
     Failed(#[from] ingest::Error),
 }
@@ -51,6 +55,7 @@ pub struct Maintenance {
 }
 
 impl Maintenance {
+    /// A runner for `engine`, counting into `metrics`; no schedule until started.
     pub fn new(engine: Arc<Engine>, metrics: Arc<Metrics>) -> Arc<Maintenance> {
         Arc::new(Maintenance {
             engine,

@@ -22,6 +22,7 @@ impl Histogram {
         }
     }
 
+    /// Counts one observation.
     pub fn observe(&self, seconds: f64) {
         for (b, c) in self.bounds.iter().zip(&self.counts) {
             if seconds <= *b {
@@ -60,45 +61,68 @@ const REMOTE_BOUNDS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 /// Every metric the server exports.
 #[derive(Debug)]
 pub struct Metrics {
+    /// Time to first token.
     pub ttft: Histogram,
+    /// Time between tokens.
     pub itl: Histogram,
+    /// Queries admitted.
     pub requests: AtomicU64,
+    /// Queries refused at capacity (429).
     pub rejected: AtomicU64,
+    /// Queries that failed.
     pub failed: AtomicU64,
+    /// Queries cancelled (client gone, or timed out).
     pub cancelled: AtomicU64,
     /// Jobs on which a pipeline worker panicked (contained: the job failed, the worker went on).
     pub worker_panics: AtomicU64,
     /// Chunks whose stored KV failed verification (recomputed, then written again).
     pub kv_corrupt: AtomicU64,
+    /// Chunks served from stored KV.
     pub kv_hits: AtomicU64,
+    /// Chunks recomputed.
     pub kv_misses: AtomicU64,
+    /// Stored KV bytes read.
     pub kv_bytes_loaded: AtomicU64,
     /// The shared tier (`[remote]`), asked on local misses: chunks found (and kept locally),
     /// not found, failed (errors, timeouts, corrupt objects: recomputed), bytes fetched, and
     /// the time of each fetch.
     pub remote_hits: AtomicU64,
+    /// Chunks the tier did not have.
     pub remote_misses: AtomicU64,
+    /// Tier requests that failed.
     pub remote_errors: AtomicU64,
+    /// Bytes fetched from the tier.
     pub remote_bytes: AtomicU64,
+    /// Time of each tier fetch.
     pub remote_fetch: Histogram,
     /// Loader time, and the part of it that ran while the model computed (microseconds).
     pub kv_load_us: AtomicU64,
+    /// Of that, while the model computed.
     pub kv_load_hidden_us: AtomicU64,
+    /// Chunks recomputed by queries and written back.
     pub rematerialized: AtomicU64,
+    /// Queries in flight.
     pub inflight: AtomicU64,
+    /// Queries waiting for the loader.
     pub load_queue: AtomicU64,
+    /// Queries waiting for the model.
     pub compute_queue: AtomicU64,
     /// Queries in the model's batch, and the KV cache bytes they reserve.
     pub batch_size: AtomicU64,
+    /// KV cache bytes the batch reserves.
     pub kv_reserved_bytes: AtomicU64,
     /// Batch steps run, and the queries they ran summed over steps (their ratio is the mean
     /// batch size).
     pub batch_steps: AtomicU64,
+    /// Queries run, summed over steps.
     pub batch_rows: AtomicU64,
+    /// Answer tokens generated.
     pub tokens_generated: AtomicU64,
     /// Maintenance jobs run (requested or scheduled), failed, and chunks they prefilled.
     pub maintenance_runs: AtomicU64,
+    /// Maintenance jobs failed.
     pub maintenance_failures: AtomicU64,
+    /// Chunks they prefilled.
     pub maintenance_chunks: AtomicU64,
 }
 

@@ -60,11 +60,17 @@ pub enum KvMode {
 /// A validated query.
 #[derive(Debug, Clone)]
 pub struct Query {
+    /// The question.
     pub question: String,
+    /// Chunks to retrieve.
     pub top_k: usize,
+    /// Which documents may be retrieved.
     pub filter: SearchFilter,
+    /// Generation options.
     pub params: GenerateParams,
+    /// Whether stored KV is used.
     pub kv: KvMode,
+    /// How the chunks' KV is assembled.
     pub assembly: Assembly,
 }
 
@@ -123,8 +129,11 @@ impl Prefix {
 /// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
 /// once their queues drain.
 pub struct Rag {
+    /// Store, index, embedder and model.
     pub engine: Arc<Engine>,
+    /// `[serve]` settings.
     pub config: ServeConfig,
+    /// What the server exports.
     pub metrics: Arc<Metrics>,
     /// Rematerialize and GC jobs (requested, or on the configured schedule).
     pub maintenance: Arc<crate::Maintenance>,

@@ -21,6 +21,7 @@ use crate::rag::{ms, Query, Rag};
 /// A reference answer and what predicted it.
 #[derive(Debug)]
 pub struct Reference {
+    /// The reference's tokens and text.
     pub generation: Generation,
     /// The answer's tokens, then the stop token if it stopped on one (greedy: the argmax of
     /// the last row).
