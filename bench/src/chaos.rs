@@ -36,6 +36,7 @@ pub struct Args {
     /// Document ids the writers use.
     #[arg(long, default_value_t = 40)]
     pub docs: usize,
+    /// Seed of the random schedule.
     #[arg(long, default_value_t = 11)]
     pub seed: u64,
     /// Working directory (default: a fresh temporary directory).

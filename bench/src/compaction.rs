@@ -24,6 +24,7 @@ use crate::{io, percentile, Error, Line};
 /// The paper's ten phases.
 pub const PHASES: [f64; 10] = [0.2, 0.3, 0.5, 0.7, 0.5, 0.3, 0.1, 0.3, 0.5, 0.7];
 
+/// Arguments of `ragkv bench compaction`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// Requests per phase.
@@ -38,17 +39,20 @@ pub struct Args {
     /// Controller window and evaluation period, ms.
     #[arg(long, default_value_t = 3000)]
     pub window_ms: u64,
+    /// How often the controller evaluates, ms.
     #[arg(long, default_value_t = 500)]
     pub interval_ms: u64,
     /// Candidate size ratios and L0 run triggers of the controller, comma-separated.
     #[arg(long, default_value = "10")]
     pub size_ratios: String,
+    /// Candidate L0 run triggers, comma-separated.
     #[arg(long, default_value = "2,4,8,16")]
     pub l0_triggers: String,
     /// Replay order static, adaptive, adaptive, static (ABBA: cancels drift of the machine
     /// over the run, at twice the time) instead of static, adaptive.
     #[arg(long)]
     pub abba: bool,
+    /// Seed of the workload.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
     /// Working directory (default: a fresh temporary directory).
@@ -227,6 +231,7 @@ fn average(runs: &[Run]) -> Run {
     }
 }
 
+/// Runs the benchmark.
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     if args.ops_per_phase == 0 || args.preload == 0 {
         return Err(Error::Invalid {

@@ -16,14 +16,18 @@ pub const DEFAULT_DIR: &str = "../shared/datasets/longbench-hotpotqa";
 pub struct Document {
     /// `doc_N` (the file stem).
     pub id: String,
+    /// Its text (first line: the title).
     pub text: String,
 }
 
 /// One question with its gold answer.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Question {
+    /// Question id.
     pub id: u64,
+    /// The question.
     pub question: String,
+    /// The gold answer.
     pub answer: String,
 }
 

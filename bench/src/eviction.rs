@@ -22,10 +22,13 @@ use serde_json::json;
 
 use crate::{io, Error, Line};
 
+/// Arguments of `ragkv bench eviction`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    /// Distinct chunks in the trace.
     #[arg(long, default_value_t = 2_000)]
     pub chunks: usize,
+    /// Requests in the trace.
     #[arg(long, default_value_t = 40_000)]
     pub requests: usize,
     /// Zipf exponent of chunk popularity.
@@ -37,6 +40,7 @@ pub struct Args {
     /// TTL of the `ttl` policy, ms (its sweep runs every 500 ms).
     #[arg(long, default_value_t = 2_000)]
     pub ttl_ms: u64,
+    /// Seed of the trace.
     #[arg(long, default_value_t = 11)]
     pub seed: u64,
     /// Working directory (default: a fresh temporary directory).
@@ -160,6 +164,7 @@ fn replay(
     Ok(out)
 }
 
+/// Runs the benchmark.
 pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let budgets: Vec<f64> = args
         .budgets

@@ -32,6 +32,7 @@ pub struct Args {
     /// Concurrent senders.
     #[arg(long, default_value_t = 4)]
     pub clients: usize,
+    /// Seed of the generated requests.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
     /// Working directory (default: a fresh temporary directory).

@@ -18,6 +18,7 @@ pub struct Args {
     /// Chunk size in model tokens.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
+    /// The model.
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory).

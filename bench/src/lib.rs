@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Benchmarks. Each one runs ragkv and a baseline in the same process, on the same data, and
 //! returns [`Line`]s that the CLI prints as JSON:
 //! `{"bench", "ours", "baseline", "ratio", "unit", ...}` where `ratio` says how many times better
@@ -32,17 +33,22 @@ use serde::Serialize;
 /// One compared figure.
 #[derive(Debug, Clone, Serialize)]
 pub struct Line {
+    /// What is measured.
     pub bench: String,
+    /// ragkv's figure.
     pub ours: f64,
+    /// The baseline's figure.
     pub baseline: f64,
     /// How many times better ours is; above 1 means ours wins.
     pub ratio: f64,
+    /// Unit of both figures.
     pub unit: String,
     /// What the baseline is.
     pub baseline_name: String,
     /// The bar the issue sets, if any, and whether this run met it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bar: Option<f64>,
+    /// Whether `ratio` reached `bar`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub meets_bar: Option<bool>,
     /// Supporting figures of the same run (counts, per-stage times).
@@ -95,22 +101,36 @@ impl Line {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// File-system I/O failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being read or written.
         what: String,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// The KV store failed.
     #[error(transparent)]
     Store(#[from] ::kvstore::Error),
+    /// A baseline's RocksDB failed.
     #[error("rocksdb ({what}): {source}")]
     Rocks {
+        /// The operation.
         what: &'static str,
+        /// RocksDB's error.
         #[source]
         source: rocksdb::Error,
     },
+    /// A bad argument.
     #[error("invalid argument {what}: {why}")]
-    Invalid { what: &'static str, why: String },
+    Invalid {
+        /// The argument.
+        what: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A benchmark's own check failed (wrong answers, missing output, a baseline that did not run).
     #[error("benchmark check failed: {0}")]
     Check(String),
 }

@@ -27,8 +27,10 @@ pub struct Args {
     /// Server admission capacity (`serve.max_inflight`); clients past it get 429.
     #[arg(long, default_value_t = 8)]
     pub max_inflight: usize,
+    /// Tokens per answer.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
+    /// Chunks per question.
     #[arg(long, default_value_t = 2)]
     pub top_k: usize,
     /// Queries decoded together (`serve.max_batch`); 1 turns batching off.
@@ -37,6 +39,7 @@ pub struct Args {
     /// KV cache budget of the batch (`serve.kv_budget_mb`).
     #[arg(long, default_value_t = ServeConfig::default().kv_budget_mb)]
     pub kv_budget_mb: usize,
+    /// The model.
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory).

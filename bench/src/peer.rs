@@ -48,6 +48,7 @@ pub struct Args {
     /// Chunks per question.
     #[arg(long, default_value_t = 4)]
     pub top_k: usize,
+    /// Model tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
     /// Tokens generated per answer (both sides, end-of-turn tokens banned).
@@ -68,8 +69,10 @@ pub struct Args {
     /// Corpus documents indexed.
     #[arg(long, default_value_t = 200)]
     pub docs: usize,
+    /// LongBench-HotpotQA directory (default: the shared datasets).
     #[arg(long)]
     pub dataset: Option<PathBuf>,
+    /// The model (both servers run the same GGUF).
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Measure ragkv alone (no llama-server phases; only the scaling line is printed): for

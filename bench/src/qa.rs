@@ -62,11 +62,13 @@ const DEFAULT_STRATEGIES: &[&str] = &[
 /// Arguments of `ragkv eval qa`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    /// LongBench-HotpotQA directory (default: the shared datasets).
     #[arg(long)]
     pub dataset: Option<PathBuf>,
     /// Dev questions (the first N; the dataset has 100).
     #[arg(long, default_value_t = 100)]
     pub questions: usize,
+    /// Chunks per question.
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
     /// Strategies to compare with full prefill, with their parameter if any (`link:8`,
@@ -84,14 +86,17 @@ pub struct Args {
     /// Corpus documents indexed (default: all).
     #[arg(long, default_value_t = 100_000)]
     pub docs: usize,
+    /// Model tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
+    /// Tokens per answer.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
     /// Text before every chunk (`ingest.chunk_preamble`; `\n` is a newline): to compare chunk
     /// boundary handling. Use a separate `--dir` per preamble.
     #[arg(long, default_value = "")]
     pub chunk_preamble: String,
+    /// The model.
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Working directory, reused across runs (index, KV and the question log of one model):
@@ -108,13 +113,19 @@ pub struct Args {
 /// One strategy's result: the JSON line `ragkv eval qa` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct QaLine {
+    /// Always `qa`.
     pub eval: &'static str,
+    /// The assembly strategy.
     pub strategy: String,
+    /// Questions answered.
     pub questions: usize,
+    /// Mean answer F1 against the gold answers.
     pub f1: f64,
+    /// Share of exact matches.
     pub em: f64,
     /// `f1 - f1(full)` in F1 points (×100), and its paired 95 % bootstrap interval.
     pub f1_points_vs_full: f64,
+    /// Its interval.
     pub f1_points_ci95: (f64, f64),
     /// Share of answers identical to full prefill's.
     pub agreement_answers: f64,
@@ -123,12 +134,19 @@ pub struct QaLine {
     pub agreement_tokens: f64,
     /// 95 % bootstrap interval of `agreement_tokens`, resampling questions.
     pub agreement_tokens_ci95: (f64, f64),
+    /// Tokens teacher-forced.
     pub forced_tokens: usize,
+    /// Mean KL(full ‖ strategy) per token, nats.
     pub kl_mean: f64,
+    /// Mean time to first token, ms.
     pub ttft_ms_mean: f64,
+    /// Mean chunk tokens recomputed per question.
     pub recomputed_tokens_mean: f64,
+    /// Chunks per question.
     pub top_k: usize,
+    /// The model file.
     pub model: String,
+    /// `ingest.chunk_preamble` of the run.
     pub chunk_preamble: String,
     /// With `--codec`: the codec the strategy's answers were read through (its F1, agreement
     /// and TTFT above are those answers'), and against the same strategy on f16 stored KV:
@@ -136,14 +154,19 @@ pub struct QaLine {
     /// answer's tokens teacher-forcing agrees with (and its interval), and the mean KL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub codec: Option<String>,
+    /// F1 difference against f16 stored KV, points.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub f1_points_vs_uncompressed: Option<f64>,
+    /// Its paired 95 % interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub f1_points_vs_uncompressed_ci95: Option<(f64, f64)>,
+    /// Teacher-forced token agreement with the f16 answers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agreement_tokens_vs_uncompressed: Option<f64>,
+    /// Its 95 % interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agreement_tokens_vs_uncompressed_ci95: Option<(f64, f64)>,
+    /// Mean KL(f16 ‖ codec) per token, nats.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_vs_uncompressed: Option<f64>,
 }

@@ -29,8 +29,10 @@ pub struct Args {
     /// Dev questions for the time to first token.
     #[arg(long, default_value_t = 8)]
     pub questions: usize,
+    /// Chunks per question.
     #[arg(long, default_value_t = 4)]
     pub top_k: usize,
+    /// Model tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
     /// Chunks prefilled again for the recompute baseline.
@@ -39,15 +41,19 @@ pub struct Args {
     /// The tier: `http://host:port` of an S3-compatible server; default: a directory.
     #[arg(long)]
     pub url: Option<String>,
+    /// The bucket (S3 tiers).
     #[arg(long, default_value = "ragkv-test")]
     pub bucket: String,
+    /// The region (S3 tiers).
     #[arg(long, default_value = "garage")]
     pub region: String,
     /// `env` or a file with `access_key_id = ...` and `secret_access_key = ...`.
     #[arg(long, default_value = "env")]
     pub credentials: String,
+    /// LongBench-HotpotQA directory (default: the shared datasets).
     #[arg(long)]
     pub dataset: Option<PathBuf>,
+    /// The model.
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory).

@@ -49,6 +49,7 @@ pub fn f1(prediction: &str, gold: &str) -> f64 {
     2.0 * precision * recall / (precision + recall)
 }
 
+/// Whether the normalized answers are equal (SQuAD normalization).
 pub fn exact_match(prediction: &str, gold: &str) -> bool {
     normalize(prediction) == normalize(gold)
 }
@@ -101,8 +102,11 @@ pub fn argmax(x: &[f32]) -> usize {
 /// strategy makes too, and the summed divergence of its distributions from the reference's.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Forced {
+    /// Reference tokens forced.
     pub tokens: usize,
+    /// Of those, predicted by the strategy's argmax too.
     pub agree: usize,
+    /// Summed KL(reference ‖ strategy), nats.
     pub kl_sum: f64,
 }
 

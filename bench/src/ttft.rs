@@ -27,13 +27,16 @@ pub struct Args {
     /// Corpus documents indexed (vectors for all; KV only for the chunks the questions use).
     #[arg(long, default_value_t = 100_000)]
     pub docs: usize,
+    /// Model tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
     /// Tokens generated per question in the throughput comparison.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
+    /// LongBench-HotpotQA directory (default: the shared datasets).
     #[arg(long)]
     pub dataset: Option<PathBuf>,
+    /// The model.
     #[command(flatten)]
     pub llm: crate::engine::ModelArgs,
     /// Working directory (default: a fresh temporary directory). With an index already
