@@ -299,12 +299,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         .ctx("writing safetensors")?;
 
     // GGUF: llama.cpp's names; Llama-family q/k rows permuted as its converter does.
-    let gguf_arch = match arch {
-        Arch::Llama | Arch::Mistral => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-        Arch::Gemma3 => "gemma3",
-    };
+    let gguf_arch = crate::synthetic_shape::gguf_arch(arch);
     let permuted = gguf_arch == "llama";
     let mut qt: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in &hf {
@@ -334,49 +329,27 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ));
     }
     let k = |s: &str| format!("{gguf_arch}.{s}");
-    let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
-    let mut meta: Vec<(String, Value)> = vec![
-        (
-            "general.architecture".into(),
-            Value::String(gguf_arch.into()),
-        ),
-        (
-            "general.name".into(),
-            Value::String(format!("synthetic {}", arch.name())),
-        ),
-        (k("context_length"), Value::U32(MAX_POSITIONS as u32)),
-        (k("embedding_length"), Value::U32(hidden as u32)),
-        (k("block_count"), Value::U32(LAYERS as u32)),
-        (k("feed_forward_length"), Value::U32(INTERMEDIATE as u32)),
-        (k("attention.head_count"), Value::U32(HIDDEN_HEADS as u32)),
-        (k("attention.head_count_kv"), Value::U32(KV_HEADS as u32)),
-        (k("attention.key_length"), Value::U32(head_dim as u32)),
-        (k("attention.value_length"), Value::U32(head_dim as u32)),
-        (k("rope.dimension_count"), Value::U32(head_dim as u32)),
-        (
-            k("attention.layer_norm_rms_epsilon"),
-            Value::F32(RMS_EPS as f32),
-        ),
-        (k("rope.freq_base"), Value::F32(theta as f32)),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
-        ("tokenizer.ggml.tokens".into(), strings(&tokens)),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
-        ),
-        ("tokenizer.ggml.merges".into(), strings(&merges)),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
-        (
-            "tokenizer.ggml.add_bos_token".into(),
-            Value::Bool(matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma3)),
-        ),
-        (
-            "tokenizer.chat_template".into(),
-            Value::String(template.clone()),
-        ),
-    ];
+    let shape = crate::synthetic_shape::Shape {
+        name: arch.name(),
+        arch,
+        hidden,
+        layers: LAYERS,
+        heads: HIDDEN_HEADS,
+        kv_heads: KV_HEADS,
+        head_dim,
+        intermediate: INTERMEDIATE,
+        vocab,
+        rope_theta: theta as f32,
+        context: MAX_POSITIONS,
+    };
+    let words = crate::synthetic_shape::Vocab {
+        tokens,
+        types,
+        merges,
+        bos,
+        eos,
+    };
+    let mut meta = crate::synthetic_shape::gguf_metadata(&shape, &words, pre, &template);
     if gemma {
         meta.push((
             k("attention.sliding_window"),

@@ -294,6 +294,79 @@ pub fn write_shaped(shape: &Shape, dtype: GgmlDType, path: &Path, seed: u64) -> 
     Ok(())
 }
 
+/// A byte-level BPE vocabulary, as a GGUF file states it.
+pub(crate) struct Vocab {
+    pub tokens: Vec<String>,
+    /// llama.cpp token types (1 normal, 3 control).
+    pub types: Vec<i32>,
+    pub merges: Vec<String>,
+    pub bos: u32,
+    pub eos: u32,
+}
+
+/// llama.cpp's `general.architecture` of a family.
+pub(crate) fn gguf_arch(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Llama | Arch::Mistral => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+        Arch::Gemma3 => "gemma3",
+    }
+}
+
+/// The GGUF metadata of a model of shape `s` (llama.cpp's keys), unsorted: the synthetic
+/// writers add their family's extras, then sort.
+pub(crate) fn gguf_metadata(
+    s: &Shape,
+    vocab: &Vocab,
+    pre: &str,
+    template: &str,
+) -> Vec<(String, Value)> {
+    let gguf_arch = gguf_arch(s.arch);
+    let k = |key: &str| format!("{gguf_arch}.{key}");
+    let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+    let u = |x: usize| Value::U32(x as u32);
+    vec![
+        (
+            "general.architecture".into(),
+            Value::String(gguf_arch.into()),
+        ),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic {}", s.name)),
+        ),
+        (k("context_length"), u(s.context)),
+        (k("embedding_length"), u(s.hidden)),
+        (k("block_count"), u(s.layers)),
+        (k("feed_forward_length"), u(s.intermediate)),
+        (k("attention.head_count"), u(s.heads)),
+        (k("attention.head_count_kv"), u(s.kv_heads)),
+        (k("attention.key_length"), u(s.head_dim)),
+        (k("attention.value_length"), u(s.head_dim)),
+        (k("rope.dimension_count"), u(s.head_dim)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("rope.freq_base"), Value::F32(s.rope_theta)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".into(), strings(&vocab.tokens)),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(vocab.types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
+        ("tokenizer.ggml.merges".into(), strings(&vocab.merges)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(vocab.bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(vocab.eos)),
+        (
+            "tokenizer.ggml.add_bos_token".into(),
+            Value::Bool(matches!(s.arch, Arch::Llama | Arch::Mistral | Arch::Gemma3)),
+        ),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(template.into()),
+        ),
+    ]
+}
+
 fn metadata(s: &Shape) -> Vec<(String, Value)> {
     let (specials, pre, template) = crate::synthetic::family(s.arch);
     let symbols = crate::synthetic::byte_symbols();
@@ -323,60 +396,14 @@ fn metadata(s: &Shape) -> Vec<(String, Value)> {
         types.push(1);
         n += 1;
     }
-    let gguf_arch = match s.arch {
-        Arch::Llama | Arch::Mistral => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-        Arch::Gemma3 => "gemma3",
+    let vocab = Vocab {
+        tokens,
+        types,
+        merges,
+        bos: special_ids[0],
+        eos: special_ids[1],
     };
-    let k = |key: &str| format!("{gguf_arch}.{key}");
-    let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
-    let u = |x: usize| Value::U32(x as u32);
-    let mut meta = vec![
-        (
-            "general.architecture".into(),
-            Value::String(gguf_arch.into()),
-        ),
-        (
-            "general.name".into(),
-            Value::String(format!("synthetic {}", s.name)),
-        ),
-        (k("context_length"), u(s.context)),
-        (k("embedding_length"), u(s.hidden)),
-        (k("block_count"), u(s.layers)),
-        (k("feed_forward_length"), u(s.intermediate)),
-        (k("attention.head_count"), u(s.heads)),
-        (k("attention.head_count_kv"), u(s.kv_heads)),
-        (k("attention.key_length"), u(s.head_dim)),
-        (k("attention.value_length"), u(s.head_dim)),
-        (k("rope.dimension_count"), u(s.head_dim)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
-        (k("rope.freq_base"), Value::F32(s.rope_theta)),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
-        ("tokenizer.ggml.tokens".into(), strings(&tokens)),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
-        ),
-        ("tokenizer.ggml.merges".into(), strings(&merges)),
-        (
-            "tokenizer.ggml.bos_token_id".into(),
-            Value::U32(special_ids[0]),
-        ),
-        (
-            "tokenizer.ggml.eos_token_id".into(),
-            Value::U32(special_ids[1]),
-        ),
-        (
-            "tokenizer.ggml.add_bos_token".into(),
-            Value::Bool(matches!(s.arch, Arch::Llama | Arch::Mistral | Arch::Gemma3)),
-        ),
-        (
-            "tokenizer.chat_template".into(),
-            Value::String(template.into()),
-        ),
-    ];
+    let mut meta = gguf_metadata(s, &vocab, pre, template);
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     meta
 }
