@@ -36,6 +36,7 @@ mod rope;
 mod simd;
 mod swiglu;
 pub mod synthetic;
+mod synthetic_gguf;
 mod synthetic_shape;
 mod template;
 mod tokenizer;

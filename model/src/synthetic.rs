@@ -23,6 +23,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::config::Arch;
 use crate::error::{Ctx, Error, Result};
+use crate::synthetic_gguf::{byte_symbols, family, gguf_arch, gguf_metadata, Shape, Vocab};
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -67,67 +68,6 @@ pub struct Synthetic {
     pub gguf: PathBuf,
     /// The HF directory (config, safetensors, tokenizer).
     pub hf_dir: PathBuf,
-}
-
-/// The family's special tokens (the first is BOS, the second EOS, the third ends a turn),
-/// its GGUF pre-tokenizer name and its chat template.
-pub(crate) fn family(arch: Arch) -> (&'static [&'static str], &'static str, &'static str) {
-    match arch {
-        Arch::Llama => (
-            &[
-                "<|begin_of_text|>",
-                "<|end_of_text|>",
-                "<|eot_id|>",
-                "<|start_header_id|>",
-                "<|end_header_id|>",
-            ],
-            "llama-bpe",
-            LLAMA3_TEMPLATE,
-        ),
-        Arch::Mistral => (
-            &["<s>", "</s>", "</s>", "[INST]", "[/INST]"],
-            "gpt2",
-            MISTRAL_TEMPLATE,
-        ),
-        Arch::Qwen2 | Arch::Qwen3 => (
-            &[
-                "<|endoftext|>",
-                "<|endoftext|>",
-                "<|im_end|>",
-                "<|im_start|>",
-            ],
-            "qwen2",
-            CHATML_TEMPLATE,
-        ),
-        Arch::Gemma3 => (
-            &["<bos>", "<eos>", "<end_of_turn>", "<start_of_turn>"],
-            "gpt2",
-            crate::template::GEMMA3_TEMPLATE,
-        ),
-    }
-}
-
-/// Llama 3.1's template, shortened (no tools): BOS, header ids, `<|eot_id|>`.
-const LLAMA3_TEMPLATE: &str = "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
-/// Mistral Instruct v0.3's template, shortened: the system prompt goes into the last user turn.
-const MISTRAL_TEMPLATE: &str = "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}{%- endif %}{%- endfor %}";
-/// ChatML, as Qwen2.5 and Qwen3 write it (without tools or thinking).
-const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
-
-/// GPT-2's byte-to-symbol table: the symbol each byte value gets in a byte-level vocabulary.
-pub(crate) fn byte_symbols() -> Vec<char> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    let mut n = 0;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).expect("latin-1")
-            } else {
-                n += 1;
-                char::from_u32(255 + n).expect("shifted")
-            }
-        })
-        .collect()
 }
 
 const HIDDEN_HEADS: usize = 4;
@@ -299,7 +239,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         .ctx("writing safetensors")?;
 
     // GGUF: llama.cpp's names; Llama-family q/k rows permuted as its converter does.
-    let gguf_arch = crate::synthetic_shape::gguf_arch(arch);
+    let gguf_arch = gguf_arch(arch);
     let permuted = gguf_arch == "llama";
     let mut qt: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in &hf {
@@ -329,7 +269,7 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         ));
     }
     let k = |s: &str| format!("{gguf_arch}.{s}");
-    let shape = crate::synthetic_shape::Shape {
+    let shape = Shape {
         name: arch.name(),
         arch,
         hidden,
@@ -342,14 +282,14 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         rope_theta: theta as f32,
         context: MAX_POSITIONS,
     };
-    let words = crate::synthetic_shape::Vocab {
+    let words = Vocab {
         tokens,
         types,
         merges,
         bos,
         eos,
     };
-    let mut meta = crate::synthetic_shape::gguf_metadata(&shape, &words, pre, &template);
+    let mut meta = gguf_metadata(&shape, &words, pre, &template);
     if gemma {
         meta.push((
             k("attention.sliding_window"),

@@ -25,33 +25,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::config::Arch;
 use crate::error::{Ctx, Error, Result};
-
-/// A decoder's shape, as its GGUF metadata states it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Shape {
-    /// Preset name (`qwen2.5-0.5b`).
-    pub name: &'static str,
-    /// Model family.
-    pub arch: Arch,
-    /// Width of the residual stream.
-    pub hidden: usize,
-    /// Decoder layers.
-    pub layers: usize,
-    /// Query heads per layer.
-    pub heads: usize,
-    /// Key/value heads per layer.
-    pub kv_heads: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-    /// Width of the feed-forward's hidden layer.
-    pub intermediate: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// RoPE base frequency.
-    pub rope_theta: f32,
-    /// Context length the metadata states.
-    pub context: usize,
-}
+pub use crate::synthetic_gguf::Shape;
+use crate::synthetic_gguf::{byte_symbols, family, gguf_metadata, Vocab};
 
 /// The benchmark models' shapes (their `config.json`s): SmolLM2-135M-Instruct, Qwen2.5-0.5B,
 /// Llama-3.2-1B (without its RoPE scaling, which costs nothing at these lengths) and
@@ -294,82 +269,9 @@ pub fn write_shaped(shape: &Shape, dtype: GgmlDType, path: &Path, seed: u64) -> 
     Ok(())
 }
 
-/// A byte-level BPE vocabulary, as a GGUF file states it.
-pub(crate) struct Vocab {
-    pub tokens: Vec<String>,
-    /// llama.cpp token types (1 normal, 3 control).
-    pub types: Vec<i32>,
-    pub merges: Vec<String>,
-    pub bos: u32,
-    pub eos: u32,
-}
-
-/// llama.cpp's `general.architecture` of a family.
-pub(crate) fn gguf_arch(arch: Arch) -> &'static str {
-    match arch {
-        Arch::Llama | Arch::Mistral => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-        Arch::Gemma3 => "gemma3",
-    }
-}
-
-/// The GGUF metadata of a model of shape `s` (llama.cpp's keys), unsorted: the synthetic
-/// writers add their family's extras, then sort.
-pub(crate) fn gguf_metadata(
-    s: &Shape,
-    vocab: &Vocab,
-    pre: &str,
-    template: &str,
-) -> Vec<(String, Value)> {
-    let gguf_arch = gguf_arch(s.arch);
-    let k = |key: &str| format!("{gguf_arch}.{key}");
-    let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
-    let u = |x: usize| Value::U32(x as u32);
-    vec![
-        (
-            "general.architecture".into(),
-            Value::String(gguf_arch.into()),
-        ),
-        (
-            "general.name".into(),
-            Value::String(format!("synthetic {}", s.name)),
-        ),
-        (k("context_length"), u(s.context)),
-        (k("embedding_length"), u(s.hidden)),
-        (k("block_count"), u(s.layers)),
-        (k("feed_forward_length"), u(s.intermediate)),
-        (k("attention.head_count"), u(s.heads)),
-        (k("attention.head_count_kv"), u(s.kv_heads)),
-        (k("attention.key_length"), u(s.head_dim)),
-        (k("attention.value_length"), u(s.head_dim)),
-        (k("rope.dimension_count"), u(s.head_dim)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
-        (k("rope.freq_base"), Value::F32(s.rope_theta)),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
-        ("tokenizer.ggml.tokens".into(), strings(&vocab.tokens)),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(vocab.types.iter().map(|t| Value::I32(*t)).collect()),
-        ),
-        ("tokenizer.ggml.merges".into(), strings(&vocab.merges)),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32(vocab.bos)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(vocab.eos)),
-        (
-            "tokenizer.ggml.add_bos_token".into(),
-            Value::Bool(matches!(s.arch, Arch::Llama | Arch::Mistral | Arch::Gemma3)),
-        ),
-        (
-            "tokenizer.chat_template".into(),
-            Value::String(template.into()),
-        ),
-    ]
-}
-
 fn metadata(s: &Shape) -> Vec<(String, Value)> {
-    let (specials, pre, template) = crate::synthetic::family(s.arch);
-    let symbols = crate::synthetic::byte_symbols();
+    let (specials, pre, template) = family(s.arch);
+    let symbols = byte_symbols();
     let space = symbols[b' ' as usize];
     let mut tokens: Vec<String> = symbols.iter().map(|c| c.to_string()).collect();
     let merges: Vec<String> = vec![
