@@ -5,6 +5,11 @@
 //! stock Llama on the same weights (f32, exported in HF layout); plus KV export/import
 //! throughput.
 //!
+//! On a GPU (`--device cuda`) llama-bench offloads every layer (`-ngl`), host memory is not
+//! reported, and one more line checks the GPU's greedy tokens against the CPU path's on the
+//! same file (`model.device_tokens_vs_cpu`). `--synthetic SHAPE:TYPE` benchmarks a
+//! random-weight file of a real model's shape instead of a downloaded one.
+//!
 //! Each figure is the median of `--reps` runs after one warm-up run. Our decode continues
 //! after the prompt (attention over `--prompt-tokens` keys); llama-bench's decode is measured
 //! at the same depth (`-d`), its prefill from an empty context, as ours. Our KV cache is f16
