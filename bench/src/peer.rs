@@ -30,10 +30,14 @@ use std::time::{Duration, Instant};
 use retrieval::SearchFilter;
 use serve::ServeConfig;
 
-use crate::peer_llama::{start_llama, Llama};
+use llama::{start_llama, Llama};
 
 use crate::sse::{post, Streamed};
 use crate::{dataset, percentile, Error, Line};
+
+// The decoding-cache comparison and llama-server's side.
+mod cache;
+mod llama;
 
 /// Arguments of `ragkv bench peer`.
 #[derive(Debug, Clone, clap::Args)]
@@ -84,11 +88,11 @@ pub struct Args {
     #[arg(long)]
     pub dir: Option<PathBuf>,
     /// ragkv's decoding caches (`serve.cache_dtype`): f16, f32 or q8.
-    #[arg(long, default_value = "f16", value_parser = crate::peer_cache::parse_cache)]
+    #[arg(long, default_value = "f16", value_parser = cache::parse_cache)]
     pub cache_dtype: serve::CacheDtype,
     /// Also measure ragkv with these caches, and compare (`peer.cache_qps`,
     /// `peer.cache_answer_tokens`).
-    #[arg(long, value_parser = crate::peer_cache::parse_cache)]
+    #[arg(long, value_parser = cache::parse_cache)]
     pub versus_cache: Option<serve::CacheDtype>,
 }
 
@@ -391,9 +395,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     drop(rag);
     let versus = match args.versus_cache {
         Some(d) => {
-            let side =
-                crate::peer_cache::measure_versus(&engine, &config, d, &questions, &prompts, args)?;
-            crate::peer_cache::lines(&engine, &config, &questions, args, d, &ours, &side)?
+            let side = cache::measure_versus(&engine, &config, d, &questions, &prompts, args)?;
+            cache::lines(&engine, &config, &questions, args, d, &ours, &side)?
         }
         None => Vec::new(),
     };

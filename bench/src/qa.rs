@@ -36,10 +36,16 @@ use retrieval::SearchFilter;
 use serde::{Deserialize, Serialize};
 use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 
-use crate::qa_codec::Coded;
-use crate::qa_log::Log;
 use crate::score::{self, exact_match, f1, first_line};
 use crate::{dataset, Error};
+use codec::Coded;
+use log::Log;
+
+// `--codec` runs (a second engine reading lossy KV) and the resumable question log.
+pub(crate) mod codec;
+mod log;
+
+pub(crate) use codec::parse_codec;
 
 /// The LongBench prompt for HotpotQA, as a system prompt.
 const SYSTEM: &str = "Answer the question based on the given passages. Only give me the answer \
@@ -106,7 +112,7 @@ pub struct Args {
     pub dir: Option<PathBuf>,
     /// Also answer from stored KV encoded with this codec (`q8`, `q4`, ...) and compare it,
     /// strategy by strategy, with the same stored KV in f16 (`*_vs_uncompressed` fields).
-    #[arg(long, value_parser = crate::qa_codec::parse_codec)]
+    #[arg(long, value_parser = codec::parse_codec)]
     pub codec: Option<kvstore::Codec>,
 }
 
@@ -507,7 +513,7 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 agreement_tokens_vs_uncompressed_ci95: None,
                 kl_vs_uncompressed: None,
             };
-            crate::qa_codec::vs_uncompressed(&mut line, &xs, header);
+            codec::vs_uncompressed(&mut line, &xs, header);
             line
         })
         .collect()

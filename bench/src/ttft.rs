@@ -45,7 +45,7 @@ pub struct Args {
     pub dir: Option<PathBuf>,
     /// Codec of the stored chunk KV (`kvstore.codec`: none, q8, q4, ...); use a separate
     /// `--dir` per codec.
-    #[arg(long, default_value = "none", value_parser = crate::qa_codec::parse_codec)]
+    #[arg(long, default_value = "none", value_parser = crate::qa::parse_codec)]
     pub codec: kvstore::Codec,
 }
 

@@ -36,7 +36,6 @@ mod merge;
 mod options;
 mod presence;
 mod quant;
-mod quant_x86;
 mod record;
 mod segment;
 mod store;

@@ -37,11 +37,14 @@
 //!
 //! 4-bit codes are packed two per byte along the row: element `2i` in the low nibble, `2i+1`
 //! in the high one. Decoding into f16 (the layout the store holds by default) runs in AVX2 +
-//! F16C on x86 ([`crate::quant_x86`]); every other dtype and CPU takes the portable loop, which
+//! F16C on x86 ([`x86`]); every other dtype and CPU takes the portable loop, which
 //! the tests hold the SIMD one to bit for bit.
 
 use half::{bf16, f16};
 use schema::{DType, KvLayout};
+
+// AVX2 + F16C decoding, beside the portable loop below.
+mod x86;
 
 /// Version of the quantized payload format.
 const VERSION: u8 = 1;
@@ -398,7 +401,7 @@ pub(crate) fn decode_into_place(
 /// One plane's body into `dst` (`n × c` elements of `dtype`): SIMD for f16 where the CPU has
 /// it, else the portable loop.
 fn decode_plane(mode: Mode, body: &[u8], n: usize, c: usize, dtype: DType, dst: &mut [u8]) {
-    if dtype == DType::F16 && crate::quant_x86::decode_f16(mode, body, n, c, dst) {
+    if dtype == DType::F16 && x86::decode_f16(mode, body, n, c, dst) {
         return;
     }
     decode_plane_portable(mode, body, n, c, dtype, dst);

@@ -106,7 +106,7 @@ proptest! {
             let mut a = vec![0u8; tokens * c * 2];
             let mut b = vec![0u8; tokens * c * 2];
             decode_plane_portable(mode, body, tokens, c, DType::F16, &mut a);
-            if crate::quant_x86::decode_f16(mode, body, tokens, c, &mut b) {
+            if super::x86::decode_f16(mode, body, tokens, c, &mut b) {
                 prop_assert_eq!(&a, &b, "{:?}", mode);
             }
         }

@@ -20,11 +20,11 @@ use tokio::sync::mpsc;
 
 use crate::assembly::Assembly;
 use crate::guard::HostRule;
-use crate::middleware;
 use crate::rag::{Event, FailKind, Final, KvMode, Query, Rag};
 
 mod documents;
 mod error;
+mod middleware;
 mod openai;
 
 use documents::{add_documents, delete_document, gc, get_document, rematerialize};

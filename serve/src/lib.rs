@@ -28,7 +28,6 @@ pub mod http;
 pub mod listen;
 pub mod maintenance;
 pub mod metrics;
-mod middleware;
 pub mod overlap;
 pub mod rag;
 pub mod schedule;

@@ -16,7 +16,7 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
             && std::arch::is_x86_feature_detected!("f16c")
         {
             // SAFETY: the CPU has every feature the kernels are compiled for (checked above).
-            unsafe { x86::decode(mode, body, n, c, dst) };
+            unsafe { avx2::decode(mode, body, n, c, dst) };
             return true;
         }
     }
@@ -25,7 +25,7 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+mod avx2 {
     use std::arch::x86_64::*;
 
     use crate::quant::{q4_group, q8_group, Mode, KEY_TOKEN_GROUP};

@@ -7,8 +7,8 @@ use std::time::Duration;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+use super::error::ApiError;
 use crate::guard::HostRule;
-use crate::http::ApiError;
 
 /// Refuses requests from other sites (foreign `Host`, `Origin` or `Sec-Fetch-Site`) before
 /// they reach a route.
