@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::config::Arch;
 use crate::error::{Ctx, Error, Result};
-use crate::synthetic_gguf::{byte_symbols, family, gguf_arch, gguf_metadata, Shape, Vocab};
+use crate::synthetic_gguf::{byte_vocab, family, gguf_arch, gguf_metadata, Shape};
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -103,38 +103,14 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     let gemma_window = spec.sliding_window.unwrap_or(MAX_POSITIONS);
 
     // Vocabulary: bytes, merges, specials.
-    let symbols = byte_symbols();
-    let mut tokens: Vec<String> = symbols.iter().map(|c| c.to_string()).collect();
-    let space = symbols[b' ' as usize];
-    let merges: Vec<String> = vec![
-        format!("{space} t"),
-        "h e".into(),
-        format!("{space}t he"),
-        "i n".into(),
-    ];
-    for m in &merges {
-        tokens.push(m.replace(' ', ""));
-    }
-    let mut types = vec![1i32; tokens.len()];
-    let mut seen = std::collections::HashSet::new();
-    let mut special_id = HashMap::new();
-    for s in specials
+    let all_specials: Vec<&str> = specials
         .iter()
         .copied()
         .chain(spec.extra_specials.iter().map(String::as_str))
-    {
-        if seen.insert(s) {
-            special_id.insert(s, tokens.len() as u32);
-            tokens.push(s.to_string());
-            types.push(3);
-        }
-    }
-    let vocab = tokens.len();
-    let (bos, eos, eot) = (
-        special_id[specials[0]],
-        special_id[specials[1]],
-        special_id[specials[2]],
-    );
+        .collect();
+    let (words, ids) = byte_vocab(&all_specials, 0);
+    let vocab = words.tokens.len();
+    let (bos, eos, eot) = (ids[0], ids[1], ids[2]);
 
     // Weights, HF names and layout.
     let mut rng = rand::rngs::SmallRng::seed_from_u64(spec.seed);
@@ -281,13 +257,6 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
         vocab,
         rope_theta: theta as f32,
         context: MAX_POSITIONS,
-    };
-    let words = Vocab {
-        tokens,
-        types,
-        merges,
-        bos,
-        eos,
     };
     let mut meta = gguf_metadata(&shape, &words, pre, &template);
     if gemma {

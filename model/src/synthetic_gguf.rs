@@ -104,6 +104,48 @@ pub(crate) struct Vocab {
     pub eos: u32,
 }
 
+/// The byte-level vocabulary both writers use: the 256 byte symbols, 4 merges and the tokens
+/// they make, each distinct token of `specials` (control type), then normal filler tokens
+/// `<|fill_N|>` up to `size` tokens. BOS and EOS are `specials[0]` and `specials[1]`; the
+/// second value is the id of every token of `specials`, in order.
+pub(crate) fn byte_vocab(specials: &[&str], size: usize) -> (Vocab, Vec<u32>) {
+    let symbols = byte_symbols();
+    let space = symbols[b' ' as usize];
+    let mut tokens: Vec<String> = symbols.iter().map(|c| c.to_string()).collect();
+    let merges: Vec<String> = vec![
+        format!("{space} t"),
+        "h e".into(),
+        format!("{space}t he"),
+        "i n".into(),
+    ];
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    let mut types = vec![1i32; tokens.len()];
+    let mut ids = Vec::with_capacity(specials.len());
+    for sp in specials {
+        if let Some(i) = tokens.iter().position(|t| t == sp) {
+            ids.push(i as u32);
+        } else {
+            ids.push(tokens.len() as u32);
+            tokens.push(sp.to_string());
+            types.push(3);
+        }
+    }
+    let mut n = 0;
+    while tokens.len() < size {
+        tokens.push(format!("<|fill_{n}|>"));
+        types.push(1);
+        n += 1;
+    }
+    let vocab = Vocab {
+        tokens,
+        types,
+        merges,
+        bos: ids[0],
+        eos: ids[1],
+    };
+    (vocab, ids)
+}
+
 /// llama.cpp's `general.architecture` of a family.
 pub(crate) fn gguf_arch(arch: Arch) -> &'static str {
     match arch {

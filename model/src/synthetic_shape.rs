@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use crate::config::Arch;
 use crate::error::{Ctx, Error, Result};
 pub use crate::synthetic_gguf::Shape;
-use crate::synthetic_gguf::{byte_symbols, family, gguf_metadata, Vocab};
+use crate::synthetic_gguf::{byte_vocab, family, gguf_metadata};
 
 /// The benchmark models' shapes (their `config.json`s): SmolLM2-135M-Instruct, Qwen2.5-0.5B,
 /// Llama-3.2-1B (without its RoPE scaling, which costs nothing at these lengths) and
@@ -271,40 +271,7 @@ pub fn write_shaped(shape: &Shape, dtype: GgmlDType, path: &Path, seed: u64) -> 
 
 fn metadata(s: &Shape) -> Vec<(String, Value)> {
     let (specials, pre, template) = family(s.arch);
-    let symbols = byte_symbols();
-    let space = symbols[b' ' as usize];
-    let mut tokens: Vec<String> = symbols.iter().map(|c| c.to_string()).collect();
-    let merges: Vec<String> = vec![
-        format!("{space} t"),
-        "h e".into(),
-        format!("{space}t he"),
-        "i n".into(),
-    ];
-    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
-    let mut types = vec![1i32; tokens.len()];
-    let mut special_ids = Vec::new();
-    for sp in specials.iter() {
-        if let Some(i) = tokens.iter().position(|t| t == sp) {
-            special_ids.push(i as u32);
-        } else {
-            special_ids.push(tokens.len() as u32);
-            tokens.push(sp.to_string());
-            types.push(3);
-        }
-    }
-    let mut n = 0;
-    while tokens.len() < s.vocab {
-        tokens.push(format!("<|fill_{n}|>"));
-        types.push(1);
-        n += 1;
-    }
-    let vocab = Vocab {
-        tokens,
-        types,
-        merges,
-        bos: special_ids[0],
-        eos: special_ids[1],
-    };
+    let (vocab, _) = byte_vocab(specials, s.vocab);
     let mut meta = gguf_metadata(s, &vocab, pre, template);
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     meta
