@@ -13,6 +13,8 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragkv/target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 cargo fmt --all -- --check
+# No import circle between sibling modules of any crate (docs/ARCHITECTURE.md, "Tests").
+python3 scripts/module-graph.py
 
 log="$(mktemp)"
 # The suites that need a server are `#[ignore]`d in the main run; what the runs against real

@@ -200,7 +200,7 @@ impl Config {
         self.embedder.validate()?;
         self.index.validate()?;
         self.ingest.validate()?;
-        self.serve.validate().map_err(anyhow::Error::msg)?;
+        self.serve.validate()?;
         self.remote.validate()?;
         Ok(())
     }

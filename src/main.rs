@@ -295,7 +295,7 @@ fn run(cli: Cli) -> Result<()> {
 
 fn serve_cmd(config: &Config) -> Result<()> {
     let engine = std::sync::Arc::new(open_engine(config)?);
-    let rag = serve::Rag::start(engine, config.serve.clone()).map_err(anyhow::Error::msg)?;
+    let rag = serve::Rag::start(engine, config.serve.clone())?;
     let instance = rag.instance.clone();
     let app = serve::app(serve::AppState::new(rag.clone()));
     let limits = serve::listen::Limits::from_config(&config.serve);
@@ -345,7 +345,7 @@ fn verify_cmd(config: &Config, search: bool) -> Result<()> {
     let (store, check) = if config.vectors_dir().exists() {
         let engine = open_engine(config)?;
         let check = engine.check(search)?;
-        (engine.store.clone(), Some(check))
+        (engine.store().clone(), Some(check))
     } else {
         (std::sync::Arc::new(open_store(config)?), None)
     };

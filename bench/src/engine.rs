@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::Error;
 
-fn e(what: &str) -> impl Fn(String) -> Error + '_ {
+fn e<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Error + '_ {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
@@ -153,7 +153,7 @@ pub fn submit(
         .admit()
         .ok_or_else(|| Error::Check("the pipeline is at serve.max_inflight".into()))?;
     rag.submit(ticket, query, hits, tx, arrived, arrived.elapsed())
-        .map_err(|(_, why)| e("submit")(why))?;
+        .map_err(e("submit"))?;
     Ok(rx)
 }
 
@@ -196,14 +196,14 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
         let tokens = engine
             .chunk_tokens(&h.payload.text)
             .map_err(|x| e("tokenize")(x.to_string()))?;
-        if engine.store.probe(engine.namespace(), &tokens)? == tokens.len() {
+        if engine.store().probe(engine.namespace(), &tokens)? == tokens.len() {
             continue;
         }
         let bytes = engine
             .prefill_bytes(&tokens)
             .map_err(|x| e("prefill")(x.to_string()))?;
         let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-        engine.store.put_batch(
+        engine.store().put_batch(
             engine.namespace(),
             engine.layout(),
             &[kvstore::PutItem {
@@ -266,7 +266,7 @@ pub fn serve_loopback(
     Error,
 > {
     let limits = serve::listen::Limits::from_config(&config);
-    let rag = serve::Rag::start(engine.clone(), config).map_err(Error::Check)?;
+    let rag = serve::Rag::start(engine.clone(), config).map_err(e("server pipeline"))?;
     let app = serve::app(serve::AppState::new(rag.clone()));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

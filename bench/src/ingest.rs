@@ -39,18 +39,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let _ = std::fs::remove_dir_all(work.join("kv"));
     let _ = std::fs::remove_dir_all(work.join("vectors"));
     let mut engine = crate::engine::open(&work, &args.llm, args.chunk_tokens)?;
-    engine.config.prefill_batch_tokens = args.prefill_batch_tokens;
     engine
-        .config
-        .validate()
+        .set_prefill_batch_tokens(args.prefill_batch_tokens)
         .map_err(|e| Error::Check(e.to_string()))?;
 
     // Baseline: bare prefill of exactly the chunks the pipeline will prefill.
-    let chunker = engine.config.chunker();
+    let chunker = engine.config().chunker();
     let docs: Vec<Vec<Vec<u32>>> = corpus
         .iter()
         .map(|d| {
-            ingest::chunk_text(&d.text, engine.model.tokenizer(), &chunker)
+            ingest::chunk_text(&d.text, engine.model().tokenizer(), &chunker)
                 .into_iter()
                 .map(|c| c.tokens)
                 .collect()
@@ -66,7 +64,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let t = Instant::now();
     for c in &chunks {
         engine
-            .model
+            .model()
+            .decoder()
             .prefill(c, 0)
             .map_err(|e| Error::Check(format!("prefill: {e}")))?;
     }
@@ -81,7 +80,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         for group in ingest::prefill_groups(&lens, args.prefill_batch_tokens) {
             let chunks: Vec<&[u32]> = doc[group].iter().map(Vec::as_slice).collect();
             engine
-                .model
+                .model()
+                .decoder()
                 .prefill_many(&chunks)
                 .map_err(|e| Error::Check(format!("prefill: {e}")))?;
             passes += 1;

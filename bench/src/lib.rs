@@ -98,25 +98,23 @@ impl Line {
 #[non_exhaustive]
 pub enum Error {
     /// File-system I/O failed.
-    #[error("{what}: {source}")]
+    #[error("{what}: {cause}")]
     Io {
         /// What was being read or written.
         what: String,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The KV store failed.
     #[error(transparent)]
     Store(#[from] ::kvstore::Error),
     /// A baseline's RocksDB failed.
-    #[error("rocksdb ({what}): {source}")]
+    #[error("rocksdb ({what}): {cause}")]
     Rocks {
         /// The operation.
         what: &'static str,
         /// RocksDB's error.
-        #[source]
-        source: rocksdb::Error,
+        cause: rocksdb::Error,
     },
     /// A bad argument.
     #[error("invalid argument {what}: {why}")]
@@ -133,7 +131,7 @@ pub enum Error {
 
 pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     let what = what.into();
-    move |source| Error::Io { what, source }
+    move |cause| Error::Io { what, cause }
 }
 
 /// A benchmark's working directory: the one given (`--dir`), or a fresh temporary one that

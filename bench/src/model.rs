@@ -231,7 +231,7 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
                 &device,
             )
         } else {
-            ours.new_cache(n + args.decode_tokens)
+            ours.decoder().new_cache(n + args.decode_tokens)
         }
         .map_err(merr)?;
         let t = Instant::now();
@@ -290,7 +290,7 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
     }
 
     // KV export / import.
-    let (kv, _) = ours.prefill(&prompt, 0).map_err(merr)?;
+    let (kv, _) = ours.decoder().prefill(&prompt, 0).map_err(merr)?;
     let layout = ours.kv_layout().map_err(merr)?;
     let mut export = Vec::new();
     let mut import = Vec::new();
@@ -412,7 +412,10 @@ fn device_agreement(
         ..opts.clone()
     };
     let cpu = Model::load(&source, &cpu_opts).map_err(merr)?;
-    let mut cache = cpu.new_cache(prompt.len() + tokens.len()).map_err(merr)?;
+    let mut cache = cpu
+        .decoder()
+        .new_cache(prompt.len() + tokens.len())
+        .map_err(merr)?;
     let mut logits = cpu
         .decoder()
         .forward(&mut cache, prompt, Logits::Last)

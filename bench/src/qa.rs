@@ -251,7 +251,7 @@ fn strategies(args: &Args) -> Vec<Assembly> {
     out
 }
 
-fn check(what: &'static str) -> impl Fn(String) -> Error {
+fn check<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> Error {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
@@ -520,106 +520,4 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Write;
-
-    fn header() -> RunHeader {
-        RunHeader {
-            model: "m.gguf".into(),
-            quantized: false,
-            docs: 10,
-            top_k: 5,
-            chunk_tokens: 512,
-            max_tokens: 32,
-            chunk_preamble: String::new(),
-            recompute_share: 0.15,
-            link_tokens: 16,
-            strategies: vec!["reposition".into(), "link:2".into()],
-            codec: String::new(),
-        }
-    }
-
-    fn logged(q: usize) -> Logged {
-        let answer = |strategy: &str, f1: f64| Answer {
-            strategy: strategy.into(),
-            answer: "Paris".into(),
-            f1,
-            em: f1 == 1.0,
-            ttft_ms: 10.0,
-            identical: strategy == "full",
-            recomputed: 0,
-            forced_tokens: 4,
-            forced_agree: if strategy == "full" { 4 } else { 3 },
-            kl_sum: 0.2,
-            uncompressed: None,
-        };
-        Logged {
-            q,
-            id: q as u64,
-            gold: "Paris".into(),
-            answers: vec![
-                answer("full", 1.0),
-                answer("reposition", 0.5),
-                answer("link:2", 1.0),
-            ],
-        }
-    }
-
-    #[test]
-    fn the_log_resumes_after_its_last_whole_line() {
-        let dir = tempfile::tempdir().unwrap();
-        let h = header();
-        let mut log = Log::open(Some(dir.path()), &h).unwrap();
-        assert!(log.done.is_empty());
-        log.append(logged(0)).unwrap();
-        log.append(logged(1)).unwrap();
-        drop(log);
-        // A crash in the middle of the third line.
-        let path = dir.path().join("qa-log.jsonl");
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
-        f.write_all(br#"{"q":2,"id":2,"gold":"Par"#).unwrap();
-        drop(f);
-        let mut log = Log::open(Some(dir.path()), &h).unwrap();
-        assert_eq!(log.done.iter().map(|l| l.q).collect::<Vec<_>>(), [0, 1]);
-        log.append(logged(2)).unwrap();
-        drop(log);
-        let log = Log::open(Some(dir.path()), &h).unwrap();
-        assert_eq!(log.done.len(), 3);
-        let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(text.lines().count(), 4, "{text}");
-        // Other settings: refused, the log kept.
-        let other = RunHeader {
-            top_k: 3,
-            ..header()
-        };
-        assert!(Log::open(Some(dir.path()), &other).is_err());
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
-        // No directory: nothing kept.
-        let mut tmp = Log::open(None, &h).unwrap();
-        tmp.append(logged(0)).unwrap();
-        assert_eq!(tmp.done.len(), 1);
-    }
-
-    #[test]
-    fn the_summary_pairs_each_strategy_with_full() {
-        let done: Vec<Logged> = (0..4).map(logged).collect();
-        let lines = summarize(&done, &header());
-        let names: Vec<&str> = lines.iter().map(|l| l.strategy.as_str()).collect();
-        assert_eq!(names, ["reposition", "link:2", "full"]);
-        let r = &lines[0];
-        assert_eq!(r.questions, 4);
-        assert!((r.f1 - 0.5).abs() < 1e-12 && (r.f1_points_vs_full + 50.0).abs() < 1e-9);
-        // Every question loses 0.5: no spread, the interval is the point.
-        assert_eq!(r.f1_points_ci95, (-50.0, -50.0));
-        assert!((r.agreement_tokens - 0.75).abs() < 1e-12 && r.forced_tokens == 16);
-        assert_eq!(r.agreement_tokens_ci95, (0.75, 0.75));
-        assert_eq!(lines[2].agreement_tokens_ci95, (1.0, 1.0));
-        assert!((r.kl_mean - 0.05).abs() < 1e-12);
-        assert_eq!((lines[1].f1, lines[1].em), (1.0, 1.0));
-        assert_eq!(lines[2].agreement_answers, 1.0);
-    }
-}
+mod tests;

@@ -61,7 +61,7 @@ pub struct Args {
     pub dir: Option<PathBuf>,
 }
 
-fn check(what: &str) -> impl Fn(String) -> Error + '_ {
+fn check<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Error + '_ {
     move |e| Error::Check(format!("{what}: {e}"))
 }
 
@@ -122,7 +122,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     // Every stored chunk, as the loader would ask for it.
     let mut chunks: Vec<Vec<u32>> = Vec::new();
     for (_, p) in a
-        .index
+        .index()
         .points()
         .map_err(|e| check("points")(e.to_string()))?
     {
@@ -136,12 +136,12 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let gb = bytes as f64 / 1e9;
 
     // Local store, cold.
-    for p in a.store.segment_paths() {
+    for p in a.store().segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }
     let t = Instant::now();
     for c in &chunks {
-        a.store.get_batch(ns, c, c.len())?;
+        a.store().get_batch(ns, c, c.len())?;
     }
     let local_s = t.elapsed().as_secs_f64();
     // The tier: one request at a time, then `top_k` at once.
@@ -203,10 +203,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let b = Arc::new(
         ingest::Engine::new(
             Arc::new(b_store),
-            a.index.clone(),
-            a.embedder.clone(),
-            a.model.clone(),
-            a.config.clone(),
+            a.index().clone(),
+            a.embedder().clone(),
+            a.model().clone(),
+            a.config().clone(),
             model::DType::F16,
         )
         .map_err(|e| check("node b")(e.to_string()))?
@@ -246,7 +246,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         fetched.push(f.timings.first_token_ms);
         // Remote-only again for the next question: B's copies go.
         for h in &hits {
-            b.store
+            b.store()
                 .delete_document(&ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash))?;
         }
         let off = query(&q.question, KvMode::Off);

@@ -49,12 +49,12 @@ pub struct Args {
     pub codec: kvstore::Codec,
 }
 
-fn check(what: &str) -> impl Fn(String) -> Error + '_ {
+fn check<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Error + '_ {
     move |e| Error::Check(format!("{what}: {e}"))
 }
 
 pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
-    for p in engine.store.segment_paths() {
+    for p in engine.store().segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }
     Ok(())
@@ -114,16 +114,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut materialized = 0;
     for q in &questions {
         let v = engine
-            .embedder
+            .embedder()
             .embed_one(&q.question)
             .map_err(|e| check("embed")(e.to_string()))?;
         let hits = engine
-            .index
+            .index()
             .search(&v, args.top_k, &SearchFilter::default())
             .map_err(|e| check("search")(e.to_string()))?;
         materialized += crate::engine::materialize(&engine, &hits)?;
     }
-    engine.store.sync()?;
+    engine.store().sync()?;
     eprintln!(
         "[ttft] materialized {materialized} chunks in {:.1} s",
         t.elapsed().as_secs_f64()

@@ -4,16 +4,16 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The KV store failed.
-    #[error("KV store: {0}")]
+    #[error(transparent)]
     Store(#[from] kvstore::Error),
     /// The shared KV tier failed.
     #[error(transparent)]
     Remote(#[from] remote::Error),
     /// The embedder or the vector index failed.
-    #[error("retrieval: {0}")]
+    #[error(transparent)]
     Retrieval(#[from] retrieval::Error),
     /// The model failed.
-    #[error("model: {0}")]
+    #[error(transparent)]
     Model(#[from] model::Error),
     /// Bad options or arguments.
     #[error("invalid {what}: {why}")]
@@ -24,13 +24,12 @@ pub enum Error {
         why: String,
     },
     /// File-system I/O failed.
-    #[error("{what}: {source}")]
+    #[error("{what}: {cause}")]
     Io {
         /// What was being read or written.
         what: String,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 

@@ -71,18 +71,13 @@ pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 /// Everything ingest writes to, and the model that computes KV.
 #[derive(Debug)]
 pub struct Engine {
-    /// The KV store.
-    pub store: Arc<Store>,
-    /// The vector index.
-    pub index: Arc<VectorIndex>,
-    /// The embedding model.
-    pub embedder: Arc<Embedder>,
-    /// The LLM whose KV is stored.
-    pub model: Arc<Model>,
-    /// `[ingest]` settings.
-    pub config: IngestConfig,
+    pub(crate) store: Arc<Store>,
+    pub(crate) index: Arc<VectorIndex>,
+    pub(crate) embedder: Arc<Embedder>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) config: IngestConfig,
     /// The shared KV tier behind the local store, when configured ([`Engine::with_remote`]).
-    pub remote: Option<Arc<Remote>>,
+    pub(crate) remote: Option<Arc<Remote>>,
     ns: NamespaceId,
     /// With a lossy codec: the namespace of the same model's KV stored losslessly, which
     /// re-materialization re-encodes from instead of prefilling.
@@ -94,8 +89,7 @@ pub struct Engine {
     claims: Claims,
     /// Milliseconds each document's commit waits after its KV is stored and before its points
     /// are upserted: widens that window for tests of concurrent writers; 0 in production.
-    #[doc(hidden)]
-    pub commit_delay_ms: std::sync::atomic::AtomicU64,
+    pub(crate) commit_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -174,6 +168,54 @@ impl Engine {
     pub fn with_remote(mut self, remote: Arc<Remote>) -> Engine {
         self.remote = Some(remote);
         self
+    }
+
+    /// The KV store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The vector index.
+    pub fn index(&self) -> &Arc<VectorIndex> {
+        &self.index
+    }
+
+    /// The embedding model.
+    pub fn embedder(&self) -> &Arc<Embedder> {
+        &self.embedder
+    }
+
+    /// The LLM whose KV is stored.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// `[ingest]` settings.
+    pub fn config(&self) -> &IngestConfig {
+        &self.config
+    }
+
+    /// Changes `ingest.prefill_batch_tokens` (how many tokens of short chunks one batched
+    /// prefill takes; it does not change the KV, so the namespace stays).
+    pub fn set_prefill_batch_tokens(&mut self, tokens: usize) -> Result<()> {
+        let mut c = self.config.clone();
+        c.prefill_batch_tokens = tokens;
+        c.validate()?;
+        self.config = c;
+        Ok(())
+    }
+
+    /// The shared KV tier behind the local store, when configured.
+    pub fn remote(&self) -> Option<&Arc<Remote>> {
+        self.remote.as_ref()
+    }
+
+    /// Test hook: each document's commit waits `ms` after its KV is stored and before its
+    /// points are upserted, widening that window for tests of concurrent writers.
+    #[cfg(feature = "testing")]
+    pub fn set_commit_delay_ms(&self, ms: u64) {
+        self.commit_delay_ms
+            .store(ms, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The tier when ingest writes to it.
@@ -530,7 +572,7 @@ impl Shared<'_> {
 fn spawn_err(e: std::io::Error) -> Error {
     Error::Io {
         what: "spawning a pipeline thread".into(),
-        source: e,
+        cause: e,
     }
 }
 

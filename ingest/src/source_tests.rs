@@ -153,7 +153,9 @@ fn a_walked_file_replaced_by_a_symlink_or_fifo_is_refused() {
     ));
     let fifo = dir.path().join("pipe.txt");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let made = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(made, 0);
     let r = read_file(&fifo, "pipe.txt".into(), LIMITS, true);
     assert!(
         matches!(&r, Item::Skipped { reason, .. } if reason.contains("not a regular file")),

@@ -14,23 +14,21 @@ pub enum Error {
     Io(#[from] std::io::Error),
 
     /// The RocksDB index failed.
-    #[error("index ({op}): {source}")]
+    #[error("index ({op}): {cause}")]
     Index {
         /// The index operation.
         op: &'static str,
         /// RocksDB's error.
-        #[source]
-        source: rocksdb::Error,
+        cause: rocksdb::Error,
     },
 
     /// A persisted record could not be decoded.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Schema {
         /// Which record, where.
         context: String,
         /// The decoding error.
-        #[source]
-        source: schema::SchemaError,
+        cause: schema::SchemaError,
     },
 
     /// A tensor-log record failed verification: the payload or header checksum, the key or
@@ -161,12 +159,12 @@ impl Error {
     }
 
     pub(crate) fn index(op: &'static str) -> impl FnOnce(rocksdb::Error) -> Error {
-        move |source| Error::Index { op, source }
+        move |cause| Error::Index { op, cause }
     }
 
     pub(crate) fn schema(context: impl Into<String>) -> impl FnOnce(schema::SchemaError) -> Error {
         let context = context.into();
-        move |source| Error::Schema { context, source }
+        move |cause| Error::Schema { context, cause }
     }
 }
 

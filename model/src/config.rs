@@ -1,6 +1,6 @@
 //! Model hyper-parameters, read from GGUF metadata or an HF `config.json`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -228,72 +228,104 @@ impl ModelConfig {
     }
 }
 
-/// Mirror of the fields of an HF `config.json` that ragkv reads.
-#[derive(Debug, Deserialize)]
+/// The fields of an HF `config.json` that ragkv reads and writes: one type for the loader
+/// ([`HfConfig::resolve`]), the exporter ([`HfConfig::of`]) and the synthetic models.
+/// Absent options are left out when written.
+#[derive(Debug, Default, Deserialize, Serialize)]
 pub(crate) struct HfConfig {
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_type: Option<String>,
+    /// The HF class (written for other readers; ragkv reads `model_type`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub architectures: Vec<String>,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<HfRopeScaling>,
     /// Default: tied for Gemma 3, untied for the others.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_word_embeddings: Option<bool>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_bias: Option<bool>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
     /// Qwen2/Qwen3 ship a `sliding_window` they do not use unless this is set.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
-    /// `hidden_activation` (Gemma) or `hidden_act`.
-    #[serde(default, alias = "hidden_act")]
+    /// Gemma's spelling of the activation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hidden_activation: Option<String>,
+    /// The others' spelling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_act: Option<String>,
     /// Gemma 3: the attention scale's denominator squared.
-    #[serde(default)]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "whole_if_integral"
+    )]
     pub query_pre_attn_scalar: Option<f64>,
     /// Gemma 3 (older configs): every n-th layer is global.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window_pattern: Option<usize>,
     /// Gemma 3 (newer configs): `sliding_attention` or `full_attention` per layer.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_types: Option<Vec<String>>,
     /// Gemma 3: the windowed layers' RoPE base.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_local_base_freq: Option<f64>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_logit_softcapping: Option<f64>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attn_logit_softcapping: Option<f64>,
+    /// Written for Qwen2 readers that require it; ragkv does not read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_window_layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bos_token_id: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eos_token_id: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 pub(crate) struct HfRopeScaling {
     /// `type` in older configs.
-    #[serde(default, alias = "type")]
+    #[serde(default, alias = "type", skip_serializing_if = "Option::is_none")]
     pub rope_type: Option<String>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub factor: Option<f64>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub low_freq_factor: Option<f64>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub high_freq_factor: Option<f64>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub original_max_position_embeddings: Option<usize>,
+}
+
+/// Writes a whole number without a fraction (HF's Gemma readers want `query_pre_attn_scalar`
+/// as an integer).
+fn whole_if_integral<S: serde::Serializer>(
+    v: &Option<f64>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match *v {
+        Some(x) if x.fract() == 0.0 && x.abs() < 9.0e15 => s.serialize_some(&(x as i64)),
+        Some(x) => s.serialize_some(&x),
+        None => s.serialize_none(),
+    }
 }
 
 fn default_eps() -> f64 {
@@ -307,6 +339,45 @@ fn default_max_pos() -> usize {
 }
 
 impl HfConfig {
+    /// The `config.json` of a model configured as `c` (Llama, Mistral, Qwen families).
+    pub(crate) fn of(c: &ModelConfig) -> HfConfig {
+        HfConfig {
+            model_type: Some(c.arch.name().into()),
+            architectures: vec![c.arch.hf_class().into()],
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden,
+            intermediate_size: c.intermediate,
+            num_hidden_layers: c.layers,
+            num_attention_heads: c.heads,
+            num_key_value_heads: Some(c.kv_heads),
+            head_dim: Some(c.head_dim),
+            rms_norm_eps: c.rms_eps,
+            rope_theta: c.rope_theta,
+            rope_scaling: c.rope_scaling.map(|r| HfRopeScaling {
+                rope_type: Some("llama3".into()),
+                factor: Some(r.factor),
+                low_freq_factor: Some(r.low_freq_factor),
+                high_freq_factor: Some(r.high_freq_factor),
+                original_max_position_embeddings: Some(r.original_max_position_embeddings),
+            }),
+            tie_word_embeddings: Some(c.tie_embeddings),
+            max_position_embeddings: c.max_positions,
+            attention_bias: Some(c.attn_bias),
+            sliding_window: c.sliding_window,
+            ..HfConfig::default()
+        }
+    }
+
+    /// Writes `dir/config.json`.
+    pub(crate) fn write(&self, dir: &std::path::Path) -> Result<()> {
+        let text = serde_json::to_vec_pretty(self).map_err(|e| Error::Config {
+            why: format!("encoding config.json: {e}"),
+        })?;
+        fs_err::write(dir.join("config.json"), text)?;
+        Ok(())
+    }
+
+    /// The model configuration this file describes.
     pub fn resolve(self) -> Result<ModelConfig> {
         let arch = match self.model_type.as_deref() {
             Some("qwen2") => Arch::Qwen2,
@@ -328,7 +399,11 @@ impl HfConfig {
             });
         }
         let gemma = arch == Arch::Gemma3;
-        let activation = match self.hidden_activation.as_deref() {
+        let activation = match self
+            .hidden_activation
+            .as_deref()
+            .or(self.hidden_act.as_deref())
+        {
             None if gemma => Activation::GeluTanh,
             None | Some("silu") | Some("swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") | Some("gelu_tanh") => Activation::GeluTanh,

@@ -65,6 +65,29 @@ struct Span {
     scatter: Option<Tensor>,
 }
 
+/// One sequence of a batched [`Decoder::step`].
+#[derive(Debug)]
+pub struct StepSeq<'a> {
+    /// The sequence's own cache; its new rows are written here.
+    pub cache: &'a mut KvCache,
+    /// The tokens it feeds this step.
+    pub tokens: &'a [u32],
+    /// Cache rows its first `redo.len()` tokens recompute (ascending); empty: every token is
+    /// appended.
+    pub redo: &'a [usize],
+}
+
+impl<'a> StepSeq<'a> {
+    /// `tokens` appended after what `cache` holds.
+    pub fn new(cache: &'a mut KvCache, tokens: &'a [u32]) -> StepSeq<'a> {
+        StepSeq {
+            cache,
+            tokens,
+            redo: &[],
+        }
+    }
+}
+
 impl Decoder {
     pub(crate) fn new(
         cfg: ModelConfig,
@@ -157,21 +180,18 @@ impl Decoder {
     /// sequence over its own cache. Returns the logits of each sequence's last token,
     /// `(sequences, vocab)`. A sequence's logits do not depend on the others in the step
     /// beyond float rounding of the batched products.
-    pub fn step(&self, seqs: &mut [(&mut KvCache, &[u32])]) -> Result<Tensor> {
-        let mut seqs: Vec<_> = seqs
+    ///
+    /// A sequence may also repair its cache ([`StepSeq::redo`]): its first `redo.len()`
+    /// tokens are recomputed at those cache indices (ascending, below the cache's length:
+    /// their rows are overwritten layer by layer, as [`Decoder::recompute_in`] does), the rest
+    /// appended. A query joining a batch runs its repair and its question this way, beside
+    /// the others' decoding tokens, in one read of the weights.
+    pub fn step(&self, seqs: &mut [StepSeq<'_>]) -> Result<Tensor> {
+        let mut seqs: Vec<(&mut KvCache, &[u32], &[usize])> = seqs
             .iter_mut()
-            .map(|(c, t)| (&mut **c, *t, &[][..]))
+            .map(|s| (&mut *s.cache, s.tokens, s.redo))
             .collect();
-        self.step_repairing(&mut seqs)
-    }
-
-    /// [`Decoder::step`] where a sequence may also repair its cache: the first `redo.len()`
-    /// of its tokens are recomputed at the cache indices `redo` (ascending, below the cache's
-    /// length: their rows are overwritten layer by layer, as [`Decoder::recompute_in`] does),
-    /// the rest appended. A query joining a batch runs its repair and its question this way,
-    /// beside the others' decoding tokens, in one read of the weights.
-    pub fn step_repairing(&self, seqs: &mut [(&mut KvCache, &[u32], &[usize])]) -> Result<Tensor> {
-        let x = self.layers_over(seqs)?;
+        let x = self.layers_over(&mut seqs)?;
         let mut last = Vec::with_capacity(seqs.len());
         let mut end = 0u32;
         for (_, t, _) in seqs.iter() {
@@ -453,8 +473,11 @@ impl Decoder {
             .iter()
             .map(|c| self.new_cache(c.len()))
             .collect::<Result<Vec<_>>>()?;
-        let mut seqs: Vec<(&mut KvCache, &[u32])> =
-            caches.iter_mut().zip(chunks.iter().copied()).collect();
+        let mut seqs: Vec<StepSeq<'_>> = caches
+            .iter_mut()
+            .zip(chunks.iter().copied())
+            .map(|(cache, tokens)| StepSeq::new(cache, tokens))
+            .collect();
         self.step(&mut seqs)?;
         caches.iter().map(KvCache::to_kv).collect()
     }

@@ -7,13 +7,12 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum Error {
     /// A tensor operation failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Candle {
         /// What was being done.
         context: String,
         /// candle's error.
-        #[source]
-        source: candle_core::Error,
+        cause: candle_core::Error,
     },
     /// A model file could not be read.
     #[error(transparent)]
@@ -90,9 +89,9 @@ pub(crate) trait Ctx<T> {
 
 impl<T> Ctx<T> for candle_core::Result<T> {
     fn ctx(self, context: &str) -> Result<T> {
-        self.map_err(|source| Error::Candle {
+        self.map_err(|cause| Error::Candle {
             context: context.to_string(),
-            source,
+            cause,
         })
     }
 }

@@ -8,6 +8,12 @@ use crate::error::{Ctx, Error, Result};
 use crate::kv::KvCache;
 use crate::tokenizer::{TokenStream, Tokenizer};
 
+/// Row `i` of a `(rows, vocab)` logits tensor, as one sequence's `(vocab,)` logits (a batched
+/// step's rows are in the order of its sequences).
+pub fn logits_row(logits: &Tensor, i: usize) -> Result<Tensor> {
+    logits.get(i).ctx("logits row")
+}
+
 /// Generation options. `temperature == 0` is greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateParams {

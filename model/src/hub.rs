@@ -13,7 +13,7 @@ use hf_hub::api::sync::{Api, ApiBuilder, ApiRepo};
 use hf_hub::{Repo, RepoType};
 
 use crate::error::{Error, Result};
-use crate::weights::ModelSource;
+use crate::source::ModelSource;
 
 /// The prefix of a hub reference.
 pub const PREFIX: &str = "hf:";
@@ -152,6 +152,18 @@ pub fn resolve(reference: &HubRef, opts: &HubOptions) -> Result<ModelSource> {
 }
 
 /// A file the repository may not have.
+impl ModelSource {
+    /// A configured model: a hub reference (`hf:ORG/REPO[:FILE]`, fetched into the model
+    /// cache, see this module) or a path ([`ModelSource::from_path`]).
+    pub fn resolve(spec: &str) -> Result<ModelSource> {
+        if is_reference(spec) {
+            resolve(&spec.parse()?, &HubOptions::default())
+        } else {
+            ModelSource::from_path(spec)
+        }
+    }
+}
+
 fn optional_get(repo: &ApiRepo, file: &str) -> Option<PathBuf> {
     match repo.get(file) {
         Ok(p) => Some(p),

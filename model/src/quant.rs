@@ -315,7 +315,16 @@ pub(crate) struct SharedOut(pub(crate) *mut f32);
 unsafe impl Sync for SharedOut {}
 
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+/// Whether the CPU (and `RAGKV_KERNELS`) allows the AVX-512 VNNI kernels (`avx512f`,
+/// `avx512bw`, `avx512vnni`, `f16c`).
+fn avx512_vnni() -> bool {
+    crate::simd::allows_avx512()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("f16c")
+}
+
 pub(crate) mod packed;
 mod tile_pool;
 pub(crate) use tile_pool::{quantize_rows, tiled_matmul};
@@ -329,7 +338,6 @@ mod avx2;
 pub(crate) mod half_rows;
 pub(crate) mod kpacked;
 #[cfg(target_arch = "x86_64")]
-mod kpacked_x86;
 pub(crate) mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant_avx2;

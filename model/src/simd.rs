@@ -183,13 +183,10 @@ fn cpu_has_avx512() -> bool {
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    /// The sum of a vector's eight lanes.
-    ///
-    /// # Safety
-    /// The CPU has AVX (every caller's AVX2 kernels imply it).
+    /// The sum of a vector's eight lanes (AVX; every caller's AVX2 kernels imply it).
     #[inline]
     #[target_feature(enable = "avx")]
-    pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
+    pub(crate) fn hsum256(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -198,12 +195,9 @@ pub(crate) mod x86 {
 
     /// ggml's `ggml_v_expf` (AVX2) for arguments up to 87 (no overflow branch); those below
     /// -87 are clamped there (their `exp` is 0 to f32 anyway): max error about 1.5 ulp.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
+    pub(crate) fn exp8(x: __m256) -> __m256 {
         let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
         let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
         let r = c(0x4b40_0000);

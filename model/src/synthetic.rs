@@ -21,7 +21,7 @@ use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 
-use crate::config::Arch;
+use crate::config::{Arch, HfConfig, HfRopeScaling};
 use crate::error::{Ctx, Error, Result};
 use crate::synthetic_gguf::{byte_vocab, family, gguf_arch, gguf_metadata, Shape};
 
@@ -285,50 +285,51 @@ pub fn write(spec: &SyntheticSpec, dir: &Path) -> Result<Synthetic> {
     tok.inner()
         .save(hf_dir.join("tokenizer.json"), false)
         .map_err(|e| Error::Tokenizer { why: e.to_string() })?;
-    let mut config = serde_json::json!({
-        "model_type": arch.name(),
-        "architectures": [arch.hf_class()],
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HIDDEN_HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": RMS_EPS,
-        "rope_theta": theta,
-        "rope_scaling": scaling.map(|s| serde_json::json!({
-            "rope_type": "llama3",
-            "factor": s.0,
-            "low_freq_factor": s.1,
-            "high_freq_factor": s.2,
-            "original_max_position_embeddings": s.3,
-        })),
-        "max_position_embeddings": MAX_POSITIONS,
-        "tie_word_embeddings": tied,
-        "attention_bias": arch == Arch::Qwen2,
-        "sliding_window": if arch == Arch::Mistral { spec.sliding_window } else { Some(MAX_POSITIONS) },
-        "use_sliding_window": false,
-        "max_window_layers": LAYERS,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-    });
+    let mut config = HfConfig {
+        model_type: Some(arch.name().into()),
+        architectures: vec![arch.hf_class().into()],
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: INTERMEDIATE,
+        num_hidden_layers: LAYERS,
+        num_attention_heads: HIDDEN_HEADS,
+        num_key_value_heads: Some(KV_HEADS),
+        head_dim: Some(head_dim),
+        hidden_act: Some("silu".into()),
+        rms_norm_eps: RMS_EPS,
+        rope_theta: theta,
+        rope_scaling: scaling.map(|s| HfRopeScaling {
+            rope_type: Some("llama3".into()),
+            factor: Some(s.0),
+            low_freq_factor: Some(s.1),
+            high_freq_factor: Some(s.2),
+            original_max_position_embeddings: Some(s.3),
+        }),
+        max_position_embeddings: MAX_POSITIONS,
+        tie_word_embeddings: Some(tied),
+        attention_bias: Some(arch == Arch::Qwen2),
+        sliding_window: if arch == Arch::Mistral {
+            spec.sliding_window
+        } else {
+            Some(MAX_POSITIONS)
+        },
+        use_sliding_window: Some(false),
+        max_window_layers: Some(LAYERS),
+        bos_token_id: Some(bos),
+        eos_token_id: Some(eos),
+        ..HfConfig::default()
+    };
     if gemma {
-        config["model_type"] = "gemma3_text".into();
-        config["hidden_activation"] = "gelu_pytorch_tanh".into();
-        config["query_pre_attn_scalar"] = head_dim.into();
-        config["sliding_window"] = gemma_window.into();
-        config["sliding_window_pattern"] = LAYERS.into();
-        config["rope_local_base_freq"] = 10_000.0.into();
-        config["final_logit_softcapping"] = serde_json::Value::Null;
-        config["attn_logit_softcapping"] = serde_json::Value::Null;
-        if let Some(c) = config.as_object_mut() {
-            c.remove("hidden_act");
-        }
+        config.model_type = Some("gemma3_text".into());
+        config.hidden_act = None;
+        config.hidden_activation = Some("gelu_pytorch_tanh".into());
+        config.query_pre_attn_scalar = Some(head_dim as f64);
+        config.sliding_window = Some(gemma_window);
+        config.sliding_window_pattern = Some(LAYERS);
+        config.rope_local_base_freq = Some(10_000.0);
     }
+    config.write(&hf_dir)?;
     let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).expect("json");
-    fs_err::write(hf_dir.join("config.json"), json(&config))?;
     let tcfg = serde_json::json!({
         "bos_token": specials[0],
         "eos_token": specials[1],

@@ -312,7 +312,7 @@ mod tests {
         assert_eq!((cfg.head_dim, cfg.vocab_size), (16, 400));
         assert!(cfg.tie_embeddings && cfg.attn_bias);
         // It runs: a prefill gives finite logits.
-        let (_, logits) = model.prefill(&[1, 2, 3, 300], 0).unwrap();
+        let (_, logits) = model.decoder().prefill(&[1, 2, 3, 300], 0).unwrap();
         let v: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
         assert!(v.iter().all(|x| x.is_finite()));
         let mut f = fs_err::File::open(&path).unwrap();

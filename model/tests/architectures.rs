@@ -102,7 +102,7 @@ fn load(source: ModelSource) -> Model {
 
 /// Our logits for the last of `prompt`, then for one more token after it.
 fn ours(m: &Model, prompt: &[u32], next: u32) -> (Tensor, Tensor) {
-    let mut cache = m.new_cache(prompt.len() + 1).unwrap();
+    let mut cache = m.decoder().new_cache(prompt.len() + 1).unwrap();
     let all = m
         .decoder()
         .forward(&mut cache, prompt, Logits::All)
@@ -124,7 +124,7 @@ fn prompt(n: usize, seed: u32) -> Vec<u32> {
 
 /// KV export/import is exact, and re-positioned keys match keys computed in place.
 fn kv_round_trip_and_reposition(m: &Model, tokens: &[u32]) {
-    let (kv, _) = m.prefill(tokens, 0).unwrap();
+    let (kv, _) = m.decoder().prefill(tokens, 0).unwrap();
     let bytes = kv.to_bytes(DType::F32).unwrap();
     let back = Kv::from_bytes(&bytes, &m.kv_layout().unwrap(), m.device()).unwrap();
     assert_eq!(
@@ -143,8 +143,8 @@ fn kv_round_trip_and_reposition(m: &Model, tokens: &[u32]) {
     };
     assert_eq!(next(&kv), next(&back));
     // Moved by 9 positions vs computed at 9.
-    let moved = m.reposition(&kv, 9).unwrap();
-    let (at9, _) = m.prefill(tokens, 9).unwrap();
+    let moved = m.decoder().reposition(&kv, 9).unwrap();
+    let (at9, _) = m.decoder().prefill(tokens, 9).unwrap();
     for ((k, v), (k9, v9)) in moved.layers.iter().zip(&at9.layers) {
         let (dk, dv) = (max_diff(k, k9), max_diff(v, v9));
         assert!(

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Tensor};
 use common::max_diff;
 use model::synthetic::{self, SyntheticSpec};
-use model::{Arch, Decoder, KvCache, LoadOptions, Logits, Model, ModelSource};
+use model::{Arch, Decoder, KvCache, LoadOptions, Logits, Model, ModelSource, StepSeq};
 
 /// An empty cache for `m` in `dtype`.
 fn cache(m: &Model, capacity: usize, dtype: DType) -> KvCache {
@@ -70,10 +70,10 @@ fn check(m: &Model, prompts: &[Vec<u32>], join: &[usize], steps: usize, tol: f32
             continue;
         }
         batch_sizes.push(present.len());
-        let mut seqs: Vec<(&mut KvCache, &[u32])> = Vec::new();
+        let mut seqs: Vec<StepSeq<'_>> = Vec::new();
         for (i, c) in caches.iter_mut().enumerate() {
             if present.contains(&i) {
-                seqs.push((c, fed[i].as_slice()));
+                seqs.push(StepSeq::new(c, fed[i].as_slice()));
             }
         }
         let logits = d.step(&mut seqs).unwrap();
@@ -183,10 +183,10 @@ fn prefill_many_matches_each_chunk_prefilled_alone() {
         let m = Model::load(&ModelSource::Gguf(path.clone()), &opts).unwrap();
         let p = prompts(m.config().vocab_size);
         let chunks: Vec<&[u32]> = p.iter().map(|c| c.as_slice()).collect();
-        let many = m.prefill_many(&chunks).unwrap();
+        let many = m.decoder().prefill_many(&chunks).unwrap();
         assert_eq!(many.len(), chunks.len());
         for (c, kv) in chunks.iter().zip(&many) {
-            let (alone, _) = m.prefill(c, 0).unwrap();
+            let (alone, _) = m.decoder().prefill(c, 0).unwrap();
             assert_eq!(kv.len(), c.len());
             for ((ak, av), (bk, bv)) in alone.layers.iter().zip(&kv.layers) {
                 let d = max_diff(ak, bk).max(max_diff(av, bv));
@@ -196,7 +196,7 @@ fn prefill_many_matches_each_chunk_prefilled_alone() {
     }
 }
 
-/// A deferred repair ([`Decoder::step_repairing`]): rows recomputed in place and a question
+/// A deferred repair ([`Decoder::step`] with `redo`): rows recomputed in place and a question
 /// appended in a step beside another sequence's decoding token give the logits and the cache
 /// that [`Decoder::recompute_in`] gives alone, and the other sequence's logits are its solo
 /// ones.
@@ -230,9 +230,13 @@ fn a_repair_in_a_batch_step_matches_the_repair_alone() {
         let mut ids: Vec<u32> = redo.iter().map(|&i| context[i]).collect();
         ids.extend_from_slice(question);
         let logits = d
-            .step_repairing(&mut [
-                (&mut beside, &[next][..], &[][..]),
-                (&mut batched, &ids, &redo),
+            .step(&mut [
+                StepSeq::new(&mut beside, &[next]),
+                StepSeq {
+                    cache: &mut batched,
+                    tokens: &ids,
+                    redo: &redo,
+                },
             ])
             .unwrap();
         assert!(max_diff(&logits.get(1).unwrap(), &want) < 1e-4, "{dtype:?}");
@@ -254,7 +258,11 @@ fn a_repair_in_a_batch_step_matches_the_repair_alone() {
         }
         // Rows to recompute must ascend within the cache.
         let mut bad = fresh();
-        let err = d.step_repairing(&mut [(&mut bad, &ids, &[6, 5, 0, 17][..])]);
+        let err = d.step(&mut [StepSeq {
+            cache: &mut bad,
+            tokens: &ids,
+            redo: &[6, 5, 0, 17],
+        }]);
         assert!(err.is_err());
     }
 }

@@ -97,7 +97,7 @@ fn greedy_decoding_continues_as_llama_cpp() {
         506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001,
         236761, 1030, 563, 506, 5279, 529, 506, 2891, 529,
     ];
-    let mut cache = m.new_cache(prompt.len() + want.len()).unwrap();
+    let mut cache = m.decoder().new_cache(prompt.len() + want.len()).unwrap();
     let mut logits = m
         .decoder()
         .forward(&mut cache, &prompt, Logits::Last)

@@ -41,7 +41,7 @@ fn sixteen_bit_checkpoints_stay_sixteen_bit() {
         // 20 prompt tokens: more than the row kernels' limit, so prefill takes the GEMM.
         let prompt: Vec<u32> = (0..20u32).map(|i| (i * 29 + 3) % 256).collect();
         let run = |m: &Model| {
-            let mut cache = m.new_cache(prompt.len() + 1).unwrap();
+            let mut cache = m.decoder().new_cache(prompt.len() + 1).unwrap();
             let d = m.decoder();
             let p = d.forward(&mut cache, &prompt, Logits::Last).unwrap();
             let s = d.forward(&mut cache, &[77], Logits::Last).unwrap();

@@ -64,7 +64,7 @@ fn agrees_with_the_reference(path: PathBuf) {
     let mut agree = 0;
     for n in 1..=prompt.len() {
         let next = |m: &Model| {
-            let mut cache = m.new_cache(prompt.len()).unwrap();
+            let mut cache = m.decoder().new_cache(prompt.len()).unwrap();
             let logits = m
                 .decoder()
                 .forward(&mut cache, &prompt[..n], Logits::Last)

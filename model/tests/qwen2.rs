@@ -40,8 +40,8 @@ fn qwen2_answers_and_reuses_stored_kv_exactly() {
     assert!(out.text.contains("Paris"), "{:?}", out.text);
 
     // Prefill + forward equals one forward; stored KV bytes resume decoding identically.
-    let (kv, _) = m.prefill(&prompt[..20], 0).unwrap();
-    let mut full = m.new_cache(prompt.len()).unwrap();
+    let (kv, _) = m.decoder().prefill(&prompt[..20], 0).unwrap();
+    let mut full = m.decoder().new_cache(prompt.len()).unwrap();
     let all = m
         .decoder()
         .forward(&mut full, &prompt, Logits::All)

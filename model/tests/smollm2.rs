@@ -56,10 +56,10 @@ fn prefill_then_forward_equals_full_forward() {
     let m = smollm();
     let toks = m.tokenizer().encode(CHUNK).unwrap();
     assert!(toks.len() > 40);
-    let mut full = m.new_cache(toks.len()).unwrap();
+    let mut full = m.decoder().new_cache(toks.len()).unwrap();
     let all = m.decoder().forward(&mut full, &toks, Logits::All).unwrap();
     let split = toks.len() / 2;
-    let (kv, _) = m.prefill(&toks[..split], 0).unwrap();
+    let (kv, _) = m.decoder().prefill(&toks[..split], 0).unwrap();
     let mut cache = KvCache::from_kv(&kv, toks.len()).unwrap();
     let rest = m
         .decoder()
@@ -74,7 +74,7 @@ fn prefill_then_forward_equals_full_forward() {
 fn stored_kv_round_trips_and_generates_the_same_tokens() {
     let m = smollm();
     let chunk = m.tokenizer().encode(CHUNK).unwrap();
-    let (kv, _) = m.prefill(&chunk, 0).unwrap();
+    let (kv, _) = m.decoder().prefill(&chunk, 0).unwrap();
     let layout = m.kv_layout().unwrap();
     let bytes = kv.to_bytes(m.dtype()).unwrap();
     assert_eq!(bytes.len(), layout.bytes_for(chunk.len()));
@@ -120,10 +120,10 @@ fn stored_kv_round_trips_and_generates_the_same_tokens() {
 fn reposition_matches_prefill_at_the_shifted_position() {
     let m = smollm();
     let chunk = m.tokenizer().encode(CHUNK).unwrap();
-    let (at0, _) = m.prefill(&chunk, 0).unwrap();
+    let (at0, _) = m.decoder().prefill(&chunk, 0).unwrap();
     for delta in [7usize, 333, 1500] {
-        let moved = m.reposition(&at0, delta as i64).unwrap();
-        let (direct, _) = m.prefill(&chunk, delta).unwrap();
+        let moved = m.decoder().reposition(&at0, delta as i64).unwrap();
+        let (direct, _) = m.decoder().prefill(&chunk, delta).unwrap();
         let mut kmax = 0f32;
         let mut vmax = 0f32;
         for ((mk, mv), (dk, dv)) in moved.layers.iter().zip(&direct.layers) {
@@ -141,8 +141,8 @@ fn reposition_matches_prefill_at_the_shifted_position() {
         assert!(vmax <= 1e-4, "delta {delta}: value difference {vmax}");
     }
     // Shifting back undoes a shift.
-    let there = m.reposition(&at0, 100).unwrap();
-    let back = m.reposition(&there, -100).unwrap();
+    let there = m.decoder().reposition(&at0, 100).unwrap();
+    let back = m.decoder().reposition(&there, -100).unwrap();
     for ((a, _), (b, _)) in back.layers.iter().zip(&at0.layers) {
         assert!(max_abs_diff(a, b) <= 1e-5);
     }
@@ -185,8 +185,8 @@ fn safetensors_export_loads_and_computes_the_same_logits() {
         toks,
         "tokenizer.json must tokenize alike"
     );
-    let (_, a) = m.prefill(&toks, 0).unwrap();
-    let (_, b) = hf.prefill(&toks, 0).unwrap();
+    let (_, a) = m.decoder().prefill(&toks, 0).unwrap();
+    let (_, b) = hf.decoder().prefill(&toks, 0).unwrap();
     let d = max_abs_diff(&a, &b);
     eprintln!("gguf vs safetensors: max |logit diff| {d:e}");
     assert!(d <= 1e-4, "{d}");
@@ -201,8 +201,8 @@ fn safetensors_export_loads_and_computes_the_same_logits() {
 #[test]
 fn bad_inputs_are_clear_errors() {
     let m = smollm();
-    assert!(m.prefill(&[], 0).is_err());
-    let err = m.prefill(&[u32::MAX], 0).unwrap_err();
+    assert!(m.decoder().prefill(&[], 0).is_err());
+    let err = m.decoder().prefill(&[u32::MAX], 0).unwrap_err();
     assert!(err.to_string().contains("vocabulary"), "{err}");
     let bad = GenerateParams {
         top_p: 0.0,
@@ -220,7 +220,7 @@ fn bad_inputs_are_clear_errors() {
 fn kv_round_trips_in_every_storable_dtype_and_concatenates_in_order() {
     let m = smollm();
     let toks = m.tokenizer().encode(CHUNK).unwrap();
-    let (kv, _) = m.prefill(&toks, 0).unwrap();
+    let (kv, _) = m.decoder().prefill(&toks, 0).unwrap();
     for dtype in [model::DType::F32, model::DType::F16, model::DType::BF16] {
         let layout = kv.layout(dtype).unwrap();
         let bytes = kv.to_bytes(dtype).unwrap();
@@ -364,14 +364,16 @@ fn blend_recomputes_toward_full_prefill() {
         .encode(" The keeper's log was moved to the county museum after the storm.")
         .unwrap();
     let all: Vec<u32> = [&prefix[..], &a, &b].concat();
-    let (full, _) = m.prefill(&all, 0).unwrap();
-    let (p, _) = m.prefill(&prefix, 0).unwrap();
+    let (full, _) = m.decoder().prefill(&all, 0).unwrap();
+    let (p, _) = m.decoder().prefill(&prefix, 0).unwrap();
     let ka = m
-        .reposition(&m.prefill(&a, 0).unwrap().0, prefix.len() as i64)
+        .decoder()
+        .reposition(&m.decoder().prefill(&a, 0).unwrap().0, prefix.len() as i64)
         .unwrap();
     let kb = m
+        .decoder()
         .reposition(
-            &m.prefill(&b, 0).unwrap().0,
+            &m.decoder().prefill(&b, 0).unwrap().0,
             (prefix.len() + a.len()) as i64,
         )
         .unwrap();
@@ -379,19 +381,28 @@ fn blend_recomputes_toward_full_prefill() {
     let before = kv_mean_abs_diff(&assembled, &full);
 
     // Nothing to recompute: unchanged.
-    let r = m.blend(&assembled, &all, prefix.len(), 0.0, &[]).unwrap();
+    let r = m
+        .decoder()
+        .blend(&assembled, &all, prefix.len(), 0.0, &[])
+        .unwrap();
     assert!(r.positions.is_empty() && r.logits.is_none());
     assert_eq!(kv_mean_abs_diff(&r.kv, &assembled), 0.0);
 
     // Everything recomputed: full prefill.
-    let r = m.blend(&assembled, &all, prefix.len(), 1.0, &[]).unwrap();
+    let r = m
+        .decoder()
+        .blend(&assembled, &all, prefix.len(), 1.0, &[])
+        .unwrap();
     assert_eq!(r.positions, (prefix.len()..all.len()).collect::<Vec<_>>());
     let d = kv_mean_abs_diff(&r.kv, &full);
     eprintln!("assembled vs full: {before:e}; blend(1.0) vs full: {d:e}");
     assert!(d <= 1e-5, "blend(1.0) differs from full prefill by {d}");
 
     // A quarter: the chosen tokens, and closer to full prefill than plain assembly.
-    let part = m.blend(&assembled, &all, prefix.len(), 0.25, &[]).unwrap();
+    let part = m
+        .decoder()
+        .blend(&assembled, &all, prefix.len(), 0.25, &[])
+        .unwrap();
     let some = &part.positions;
     let want = ((all.len() - prefix.len()) as f64 * 0.25).ceil() as usize;
     assert_eq!(some.len(), want);
@@ -404,6 +415,7 @@ fn blend_recomputes_toward_full_prefill() {
     // (its KV rows appended, the same next-token logits), for the same recomputed tokens.
     let question = m.tokenizer().encode(" Which colour was the ball?").unwrap();
     let one = m
+        .decoder()
         .blend(&assembled, &all, prefix.len(), 0.25, &question)
         .unwrap();
     assert_eq!(&one.positions, some);
@@ -418,14 +430,27 @@ fn blend_recomputes_toward_full_prefill() {
     eprintln!("one pass vs two: logits {d:e}, kv {dkv:e}");
     assert!(d < 1e-4 && dkv < 1e-6, "one pass {d} {dkv}");
     // Nothing to recompute: the question alone, as a plain prefill after the context.
-    let q = m.recompute(&assembled, &all, &[], &question).unwrap();
+    let q = m
+        .decoder()
+        .recompute(&assembled, &all, &[], &question)
+        .unwrap();
     assert!(q.positions.is_empty() && q.kv.len() == all.len() + question.len());
 
     // Bad input.
     assert!(m
+        .decoder()
         .blend(&assembled, &all[1..], prefix.len(), 0.5, &[])
         .is_err());
-    assert!(m.blend(&assembled, &all, prefix.len(), 1.5, &[]).is_err());
-    assert!(m.recompute(&assembled, &all, &[3, 2], &[]).is_err());
-    assert!(m.recompute(&assembled, &all, &[all.len()], &[]).is_err());
+    assert!(m
+        .decoder()
+        .blend(&assembled, &all, prefix.len(), 1.5, &[])
+        .is_err());
+    assert!(m
+        .decoder()
+        .recompute(&assembled, &all, &[3, 2], &[])
+        .is_err());
+    assert!(m
+        .decoder()
+        .recompute(&assembled, &all, &[all.len()], &[])
+        .is_err());
 }

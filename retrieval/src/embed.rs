@@ -269,7 +269,7 @@ pub fn normalize(v: &mut [f32]) {
 }
 
 fn read(path: PathBuf) -> Result<Vec<u8>> {
-    std::fs::read(&path).map_err(|source| Error::ModelFile { path, source })
+    std::fs::read(&path).map_err(|cause| Error::ModelFile { path, cause })
 }
 
 fn init_options(config: &EmbedderConfig) -> InitOptionsUserDefined {

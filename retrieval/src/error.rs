@@ -24,13 +24,12 @@ pub enum Error {
         reason: String,
     },
     /// A model file is missing or unreadable.
-    #[error("embedding model file {path}: {source}")]
+    #[error("embedding model file {path}: {cause}")]
     ModelFile {
         /// The file.
         path: PathBuf,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// fastembed (tokenizer or ONNX session) failed.
     #[error("embedding model {model}: {reason}")]
@@ -92,13 +91,12 @@ pub enum Error {
         reason: String,
     },
     /// Filesystem error outside the engines.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file or directory.
         path: PathBuf,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 

@@ -2,7 +2,7 @@
 //!
 //! A [`NamespaceId`] is derived from a [`ModelFingerprint`]: every input that changes the KV a
 //! prefill produces is part of it, so a change of any of them is a new namespace and nothing is
-//! ever reused across namespaces (DESIGN.md, "Identity").
+//! ever reused across namespaces (docs/DESIGN.md, rule 1).
 
 use serde::{Deserialize, Serialize};
 

@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | `naive` (MatKV) | `0..n` each, as stored | none | load only |
 //! | `reposition` | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
-//! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Model::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
+//! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Decoder::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
 //! | `link[:k]` (EPIC; the default, `k` = 2) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
 //! | `query-aware[:share]` (ProphetKV, QCFuse) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most, summed over heads on the first quarter of the layers (at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
@@ -46,7 +46,7 @@
 //! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
-//! their own rows replaced layer by layer ([`model::Model::recompute`]); `link` with `k` at
+//! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
 //! least the longest chunk recomputes every chunk token, which is full prefill of the context.
 //! Measured quality and time to first token of each: docs/BENCHMARKS.md, quality.
 //!
@@ -162,7 +162,7 @@ impl Assembly {
     pub fn place(self, model: &Model, kv: Kv, pos: usize) -> model::Result<Kv> {
         match self {
             Assembly::Naive => Ok(kv),
-            _ => model.reposition(&kv, pos as i64),
+            _ => model.decoder().reposition(&kv, pos as i64),
         }
     }
 }
@@ -242,9 +242,42 @@ fn score_layers(model: &Model) -> usize {
     (model.config().layers / 4).max(2)
 }
 
-/// The prompt's KV: `prefix` (exact, at `0..`), then the chunks' KV, each already
-/// [placed](Assembly::place), repaired as the strategy says. `tokens` are the prefix's and the
-/// chunks' tokens in order; `question` the tokens that follow them.
+/// One prompt to assemble: the system prefix's KV (exact, at `0..`), then the chunks' KV,
+/// each already [placed](Assembly::place); `tokens` are the prefix's and the chunks' tokens
+/// in order, `question` the tokens that follow them.
+#[derive(Debug)]
+pub struct Prompt<'a> {
+    /// The system prefix's KV.
+    pub prefix: &'a Kv,
+    /// Each chunk's KV, placed at its prompt positions.
+    pub chunks: Vec<Kv>,
+    /// The prefix's and the chunks' tokens.
+    pub tokens: &'a [u32],
+    /// The question's tokens.
+    pub question: &'a [u32],
+}
+
+/// When a `link` repair recomputes its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkTiming {
+    /// During assembly, in one pass with the question.
+    Now,
+    /// Later, by the caller: [`assemble_into`] only chooses the rows.
+    Deferred,
+}
+
+/// The decoding cache a prompt is assembled into.
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    /// Tokens of room after the prompt (and the question's rows).
+    pub room: usize,
+    /// The cache's dtype.
+    pub dtype: DType,
+    /// When a `link` repair runs.
+    pub link: LinkTiming,
+}
+
+/// The prompt's KV, repaired as the strategy says.
 ///
 /// A repair runs the question in the same pass as the recomputed tokens (one pass's fixed
 /// cost instead of two): its KV is then appended and the logits after it returned. Without
@@ -255,23 +288,14 @@ pub fn assemble(
     model: &Model,
     assembly: Assembly,
     repair: &Repair,
-    prefix: &Kv,
-    chunks: Vec<Kv>,
-    tokens: &[u32],
-    question: &[u32],
+    prompt: Prompt<'_>,
 ) -> model::Result<Repaired> {
-    let r = assemble_into(
-        model,
-        assembly,
-        repair,
-        prefix,
-        chunks,
-        tokens,
-        question,
-        0,
-        model.dtype(),
-        false,
-    )?;
+    let target = Target {
+        room: 0,
+        dtype: model.dtype(),
+        link: LinkTiming::Now,
+    };
+    let r = assemble_into(model, assembly, repair, prompt, target)?;
     Ok(Repaired {
         kv: r.cache.to_kv()?,
         positions: r.positions,
@@ -288,35 +312,36 @@ pub struct Ready {
     pub positions: Vec<usize>,
     /// Logits `(vocab,)` after the question when a repair ran it.
     pub logits: Option<Tensor>,
-    /// The recompute of `positions` and the question is left to the caller (see
-    /// [`assemble_into`]'s `defer`).
+    /// The recompute of `positions` and the question is left to the caller
+    /// ([`LinkTiming::Deferred`]).
     pub deferred: bool,
 }
 
-/// [`assemble`] straight into a decoding cache in `dtype` with room for the question and
-/// `room` more tokens: the parts are copied into it once (converted as they go) and `link`
-/// repairs them there ([`model::Decoder::recompute_in`]), where a concatenated copy, a
-/// repaired copy and the cache's own copy were made before. `reposition+recompute` and
-/// `query-aware` score the whole context first, so they still assemble it once in the
-/// compute dtype.
+/// [`assemble`] straight into a decoding cache (`target`: its dtype, with room for the
+/// question and `target.room` more tokens): the parts are copied into it once (converted as
+/// they go) and `link` repairs them there ([`model::Decoder::recompute_in`]), where a
+/// concatenated copy, a repaired copy and the cache's own copy were made before.
+/// `reposition+recompute` and `query-aware` score the whole context first, so they still
+/// assemble it once in the compute dtype.
 ///
-/// With `defer`, `link` only chooses its rows: the cache holds the context unrepaired,
-/// `positions` the rows to recompute, and the caller feeds their tokens, then the question,
-/// through [`model::Decoder::step_repairing`] (the batch does, in a step beside the other
-/// queries' decoding tokens: one read of the weights for both).
-#[allow(clippy::too_many_arguments)]
+/// With [`LinkTiming::Deferred`], `link` only chooses its rows: the cache holds the context
+/// unrepaired, `positions` the rows to recompute, and the caller feeds their tokens, then the
+/// question, through [`model::Decoder::step`] (`StepSeq::redo`) (the batch does, in a step beside the
+/// other queries' decoding tokens: one read of the weights for both).
 pub fn assemble_into(
     model: &Model,
     assembly: Assembly,
     repair: &Repair,
-    prefix: &Kv,
-    chunks: Vec<Kv>,
-    tokens: &[u32],
-    question: &[u32],
-    room: usize,
-    dtype: DType,
-    defer: bool,
+    prompt: Prompt<'_>,
+    target: Target,
 ) -> model::Result<Ready> {
+    let Prompt {
+        prefix,
+        chunks,
+        tokens,
+        question,
+    } = prompt;
+    let Target { room, dtype, link } = target;
     let exact = prefix.len();
     let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
     let mut parts = Vec::with_capacity(chunks.len() + 1);
@@ -335,7 +360,9 @@ pub fn assemble_into(
         }
         Assembly::Recompute(s) => {
             let all = Kv::concat(&parts)?;
-            let r = model.blend(&all, tokens, exact, share(s), question)?;
+            let r = model
+                .decoder()
+                .blend(&all, tokens, exact, share(s), question)?;
             return Ok(Ready {
                 cache: KvCache::from_kv_in(&r.kv, room, dtype)?,
                 positions: r.positions,
@@ -349,12 +376,16 @@ pub fn assemble_into(
         }
         Assembly::QueryAware(s) => {
             let all = Kv::concat(&parts)?;
-            let scores = model.question_attention(&all, question, score_layers(model))?;
+            let scores = model
+                .decoder()
+                .question_attention(&all, question, score_layers(model))?;
             model::top_share(&scores[exact..], exact, share(s))
         }
     };
     let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;
-    let deferred = defer && matches!(assembly, Assembly::Link(_)) && !positions.is_empty();
+    let deferred = link == LinkTiming::Deferred
+        && matches!(assembly, Assembly::Link(_))
+        && !positions.is_empty();
     let logits = if deferred {
         None
     } else {

@@ -13,13 +13,12 @@ use serde_json::Value;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Connecting, sending or reading failed.
-    #[error("server at {addr}: {source}")]
+    #[error("server at {addr}: {cause}")]
     Io {
         /// The server.
         addr: SocketAddr,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The response is not HTTP as expected.
     #[error("server at {addr}: malformed response ({what})")]
@@ -108,7 +107,7 @@ pub fn request_with(
     body: Option<&Value>,
     limits: Limits,
 ) -> Result<Reply, ClientError> {
-    let io = |source| ClientError::Io { addr, source };
+    let io = |cause| ClientError::Io { addr, cause };
     let bad = |what| ClientError::Malformed { addr, what };
     let mut s = TcpStream::connect_timeout(&addr, limits.connect_timeout).map_err(io)?;
     s.set_read_timeout(Some(limits.read_timeout)).map_err(io)?;

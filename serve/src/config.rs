@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::assembly::Assembly;
+use crate::error::{Error, Result};
 use crate::maintenance::Schedules;
 use crate::schedule::Cron;
 
@@ -140,33 +141,40 @@ impl Default for ServeConfig {
 
 impl ServeConfig {
     /// Checks ranges and the bind/token rule; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         let addr: std::net::SocketAddr = self
             .bind
             .parse()
-            .map_err(|e| format!("serve.bind: {:?}: {e}", self.bind))?;
+            .map_err(|e| bad("serve.bind", format!("{:?}: {e}", self.bind)))?;
         if !addr.ip().is_loopback() && self.admin_token.is_empty() {
-            return Err(format!(
-                "serve.bind: refusing to listen on non-loopback {addr} without serve.admin_token"
+            return Err(bad(
+                "serve.bind",
+                format!("refusing to listen on non-loopback {addr} without serve.admin_token"),
             ));
         }
         if self.max_inflight == 0 || self.max_inflight > 4096 {
-            return Err("serve.max_inflight: must be in 1..=4096".into());
+            return Err(bad("serve.max_inflight", "must be in 1..=4096"));
         }
         if self.max_batch == 0 || self.max_batch > 256 {
-            return Err("serve.max_batch: must be in 1..=256".into());
+            return Err(bad("serve.max_batch", "must be in 1..=256"));
         }
         if self.kv_budget_mb == 0 || self.kv_budget_mb > (1 << 24) {
-            return Err("serve.kv_budget_mb: must be in 1..=16777216".into());
+            return Err(bad("serve.kv_budget_mb", "must be in 1..=16777216"));
         }
         if self.prefill_chunk == 0 {
-            return Err("serve.prefill_chunk: must be positive".into());
+            return Err(bad("serve.prefill_chunk", "must be positive"));
         }
         if self.default_top_k == 0 || self.default_top_k > self.max_top_k || self.max_top_k > 256 {
-            return Err("serve.default_top_k/max_top_k: need 1 <= default <= max <= 256".into());
+            return Err(bad(
+                "serve.default_top_k/max_top_k",
+                "need 1 <= default <= max <= 256",
+            ));
         }
         if self.default_max_tokens == 0 || self.default_max_tokens > self.max_tokens_limit {
-            return Err("serve.default_max_tokens: need 1 <= default <= max_tokens_limit".into());
+            return Err(bad(
+                "serve.default_max_tokens",
+                "need 1 <= default <= max_tokens_limit",
+            ));
         }
         if self.request_timeout_ms == 0
             || self.max_question_chars == 0
@@ -175,31 +183,35 @@ impl ServeConfig {
             || self.header_timeout_ms == 0
             || self.body_timeout_ms == 0
         {
-            return Err("serve: timeouts and limits must be positive".into());
+            return Err(bad("serve", "timeouts and limits must be positive"));
         }
         if self.max_connections < self.max_inflight {
-            return Err(format!(
-                "serve.max_connections ({}) must be at least serve.max_inflight ({})",
-                self.max_connections, self.max_inflight
+            return Err(bad(
+                "serve.max_connections",
+                format!(
+                    "{} must be at least serve.max_inflight ({})",
+                    self.max_connections, self.max_inflight
+                ),
             ));
         }
         if !(self.recompute_share > 0.0 && self.recompute_share <= 1.0) {
-            return Err(format!(
-                "serve.recompute_share: {} is outside (0, 1]",
-                self.recompute_share
+            return Err(bad(
+                "serve.recompute_share",
+                format!("{} is outside (0, 1]", self.recompute_share),
             ));
         }
         if self.link_tokens == 0 || self.link_tokens > 4096 {
-            return Err(format!(
-                "serve.link_tokens: {} is outside 1..=4096",
-                self.link_tokens
+            return Err(bad(
+                "serve.link_tokens",
+                format!("{} is outside 1..=4096", self.link_tokens),
             ));
         }
         for h in &self.allowed_hosts {
             let h = h.trim();
             if h.is_empty() || (h.contains([':', '/', '@', ' ']) && !h.starts_with('[')) {
-                return Err(format!(
-                    "serve.allowed_hosts: {h:?} is not a host name (no scheme, port or path)"
+                return Err(bad(
+                    "serve.allowed_hosts",
+                    format!("{h:?} is not a host name (no scheme, port or path)"),
                 ));
             }
         }
@@ -208,8 +220,8 @@ impl ServeConfig {
     }
 
     /// The model thread's batch limits.
-    pub(crate) fn limits(&self) -> crate::batch::Limits {
-        crate::batch::Limits {
+    pub(crate) fn limits(&self) -> crate::pipeline::Limits {
+        crate::pipeline::Limits {
             max_batch: self.max_batch,
             kv_budget: (self.kv_budget_mb as u64) << 20,
             prefill_chunk: self.prefill_chunk,
@@ -227,25 +239,34 @@ impl ServeConfig {
     }
 
     /// The parsed maintenance schedules.
-    pub fn schedules(&self) -> Result<Schedules, String> {
-        let cron = |key: &str, s: &str| -> Result<Option<Cron>, String> {
+    pub fn schedules(&self) -> Result<Schedules> {
+        let cron = |key: &'static str, s: &str| -> Result<Option<Cron>> {
             if s.trim().is_empty() {
                 return Ok(None);
             }
-            s.parse().map(Some).map_err(|e| format!("serve.{key}: {e}"))
+            s.parse().map(Some).map_err(|e: String| bad(key, e))
         };
         let scope: ingest::Scope = self
             .rematerialize_scope
             .parse()
-            .map_err(|e| format!("serve.rematerialize_scope: {e}"))?;
+            .map_err(|e: ingest::Error| bad("serve.rematerialize_scope", e.to_string()))?;
         let opts = ingest::RematOptions {
             scope,
             limit: (self.rematerialize_limit > 0).then_some(self.rematerialize_limit),
             dry_run: false,
         };
         Ok(Schedules {
-            rematerialize: cron("rematerialize_cron", &self.rematerialize_cron)?.map(|c| (c, opts)),
-            gc: cron("gc_cron", &self.gc_cron)?,
+            rematerialize: cron("serve.rematerialize_cron", &self.rematerialize_cron)?
+                .map(|c| (c, opts)),
+            gc: cron("serve.gc_cron", &self.gc_cron)?,
         })
+    }
+}
+
+/// A `[serve]` setting's error.
+fn bad(key: &'static str, why: impl Into<String>) -> Error {
+    Error::Config {
+        key,
+        why: why.into(),
     }
 }

@@ -12,31 +12,44 @@
 //! | `POST /v1/admin/gc` | drop namespaces past their grace, orphaned KV, dead segment bytes (admin; 409 while another job runs) |
 //! | `GET /v1/stats`, `GET /metrics`, `GET /healthz` | counters (JSON), Prometheus, liveness (503 when a pipeline worker stopped) |
 //!
-//! Every route answers only requests whose `Host` and `Origin` name this server ([`guard`]):
+//! Every route answers only requests whose `Host` and `Origin` name this server ([`HostRule`]):
 //! a web page cannot drive it, by cross-site requests or by DNS rebinding.
 //!
-//! The request path and its threads are described in [`rag`].
+//! The request path and its threads are described in the private `pipeline` module's docs
+//! (docs/ARCHITECTURE.md points there); [`Rag`] is its handle. Modules are private but for
+//! [`client`] (the CLI's calls to a running server) and [`listen`] (the server loop); everything
+//! else is re-exported here.
 
-pub mod assembly;
-mod batch;
+mod assembly;
 pub mod client;
-pub mod config;
-mod context;
-pub mod events;
-pub mod guard;
-pub mod http;
+mod config;
+mod error;
+mod events;
+mod guard;
+mod http;
 pub mod listen;
-pub mod maintenance;
-pub mod metrics;
-pub mod overlap;
-pub mod rag;
-pub mod schedule;
-pub mod supervise;
+mod maintenance;
+mod metrics;
+mod overlap;
+mod pipeline;
+mod rag;
+mod schedule;
+mod supervise;
 mod teacher;
 
-pub use assembly::Assembly;
+pub use assembly::{
+    assemble, assemble_into, Assembly, LinkTiming, Prompt, Ready, Repair, Share, Target,
+};
 pub use config::{CacheDtype, ServeConfig};
-pub use http::{app, AppState};
-pub use maintenance::Maintenance;
-pub use rag::{Citation, Event, FailKind, Final, KvMode, KvSource, Query, Rag, Timings};
+pub use error::{Error, Result};
+pub use events::{Citation, Event, FailKind, Final, KvSource, Timings};
+pub use guard::HostRule;
+pub use http::{app, ApiError, AppState};
+pub use maintenance::{JobError, Maintenance, Schedules};
+pub use metrics::{Histogram, Metrics};
+pub use overlap::Timeline;
+pub use pipeline::{KvMode, Query};
+pub use rag::Rag;
+pub use schedule::Cron;
+pub use supervise::{contain, Faults, Ticket};
 pub use teacher::Reference;

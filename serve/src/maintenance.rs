@@ -39,7 +39,7 @@ pub enum JobError {
     #[error("the server is shutting down")]
     Closing,
     /// The job failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Failed(#[from] ingest::Error),
 }
 
@@ -137,7 +137,7 @@ impl Maintenance {
 
     /// Starts the `ragkv-cron` thread for the configured schedules (none: no thread). It
     /// stops at [`Maintenance::close`], or when the last handle to `self` is dropped.
-    pub fn schedule(self: &Arc<Self>, schedules: Schedules) -> Result<(), String> {
+    pub fn schedule(self: &Arc<Self>, schedules: Schedules) -> Result<(), crate::Error> {
         if schedules.rematerialize.is_none() && schedules.gc.is_none() {
             return Ok(());
         }
@@ -145,7 +145,10 @@ impl Maintenance {
         let h = std::thread::Builder::new()
             .name("ragkv-cron".into())
             .spawn(move || cron_loop(weak, schedules))
-            .map_err(|e| format!("spawning ragkv-cron: {e}"))?;
+            .map_err(|source| crate::Error::Spawn {
+                thread: "ragkv-cron",
+                source,
+            })?;
         *self.cron.lock() = Some(h);
         Ok(())
     }

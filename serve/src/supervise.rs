@@ -21,6 +21,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::OwnedSemaphorePermit;
 
+use crate::error::Error;
 use crate::metrics::Metrics;
 
 /// One admitted query's slot; see the module docs.
@@ -47,13 +48,13 @@ impl Drop for Ticket {
     }
 }
 
-/// Runs `f`; a panic in it becomes `Err(message)` and is counted and logged.
-pub fn contain<T>(worker: &str, m: &Metrics, f: impl FnOnce() -> T) -> Result<T, String> {
+/// Runs `f`; a panic in it becomes [`Error::Panicked`] and is counted and logged.
+pub fn contain<T>(worker: &'static str, m: &Metrics, f: impl FnOnce() -> T) -> Result<T, Error> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
         m.worker_panics.fetch_add(1, Ordering::Relaxed);
-        let why = panic_message(&*p);
-        tracing::error!(worker, panic = %why, "a pipeline worker panicked on a job; it goes on");
-        format!("internal error in {worker}: {why}")
+        let message = panic_message(&*p);
+        tracing::error!(worker, panic = %message, "a pipeline worker panicked on a job; it goes on");
+        Error::Panicked { worker, message }
     })
 }
 
@@ -147,8 +148,13 @@ mod tests {
     #[test]
     fn a_panic_becomes_an_error_and_is_counted() {
         let m = Metrics::default();
-        let r: Result<u32, String> = contain("ragkv-test", &m, || panic!("boom {}", 7));
-        assert!(r.unwrap_err().contains("boom 7"));
+        let r: Result<u32, Error> = contain("ragkv-test", &m, || panic!("boom {}", 7));
+        match r.unwrap_err() {
+            Error::Panicked { worker, message } => {
+                assert_eq!((worker, message.as_str()), ("ragkv-test", "boom 7"))
+            }
+            e => panic!("{e}"),
+        }
         assert_eq!(contain("ragkv-test", &m, || 3).unwrap(), 3);
         assert_eq!(m.worker_panics.load(Ordering::Relaxed), 1);
     }

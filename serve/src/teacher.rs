@@ -5,7 +5,7 @@
 //! behind every answer token; [`Rag::forced`] feeds that answer after another strategy's
 //! context and returns the logits at the same positions, so every answer token is one
 //! comparison (agreement of the argmax, divergence of the distribution) instead of one per
-//! question. Both build the context with the pipeline's own functions ([`crate::context`]:
+//! question. Both build the context with the pipeline's own functions ([`crate::pipeline`]:
 //! the same chunk reads, assembly and repair) and feed the prompt `serve.prefill_chunk`
 //! tokens at a time, as the batch does. Both block the calling thread (never call them from an
 //! async worker) and store nothing: KV prefilled for missing chunks is not written back.
@@ -15,8 +15,10 @@ use std::time::Instant;
 use model::{Decoder, Decoding, Generation, KvCache, Logits, Tensor};
 use retrieval::Hit;
 
-use crate::context::{assemble_query, read_chunks};
-use crate::rag::{ms, Query, Rag};
+use crate::assembly::{LinkTiming, Target};
+use crate::error::{Error, Result};
+use crate::pipeline::{assemble, ms, read_chunks, AssembleRequest as Request, Query};
+use crate::rag::Rag;
 
 /// A reference answer and what predicted it.
 #[derive(Debug)]
@@ -32,33 +34,29 @@ pub struct Reference {
     pub first_token_ms: f64,
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
+/// A tensor operation's error.
+fn tensor(op: &'static str) -> impl FnOnce(model::TensorError) -> Error {
+    move |source| Error::Tensor { op, source }
 }
 
 impl Rag {
     /// Answers `query` over `hits` with its own parameters on the calling thread, keeping the
     /// logits behind every token (see the module docs).
-    pub fn reference(&self, query: &Query, hits: Vec<Hit>) -> Result<Reference, String> {
+    pub fn reference(&self, query: &Query, hits: Vec<Hit>) -> Result<Reference> {
         let t = Instant::now();
-        let decoder = self.engine.model.decoder();
+        let decoder = self.engine.model().decoder();
         let (mut cache, pending, ready) = self.context(query, hits, query.params.max_tokens + 1)?;
         let mut logits = match ready {
             Some(l) => l,
             None => self.feed(decoder, &mut cache, &pending)?,
         };
         let first_token_ms = ms(t.elapsed());
-        let mut decoding =
-            Decoding::new(self.engine.model.tokenizer(), &query.params).map_err(err)?;
+        let mut decoding = Decoding::new(self.engine.model().tokenizer(), &query.params)?;
         let mut rows = Vec::new();
         loop {
             rows.push(logits.clone());
-            match decoding.advance(&logits).map_err(err)?.next {
-                Some(next) => {
-                    logits = decoder
-                        .forward(&mut cache, &[next], Logits::Last)
-                        .map_err(err)?
-                }
+            match decoding.advance(&logits)?.next {
+                Some(next) => logits = decoder.forward(&mut cache, &[next], Logits::Last)?,
                 None => break,
             }
         }
@@ -66,9 +64,9 @@ impl Rag {
         let mut targets = generation.tokens.clone();
         // One row more than tokens: the last one sampled the stop token.
         if let Some(last) = rows.get(targets.len()) {
-            targets.push(Decoder::argmax(last).map_err(err)?);
+            targets.push(Decoder::argmax(last)?);
         }
-        let logits = Tensor::stack(&rows, 0).map_err(err)?;
+        let logits = Tensor::stack(&rows, 0).map_err(tensor("stack"))?;
         Ok(Reference {
             generation,
             targets,
@@ -79,31 +77,33 @@ impl Rag {
 
     /// Feeds `answer` after `query`'s context over `hits` (its strategy, on the calling
     /// thread) and returns the logits before each answer token, `(answer.len(), vocab)`.
-    pub fn forced(&self, query: &Query, hits: Vec<Hit>, answer: &[u32]) -> Result<Tensor, String> {
+    pub fn forced(&self, query: &Query, hits: Vec<Hit>, answer: &[u32]) -> Result<Tensor> {
         let Some((_, head)) = answer.split_last() else {
-            return Err("forced: an empty answer".into());
+            return Err(Error::Invalid {
+                why: "forced: an empty answer".into(),
+            });
         };
-        let decoder = self.engine.model.decoder();
+        let decoder = self.engine.model().decoder();
         let (mut cache, pending, ready) = self.context(query, hits, answer.len())?;
         if let Some(first) = ready {
             // The repair ran the question: its logits predict the first answer token.
-            let first = first.unsqueeze(0).map_err(err)?;
+            let first = first.unsqueeze(0).map_err(tensor("unsqueeze"))?;
             if head.is_empty() {
                 return Ok(first);
             }
-            let rest = decoder
-                .forward(&mut cache, head, Logits::All)
-                .map_err(err)?;
-            return Tensor::cat(&[&first, &rest], 0).map_err(err);
+            let rest = decoder.forward(&mut cache, head, Logits::All)?;
+            return Tensor::cat(&[&first, &rest], 0).map_err(tensor("cat"));
         }
-        let (last, prompt) = pending.split_last().ok_or("forced: an empty prompt")?;
+        let (last, prompt) = pending.split_last().ok_or(Error::Invariant {
+            what: "forced: an empty prompt",
+        })?;
         if !prompt.is_empty() {
             self.feed(decoder, &mut cache, prompt)?;
         }
         let mut tail = Vec::with_capacity(answer.len());
         tail.push(*last);
         tail.extend_from_slice(head);
-        decoder.forward(&mut cache, &tail, Logits::All).map_err(err)
+        Ok(decoder.forward(&mut cache, &tail, Logits::All)?)
     }
 
     /// The query's assembled cache, with room for what follows, the tokens to feed, and the
@@ -113,39 +113,38 @@ impl Rag {
         query: &Query,
         hits: Vec<Hit>,
         room: usize,
-    ) -> Result<(KvCache, Vec<u32>, Option<Tensor>), String> {
+    ) -> Result<(KvCache, Vec<u32>, Option<Tensor>)> {
         let engine = &*self.engine;
         let mut buf = Vec::new();
         let start = self.prefix.tokens.len();
         let dtype = self.config.cache_dtype.dtype();
         let chunks = read_chunks(engine, &self.metrics, query, hits, start, &mut buf, dtype)?;
-        let question = self.prefix.question(engine, &query.question).map_err(err)?;
-        let a = assemble_query(
-            engine,
-            &self.prefix,
-            &self.config.repair(),
+        let question = self.prefix.question(engine, &query.question)?;
+        let repair = self.config.repair();
+        let req = Request {
+            prefix: &self.prefix,
+            repair: &repair,
             query,
             chunks,
             question,
-            room,
-            dtype,
-            false,
-        )
-        .map_err(|(_, e)| e)?;
+            target: Target {
+                room,
+                dtype,
+                link: LinkTiming::Now,
+            },
+        };
+        let a = assemble(engine, req)?;
         Ok((a.cache, a.pending, a.logits))
     }
 
     /// Feeds `tokens` in `serve.prefill_chunk` pieces; the logits after the last.
-    fn feed(
-        &self,
-        decoder: &Decoder,
-        cache: &mut KvCache,
-        tokens: &[u32],
-    ) -> Result<Tensor, String> {
+    fn feed(&self, decoder: &Decoder, cache: &mut KvCache, tokens: &[u32]) -> Result<Tensor> {
         let mut logits = None;
         for piece in tokens.chunks(self.config.prefill_chunk.max(1)) {
-            logits = Some(decoder.forward(cache, piece, Logits::Last).map_err(err)?);
+            logits = Some(decoder.forward(cache, piece, Logits::Last)?);
         }
-        logits.ok_or_else(|| "nothing to feed".into())
+        logits.ok_or(Error::Invariant {
+            what: "nothing to feed",
+        })
     }
 }

@@ -7,13 +7,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use model::{Kv, Tensor};
-use serve::assembly::{assemble, Repair};
+use serve::{assemble, Prompt, Repair};
 use serve::{Assembly, CacheDtype, KvMode, Query, Rag, ServeConfig};
 
 const REPAIR: Repair = Repair {
     recompute_share: 0.15,
     link_tokens: 4,
 };
+
+/// The prompt of `chunks` after the prefix `pkv`, before `question`.
+fn prompt<'a>(pkv: &'a Kv, chunks: Vec<Kv>, tokens: &'a [u32], question: &'a [u32]) -> Prompt<'a> {
+    Prompt {
+        prefix: pkv,
+        chunks,
+        tokens,
+        question,
+    }
+}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
@@ -71,10 +81,13 @@ fn two_chunks(m: &model::Model) -> TwoChunks {
     let b = t
         .encode("Captain Ines Valbuena commands the research ship Calder Wren.\n")
         .unwrap();
-    let (pkv, _) = m.prefill(&prefix, 0).unwrap();
+    let (pkv, _) = m.decoder().prefill(&prefix, 0).unwrap();
     let tokens: Vec<u32> = [&prefix[..], &a, &b].concat();
     let (pa, pb) = (prefix.len(), prefix.len() + a.len());
-    let (a0, b0) = (m.prefill(&a, 0).unwrap().0, m.prefill(&b, 0).unwrap().0);
+    let (a0, b0) = (
+        m.decoder().prefill(&a, 0).unwrap().0,
+        m.decoder().prefill(&b, 0).unwrap().0,
+    );
     TwoChunks {
         a,
         b,
@@ -94,13 +107,13 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     let (tokens, pkv, pa, pb) = (&c.tokens, &c.pkv, c.pa, c.pb);
     // Each chunk computed alone at its prompt place.
     let (a_at, b_at) = (
-        m.prefill(&c.a, pa).unwrap().0,
-        m.prefill(&c.b, pb).unwrap().0,
+        m.decoder().prefill(&c.a, pa).unwrap().0,
+        m.decoder().prefill(&c.b, pb).unwrap().0,
     );
 
     for asm in [Assembly::Naive, Assembly::Reposition] {
         let chunks = c.placed(&m, asm);
-        let r = assemble(&m, asm, &REPAIR, pkv, chunks, tokens, &[1]).unwrap();
+        let r = assemble(&m, asm, &REPAIR, prompt(pkv, chunks, tokens, &[1])).unwrap();
         // No repair: the question is left to feed.
         assert!(r.logits.is_none());
         let (kv, recomputed) = (r.kv, r.positions.len());
@@ -130,7 +143,7 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
     };
     let asm = Assembly::Recompute(None);
     let chunks = c.placed(&m, asm);
-    let r = assemble(&m, asm, &half, pkv, chunks, tokens, &[1]).unwrap();
+    let r = assemble(&m, asm, &half, prompt(pkv, chunks, tokens, &[1])).unwrap();
     assert_eq!(r.positions.len(), (c.a.len() + c.b.len()).div_ceil(2));
     assert_eq!(key_diff(&r.kv, 0, pkv), 0.0);
     // The question ran in the repair's pass: its row appended, its logits returned.
@@ -156,11 +169,17 @@ fn whole_repairs_reproduce_full_prefill() {
             .forward(&mut cache, &question, model::Logits::Last)
             .unwrap()
     };
-    let (full_kv, _) = m.prefill(&c.tokens, 0).unwrap();
+    let (full_kv, _) = m.decoder().prefill(&c.tokens, 0).unwrap();
     let full = next(&full_kv);
     let run = |asm: Assembly| {
         let chunks = c.placed(&m, asm);
-        let r = assemble(&m, asm, &REPAIR, &c.pkv, chunks, &c.tokens, &question).unwrap();
+        let r = assemble(
+            &m,
+            asm,
+            &REPAIR,
+            prompt(&c.pkv, chunks, &c.tokens, &question),
+        )
+        .unwrap();
         // A repair runs the question in its own pass; plain assembly leaves it to feed.
         let logits = match &r.logits {
             Some(l) => {
@@ -334,7 +353,7 @@ fn teacher_forcing_with(cache_dtype: CacheDtype, tol: f32) {
     let r = rag.reference(&query(Assembly::Full), hits.clone()).unwrap();
     eprintln!("reference: {:?} {:?}", r.generation.text, r.targets);
     assert!(r.generation.text.contains(want), "{:?}", r.generation.text);
-    let vocab = engine.model.config().vocab_size;
+    let vocab = engine.model().config().vocab_size;
     assert_eq!(r.logits.dims(), [r.targets.len(), vocab]);
     assert!(r.targets.len() >= r.generation.tokens.len());
     assert!(r.first_token_ms > 0.0);
@@ -386,16 +405,16 @@ fn a_chunk_preamble_is_prefilled_with_every_chunk() {
         with.namespace(),
         "the preamble is part of the namespace"
     );
-    let pre = with.model.tokenizer().encode("Passage:\n").unwrap();
+    let pre = with.model().tokenizer().encode("Passage:\n").unwrap();
     let (_, text, _, _) = PLANTED[0];
     let tokens = with.chunk_tokens(text).unwrap();
     assert_eq!(tokens[..pre.len()], pre[..]);
     assert_eq!(tokens[pre.len()..], plain.chunk_tokens(text).unwrap()[..]);
     // What ingest stored is exactly those tokens' KV, found by the same lookup serve does.
-    let hit = &with.index.document(PLANTED[0].0).unwrap()[0].1;
+    let hit = &with.index().document(PLANTED[0].0).unwrap()[0].1;
     let stored = with.chunk_tokens(&hit.text).unwrap();
     assert_eq!(
-        with.store.probe(with.namespace(), &stored).unwrap(),
+        with.store().probe(with.namespace(), &stored).unwrap(),
         stored.len()
     );
     assert!(with.check(false).unwrap().ok());
@@ -417,7 +436,7 @@ fn the_whole_prompt_is_what_full_prefills() {
     assert!(f.answer.contains(want), "{:?}", f.answer);
     assert_eq!(prompt.len(), f.prompt_tokens);
     let alone = engine
-        .model
+        .model()
         .generate(&prompt, &query(false).params, |_| true)
         .unwrap();
     assert_eq!(alone.text, f.answer);

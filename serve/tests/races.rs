@@ -81,7 +81,7 @@ fn concurrent_ingest_delete_and_gc_of_one_document_leave_it_whole_or_gone() {
     let c = check(&engine);
     assert_eq!(c.points, 0);
     assert!(engine
-        .store
+        .store()
         .documents()
         .unwrap()
         .iter()
@@ -97,13 +97,13 @@ fn during_a_commit(other: impl FnOnce(&ingest::Engine) + Send) {
         ingest::IngestConfig::default(),
         model::DType::F16,
     );
-    engine.commit_delay_ms.store(400, Ordering::SeqCst);
+    engine.set_commit_delay_ms(400);
     std::thread::scope(|s| {
         let e = &engine;
         s.spawn(move || ingest_eager(e, "The Sellick dam has three spillways and one gate."));
         let t = std::time::Instant::now();
         while e
-            .store
+            .store()
             .documents()
             .unwrap()
             .iter()

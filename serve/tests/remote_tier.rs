@@ -75,7 +75,7 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
         .with_remote(tier(&base, prefix, WriteMode::Through));
     let report = common::ingest_eager(&a, ingest::Source::Docs(docs));
     assert_eq!(report.docs_new, DOCS.len());
-    let shared = a.remote.clone().unwrap();
+    let shared = a.remote().cloned().unwrap();
     let ns = a.namespace();
     let stored = shared.usage().unwrap();
     assert_eq!(stored[&ns.to_hex()].0, report.chunks, "{stored:?}");
@@ -85,9 +85,9 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
     let b = Arc::new(
         ingest::Engine::new(
             Arc::new(b_store),
-            a.index.clone(),
-            a.embedder.clone(),
-            a.model.clone(),
+            a.index().clone(),
+            a.embedder().clone(),
+            a.model().clone(),
             Default::default(),
             model::DType::F16,
         )
@@ -109,7 +109,7 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
     assert_eq!((f.kv_hits, f.kv_misses), (1, 0));
     assert_eq!(m.remote_hits.load(Ordering::Relaxed), 1);
     assert!(
-        b.store
+        b.store()
             .probe(ns, &b.chunk_tokens(DOCS[0].1).unwrap())
             .unwrap()
             > 0
@@ -218,14 +218,14 @@ fn shard_workers_together_store_what_one_worker_stores() {
         }
         assert_eq!(new, 8);
         let mut points: Vec<(String, u32, String)> = e
-            .index
+            .index()
             .points()
             .unwrap()
             .into_iter()
             .map(|(_, p)| (p.doc_id, p.ordinal, p.kv_key))
             .collect();
         points.sort();
-        let usage = e.remote.as_ref().unwrap().usage().unwrap();
+        let usage = e.remote().unwrap().usage().unwrap();
         (points, usage)
     };
     let halves: Vec<Option<ingest::Shard>> = ["0/2", "1/2"]

@@ -82,7 +82,7 @@ async fn answers_with_its_template(arch: Arch, eot: &str) {
     let f = tokio::task::spawn_blocking(move || fixture(arch))
         .await
         .unwrap();
-    let m = f.engine.model.clone();
+    let m = f.engine.model().clone();
     let t = m.tokenizer();
     assert!(t.token_to_id("<|im_start|>").is_none() || arch == Arch::Qwen3);
     let eot_id = t.token_to_id(eot).unwrap();

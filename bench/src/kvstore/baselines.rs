@@ -148,7 +148,7 @@ pub(super) fn file_probe(dir: &Path, (tokens, stored): &(Vec<u32>, bool)) -> Res
 }
 
 pub(super) fn bench_blobdb(w: &Workload, dir: &Path) -> Result<(f64, f64), Error> {
-    let rocks = |what| move |source| Error::Rocks { what, source };
+    let rocks = |what| move |cause| Error::Rocks { what, cause };
     let mut opts = rocksdb::Options::default();
     opts.create_if_missing(true);
     opts.set_enable_blob_files(true);

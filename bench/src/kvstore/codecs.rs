@@ -62,7 +62,7 @@ pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<Toke
         let ids = m.tokenizer().encode(&doc.text).map_err(merr)?;
         for c in ids.chunks(CODEC_CHUNK_TOKENS) {
             let n = c.len().min(tokens - total);
-            let (kv, _) = m.prefill(&c[..n], 0).map_err(merr)?;
+            let (kv, _) = m.decoder().prefill(&c[..n], 0).map_err(merr)?;
             let bytes = kv.to_bytes(model::DType::F16).map_err(merr)?;
             chunks.push((c[..n].to_vec(), bytes));
             total += n;
@@ -229,9 +229,9 @@ fn decode_speed(
 
 /// Drops every file under `dir` from the page cache.
 fn drop_dir_pages(dir: &Path) -> Result<(), Error> {
-    let entries = std::fs::read_dir(dir).map_err(|source| Error::Io {
+    let entries = std::fs::read_dir(dir).map_err(|cause| Error::Io {
         what: format!("listing {}", dir.display()),
-        source,
+        cause,
     })?;
     for e in entries.flatten() {
         let path = e.path();

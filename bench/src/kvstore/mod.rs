@@ -129,7 +129,7 @@ pub(crate) fn drop_pages(path: &Path) -> Result<(), Error> {
     if rc != 0 {
         return Err(Error::Io {
             what: format!("posix_fadvise {}", path.display()),
-            source: std::io::Error::from_raw_os_error(rc),
+            cause: std::io::Error::from_raw_os_error(rc),
         });
     }
     Ok(())

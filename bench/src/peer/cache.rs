@@ -79,7 +79,7 @@ fn forced_agreement(
             cache_dtype,
             ..config.clone()
         };
-        serve::Rag::start(engine.clone(), c).map_err(Error::Check)
+        serve::Rag::start(engine.clone(), c).map_err(|e| Error::Check(e.to_string()))
     };
     let (reference, ours) = (start(versus)?, start(args.cache_dtype)?);
     let (mut agree, mut total) = (0, 0);
@@ -96,16 +96,18 @@ fn forced_agreement(
             kv: serve::KvMode::On,
             assembly: serve::Assembly::default(),
         };
-        let hits = ours.retrieve(&query).map_err(Error::Check)?;
+        let hits = ours
+            .retrieve(&query)
+            .map_err(|e| Error::Check(e.to_string()))?;
         let r = reference
             .reference(&query, hits.clone())
-            .map_err(Error::Check)?;
+            .map_err(|e| Error::Check(e.to_string()))?;
         // Both sides teacher-forced the same way on the same answer, so that only the caches
         // differ (the forced pass itself rounds differently from the greedy one).
         let decisions = |rag: &serve::Rag| -> Result<Vec<u32>, Error> {
             let logits = rag
                 .forced(&query, hits.clone(), &r.targets)
-                .map_err(Error::Check)?;
+                .map_err(|e| Error::Check(e.to_string()))?;
             logits
                 .argmax(model::D::Minus1)
                 .and_then(|t| t.to_vec1())
@@ -130,7 +132,7 @@ pub(crate) fn lines(
     theirs: &Side,
 ) -> Result<Vec<Line>, Error> {
     let (forced_agree, forced_total) = forced_agreement(engine, config, versus, questions, args)?;
-    let tok = engine.model.tokenizer();
+    let tok = engine.model().tokenizer();
     let (mut common, mut total, mut identical) = (0usize, 0usize, 0usize);
     for (a, b) in ours.answers.iter().zip(&theirs.answers) {
         let enc = |s: &str| {

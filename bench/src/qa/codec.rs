@@ -43,10 +43,10 @@ impl Coded {
         )?;
         let engine = ingest::Engine::new(
             Arc::new(store),
-            base.index.clone(),
-            base.embedder.clone(),
-            base.model.clone(),
-            base.config.clone(),
+            base.index().clone(),
+            base.embedder().clone(),
+            base.model().clone(),
+            base.config().clone(),
             model::DType::F16,
         )
         .map_err(|e| Error::Check(format!("codec engine: {e}")))?;
@@ -64,14 +64,14 @@ impl Coded {
                 .chunk_tokens(&h.payload.text)
                 .map_err(|e| Error::Check(format!("tokenize: {e}")))?;
             let ns = self.engine.namespace();
-            if self.engine.store.probe(ns, &tokens)? == tokens.len() {
+            if self.engine.store().probe(ns, &tokens)? == tokens.len() {
                 continue;
             }
             let kv = base
-                .store
+                .store()
                 .get_batch(base.namespace(), &tokens, tokens.len())?;
             let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-            self.engine.store.put_batch(
+            self.engine.store().put_batch(
                 ns,
                 self.engine.layout(),
                 &[kvstore::PutItem {

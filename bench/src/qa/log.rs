@@ -24,9 +24,9 @@ impl Log {
                 done: Vec::new(),
             });
         };
-        let io = |source| Error::Io {
+        let io = |cause| Error::Io {
             what: "qa log".into(),
-            source,
+            cause,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
         // A codec comparison logs apart, so that runs with and without one (and with several
@@ -87,9 +87,9 @@ impl Log {
 
     pub(crate) fn append(&mut self, l: Logged) -> Result<(), Error> {
         if let Some(f) = &mut self.file {
-            let io = |source| Error::Io {
+            let io = |cause| Error::Io {
                 what: "qa log".into(),
-                source,
+                cause,
             };
             let mut line = serde_json::to_vec(&l).map_err(|e| Error::Check(e.to_string()))?;
             line.push(b'\n');

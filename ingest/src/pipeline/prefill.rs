@@ -40,7 +40,7 @@ pub fn prefill_groups(chunks: &[(usize, bool)], budget: usize) -> Vec<Range<usiz
 impl Engine {
     /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
     pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
-        let (kv, _) = self.model.prefill(tokens, 0)?;
+        let (kv, _) = self.model.decoder().prefill(tokens, 0)?;
         Ok(kv.to_bytes(self.kv_dtype)?)
     }
 
@@ -51,6 +51,7 @@ impl Engine {
             [one] => Ok(vec![self.prefill_bytes(one)?]),
             _ => self
                 .model
+                .decoder()
                 .prefill_many(chunks)?
                 .iter()
                 .map(|kv| Ok(kv.to_bytes(self.kv_dtype)?))

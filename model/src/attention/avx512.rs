@@ -9,8 +9,6 @@
 //! loaded (`vcvtph2ps`), so an f16 cache costs half the memory traffic and no extra pass;
 //! q8 caches' codes likewise (`vpmovsxbd`), times their block's scale.
 
-#![allow(unused_unsafe)]
-
 use std::arch::x86_64::*;
 
 use half::f16;
@@ -44,6 +42,7 @@ impl Lanes for f32 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: the caller's contract: sixteen f32 readable at `p`.
         unsafe { _mm512_loadu_ps(p) }
     }
 }
@@ -52,7 +51,8 @@ impl Lanes for f16 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const f16) -> __m512 {
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        // SAFETY: the caller's contract: sixteen f16 readable at `p`.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
     }
 }
 
@@ -66,7 +66,9 @@ impl Lanes for u8 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load16(p: *const u8) -> __m512 {
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+        // SAFETY: the caller's contract: sixteen codes readable at `p`.
+        let codes = unsafe { _mm_loadu_si128(p.cast()) };
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes))
     }
 
     #[inline]
@@ -169,6 +171,8 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
     p: &mut Vec<f32>,
     o: &mut [f32],
 ) {
+    // SAFETY: the caller's contract (AVX-512F); every pointer below stays in the rows `group`
+    // asserted in bounds, `p` (resized to `H n`) and `q`, `o` (`H` heads of `16 V`).
     unsafe {
         let n = r.n;
         p.clear();
@@ -247,62 +251,58 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
 /// (a transposing tree of unpacks and lane shuffles, 45 instructions for all sixteen).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn sum16(v: &[__m512; 16]) -> __m512 {
-    unsafe {
-        // Pairs: within each 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
-        let a: [__m512; 8] = std::array::from_fn(|k| {
-            let (x, y) = (v[2 * k], v[2 * k + 1]);
-            _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
-        });
-        // Quads: within each 128-bit lane, the lane sums of four vectors in order.
-        let b: [__m512; 4] = std::array::from_fn(|m| {
-            let (x, y) = (_mm512_castps_pd(a[2 * m]), _mm512_castps_pd(a[2 * m + 1]));
-            _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-            )
-        });
-        // Across 128-bit lanes: pairs of lanes, then the rest.
-        let pair = |x: __m512, y: __m512| {
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
-            )
-        };
-        let (c0, c1) = (pair(b[0], b[1]), pair(b[2], b[3]));
-        pair(c0, c1)
-    }
+fn sum16(v: &[__m512; 16]) -> __m512 {
+    // Pairs: within each 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+    let a: [__m512; 8] = std::array::from_fn(|k| {
+        let (x, y) = (v[2 * k], v[2 * k + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
+    });
+    // Quads: within each 128-bit lane, the lane sums of four vectors in order.
+    let b: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (_mm512_castps_pd(a[2 * m]), _mm512_castps_pd(a[2 * m + 1]));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+        )
+    });
+    // Across 128-bit lanes: pairs of lanes, then the rest.
+    let pair = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    };
+    let (c0, c1) = (pair(b[0], b[1]), pair(b[2], b[3]));
+    pair(c0, c1)
 }
 
 /// ggml's `ggml_v_expf` on sixteen lanes, for arguments clamped at -87 (scores minus their
 /// maximum: anything below is 0 to f32 anyway).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp16(x: __m512) -> __m512 {
-    unsafe {
-        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
-        let r = c(0x4b40_0000);
-        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
-        let n = _mm512_sub_ps(z, r);
-        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
-        let e = _mm512_slli_epi32(_mm512_castps_si512(z), 23);
-        let k = _mm512_castsi512_ps(_mm512_add_epi32(
-            e,
-            _mm512_castps_si512(_mm512_set1_ps(1.0)),
-        ));
-        let u = _mm512_mul_ps(b, b);
-        let j = _mm512_fmadd_ps(
-            _mm512_fmadd_ps(
-                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
-                u,
-                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
-            ),
+fn exp16(x: __m512) -> __m512 {
+    let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+    let r = c(0x4b40_0000);
+    let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+    let n = _mm512_sub_ps(z, r);
+    let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+    let e = _mm512_slli_epi32(_mm512_castps_si512(z), 23);
+    let k = _mm512_castsi512_ps(_mm512_add_epi32(
+        e,
+        _mm512_castps_si512(_mm512_set1_ps(1.0)),
+    ));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
             u,
-            _mm512_mul_ps(c(0x3f7f_fff6), b),
-        );
-        _mm512_fmadd_ps(j, k, k)
-    }
+            _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+        ),
+        u,
+        _mm512_mul_ps(c(0x3f7f_fff6), b),
+    );
+    _mm512_fmadd_ps(j, k, k)
 }
 
 /// `x = exp(x - max)` in place; returns the sum.
@@ -311,6 +311,7 @@ unsafe fn exp16(x: __m512) -> __m512 {
 unsafe fn exp_sub(x: &mut [f32], max: f32) -> f32 {
     let n = x.len();
     let p = x.as_mut_ptr();
+    // SAFETY: the caller's contract (AVX-512F); `i + 16 <= n` for every load and store.
     unsafe {
         let m = _mm512_set1_ps(max);
         let mut acc = _mm512_setzero_ps();

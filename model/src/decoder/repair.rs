@@ -121,7 +121,7 @@ impl Decoder {
         let mut ids: Vec<u32> = positions.iter().map(|&p| tokens[p]).collect();
         ids.extend_from_slice(question);
         // One step of one sequence: the chosen rows recomputed in place, the question
-        // appended ([`Decoder::step_repairing`]'s path).
+        // appended ([`Decoder::step`] with `redo`'s path).
         let x = self.layers_over(&mut [(cache, &ids, positions)])?;
         if question.is_empty() {
             return Ok(None);

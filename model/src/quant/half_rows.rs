@@ -127,14 +127,17 @@ mod avx2 {
     use super::{widen, HalfKind, RowKernels};
 
     pub(super) fn kernels(kind: HalfKind) -> RowKernels<f32> {
-        // SAFETY (each call): the callers checked `crate::simd::avx2()` (AVX2, FMA, F16C).
         match kind {
             HalfKind::F16 => RowKernels {
+                // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 one: |w, x| unsafe { dot::<false, 1>(w, [x])[0] },
+                // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 four: |w, x| unsafe { dot::<false, 4>(w, x) },
             },
             HalfKind::BF16 => RowKernels {
+                // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 one: |w, x| unsafe { dot::<true, 1>(w, [x])[0] },
+                // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 four: |w, x| unsafe { dot::<true, 4>(w, x) },
             },
         }
@@ -177,8 +180,7 @@ mod avx2 {
         let kind = if BF { HalfKind::BF16 } else { HalfKind::F16 };
         let mut out = [0f32; R];
         for r in 0..R {
-            // SAFETY: AVX is part of the AVX2 this function is compiled for.
-            out[r] = unsafe { crate::simd::x86::hsum256(acc[r]) };
+            out[r] = crate::simd::x86::hsum256(acc[r]);
             for i in body..k {
                 out[r] += widen(kind, &w[2 * i..2 * i + 2]) * x[r][i];
             }

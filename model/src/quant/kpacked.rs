@@ -35,6 +35,8 @@ use half::f16;
 
 use super::kquant::{self, BlockQ8K, KKind, QK_K};
 
+mod x86;
+
 /// Rows interleaved in a tile.
 pub(crate) const ROWS: usize = 16;
 
@@ -162,17 +164,11 @@ pub(super) type TileKernel =
 fn kernel(kind: KKind) -> Option<(TileKernel, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
-        if super::avx512::available() {
-            return Some((
-                super::kpacked_x86::vnni(kind),
-                super::kpacked_x86::VNNI_ROWS,
-            ));
+        if super::avx512_vnni() {
+            return Some((x86::vnni(kind), x86::VNNI_ROWS));
         }
         if crate::simd::avx2() {
-            return Some((
-                super::kpacked_x86::avx2(kind),
-                super::kpacked_x86::AVX2_ROWS,
-            ));
+            return Some((x86::avx2(kind), x86::AVX2_ROWS));
         }
     }
     let _ = kind;
@@ -298,7 +294,7 @@ mod tests {
         let mut all = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            use super::super::kpacked_x86 as x86;
+            use super::x86;
             if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")

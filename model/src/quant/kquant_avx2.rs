@@ -14,26 +14,35 @@ use super::kquant::{scale_min, scales_q3, BlockQ8K, KKind};
 use super::RowKernels;
 
 pub(super) fn kernels(kind: KKind) -> RowKernels<BlockQ8K> {
-    // SAFETY (each call): the callers checked `crate::simd::avx2()` (AVX2, FMA, F16C).
     match kind {
         KKind::Q2K => RowKernels {
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             one: |w, a| unsafe { q23k::<false, 1>(w, [a])[0] },
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q23k::<false, 4>(w, a) },
         },
         KKind::Q3K => RowKernels {
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             one: |w, a| unsafe { q23k::<true, 1>(w, [a])[0] },
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q23k::<true, 4>(w, a) },
         },
         KKind::Q4K => RowKernels {
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             one: |w, a| unsafe { q45k::<false, 1>(w, [a])[0] },
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q45k::<false, 4>(w, a) },
         },
         KKind::Q5K => RowKernels {
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             one: |w, a| unsafe { q45k::<true, 1>(w, [a])[0] },
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q45k::<true, 4>(w, a) },
         },
         KKind::Q6K => RowKernels {
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             one: |w, a| unsafe { q6k::<1>(w, [a])[0] },
+            // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q6k::<4>(w, a) },
         },
     }
@@ -81,8 +90,7 @@ fn half(b: [u8; 2]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn hsum(v: __m256) -> f32 {
-    // SAFETY: AVX is part of the AVX2 this function is compiled for.
-    unsafe { crate::simd::x86::hsum256(v) }
+    crate::simd::x86::hsum256(v)
 }
 
 /// One weight row of Q4_K (`Q5 = false`) or Q5_K blocks against `R` activation rows.

@@ -34,6 +34,8 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
+mod avx512;
+
 use super::kpacked;
 use super::kquant::KKind;
 use super::{unpack, BlockQ8, Kind, QK};
@@ -137,7 +139,7 @@ impl Packed {
     /// their tiles take the AVX2 kernels of `packed_avx2`).
     pub(crate) fn available() -> bool {
         #[cfg(target_arch = "x86_64")]
-        return super::avx512::available();
+        return super::avx512_vnni();
         #[allow(unreachable_code)]
         false
     }
@@ -175,9 +177,9 @@ impl Packed {
             self.dequantize_row(j, row);
         }
         candle_core::Tensor::from_vec(all, (self.n, self.k), &candle_core::Device::Cpu).map_err(
-            |source| crate::Error::Candle {
+            |cause| crate::Error::Candle {
                 context: "dequantizing a repacked matrix".into(),
-                source,
+                cause,
             },
         )
     }
@@ -291,12 +293,8 @@ impl Packed {
 fn matmul_blocks(ws: &[&Packed], which: &[usize], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
     if Packed::available() {
-        let mats = blocks_of(ws, which, |kind, tiles, n| super::avx512::Mat {
-            kind,
-            tiles,
-            n,
-        });
-        return super::avx512::packed_matmul(&mats, k, x);
+        let mats = blocks_of(ws, which, |kind, tiles, n| avx512::Mat { kind, tiles, n });
+        return avx512::packed_matmul(&mats, k, x);
     }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2() {

@@ -154,11 +154,13 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
             _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
         }
-        // Half `e`'s 32 bytes of the 64 at `at` (SAFETY, every load below: `at + 64 ≤ tb`,
-        // the layout's offsets).
+        // The loads below read at the layout's offsets `at`, all with `at + 64 ≤ tb`, and
+        // `first + e < 2`. Half `e`'s 32 bytes of the 64 at `at`:
+        // SAFETY: the 32 bytes lie inside this tile.
         let load = |at: usize, e: usize| unsafe {
             _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
         };
+        // SAFETY: the 16 bytes lie inside this tile.
         let half8 = |at: usize, e: usize| unsafe {
             _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
         };

@@ -52,9 +52,9 @@ impl EdgeIndex {
                 reason: e.to_string(),
             }
         };
-        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        std::fs::create_dir_all(dir).map_err(|cause| Error::Io {
             path: dir.to_path_buf(),
-            source,
+            cause,
         })?;
         let exists = dir.join("edge_config.json").exists();
         let shard = if exists {

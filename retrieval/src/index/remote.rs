@@ -67,9 +67,9 @@ impl RemoteIndex {
             .thread_name("ragkv-qdrant")
             .enable_all()
             .build()
-            .map_err(|source| Error::Io {
+            .map_err(|cause| Error::Io {
                 path: "tokio runtime".into(),
-                source,
+                cause,
             })?;
         let api_key = if config.api_key.is_empty() {
             std::env::var("QDRANT_API_KEY")

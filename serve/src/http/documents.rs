@@ -1,30 +1,7 @@
-//! The admin routes: documents (add, get, delete), rematerialize and gc, behind the admin
-//! token when one is configured.
+//! The document routes: add (through the ingest pipeline), get, delete; adding and deleting
+//! need the admin token when one is configured ([`super::admin`]).
 
 use super::*;
-
-pub(super) fn check_admin(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
-    let token = &state.rag.config.admin_token;
-    if token.is_empty() {
-        return Ok(());
-    }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "admin routes need Authorization: Bearer <serve.admin_token>",
-        ))
-    }
-}
-
-pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 /// Body of `POST /v1/documents`.
 #[derive(Debug, Deserialize)]
@@ -57,7 +34,7 @@ pub(super) async fn add_documents(
         return Err(ApiError::bad("documents: empty"));
     }
     let materialize = match b.materialize.as_deref() {
-        None => state.rag.engine.config.materialize,
+        None => state.rag.engine.config().materialize,
         Some(m) => m
             .parse::<ingest::Materialize>()
             .map_err(|e| ApiError::bad(format!("materialize: {e}")))?,
@@ -73,7 +50,7 @@ pub(super) async fn add_documents(
         })
         .collect();
     let engine = state.rag.engine.clone();
-    let report = tokio::task::spawn_blocking(move || {
+    let report = blocking(move || {
         engine.ingest(
             &[ingest::Source::Docs(docs)],
             &ingest::RunOptions {
@@ -84,9 +61,8 @@ pub(super) async fn add_documents(
             &ingest::Counters::default(),
         )
     })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))?
-    .map_err(|e| ApiError::internal(e.to_string()))?;
+    .await?
+    .map_err(ApiError::internal)?;
     let committed = report.docs_new + report.docs_replaced + report.docs_unchanged;
     let status = match (report.ok(), committed) {
         (true, _) => StatusCode::OK,
@@ -113,10 +89,9 @@ pub(super) async fn get_document(
     let Path(id) = id.map_err(rejected)?;
     let engine = state.rag.engine.clone();
     let id2 = id.clone();
-    let chunks = tokio::task::spawn_blocking(move || engine.index.document(&id2))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let chunks = blocking(move || engine.index().document(&id2))
+        .await?
+        .map_err(ApiError::internal)?;
     if chunks.is_empty() {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -144,10 +119,9 @@ pub(super) async fn delete_document(
     let Path(id) = id.map_err(rejected)?;
     let engine = state.rag.engine.clone();
     let id2 = id.clone();
-    let existed = tokio::task::spawn_blocking(move || engine.delete_document(&id2))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let existed = blocking(move || engine.delete_document(&id2))
+        .await?
+        .map_err(ApiError::internal)?;
     if !existed {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -155,48 +129,4 @@ pub(super) async fn delete_document(
         ));
     }
     Ok(Json(json!({"id": id, "deleted": true})))
-}
-
-pub(super) fn job_error(e: crate::maintenance::JobError) -> ApiError {
-    match e {
-        crate::maintenance::JobError::Busy => ApiError::new(StatusCode::CONFLICT, e.to_string()),
-        crate::maintenance::JobError::Closing => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-        }
-        e => ApiError::internal(e.to_string()),
-    }
-}
-
-/// `POST /v1/admin/rematerialize`: the body (optional) is `ingest::RematOptions`.
-pub(super) async fn rematerialize(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> ApiResult<Json<Value>> {
-    check_admin(&state, &headers)?;
-    let opts: ingest::RematOptions = if body.iter().all(u8::is_ascii_whitespace) {
-        ingest::RematOptions::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("body: {e}")))?
-    };
-    let m = state.rag.maintenance.clone();
-    let report = tokio::task::spawn_blocking(move || m.rematerialize(&opts, false))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(job_error)?;
-    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
-}
-
-/// `POST /v1/admin/gc`.
-pub(super) async fn gc(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-) -> ApiResult<Json<Value>> {
-    check_admin(&state, &headers)?;
-    let m = state.rag.maintenance.clone();
-    let report = tokio::task::spawn_blocking(move || m.gc(false))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(job_error)?;
-    Ok(Json(serde_json::to_value(report).unwrap_or_default()))
 }

@@ -30,8 +30,11 @@ impl ApiError {
     pub(crate) fn bad(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, message)
     }
-    pub(super) fn internal(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    /// 500 for a fault of the server's own: the client gets a generic message, `e` goes to
+    /// the log with every cause under it.
+    pub(super) fn internal(e: impl std::error::Error) -> ApiError {
+        tracing::error!(error = %crate::error::chain(&e), "internal error answering a request");
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, crate::error::INTERNAL)
     }
     pub(super) fn failed(kind: FailKind, message: String) -> ApiError {
         let status = match kind {
@@ -58,6 +61,16 @@ impl ApiError {
             _ => "server_error",
         }
     }
+}
+
+/// Runs blocking work (store, index, ingest) on the blocking pool, never on an async thread;
+/// a panic in it is a 500 ([`ApiError::internal`]).
+pub(super) async fn blocking<R: Send + 'static>(
+    f: impl FnOnce() -> R + Send + 'static,
+) -> ApiResult<R> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(ApiError::internal)
 }
 
 /// The JSON error of a rejected extractor (path, query string, body).

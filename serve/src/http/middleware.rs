@@ -109,11 +109,25 @@ pub(crate) async fn read_body(
             ),
         )
         .into_response(),
-        Ok(Err(e)) if e.to_string().contains("length limit") => too_large(),
+        Ok(Err(e)) if over_limit(&e) => too_large(),
         Ok(Err(e)) => ApiError::bad(format!("reading the request body: {e}")).into_response(),
         Ok(Ok(bytes)) => {
             next.run(axum::extract::Request::from_parts(parts, bytes.into()))
                 .await
         }
     }
+}
+
+/// Whether reading a body failed because it passed the size limit (not a broken connection).
+fn over_limit(e: &axum::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }

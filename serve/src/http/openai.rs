@@ -1,5 +1,7 @@
 //! `POST /v1/chat/completions`: the OpenAI-compatible chat route (streamed or whole).
 
+use serde::Serialize;
+
 use super::*;
 
 /// Body of `POST /v1/chat/completions` (the fields ragkv uses; others are ignored).
@@ -77,39 +79,57 @@ pub(super) async fn chat(
     let run = start(&state, q)?;
     if b.stream != Some(true) {
         let f = collect(run).await?;
-        return Ok(Json(json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.answer},
-                         "finish_reason": openai_finish(&f.finish_reason)}],
-            "usage": {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-                      "total_tokens": f.prompt_tokens + f.completion_tokens},
-            "ragkv": {"citations": f.citations, "kv_hits": f.kv_hits, "kv_misses": f.kv_misses,
-                      "timings": f.timings},
-        }))
+        return Ok(Json(Completion {
+            id: &id,
+            object: "chat.completion",
+            created,
+            model: &model,
+            choices: [Choice {
+                index: 0,
+                message: Said {
+                    role: "assistant",
+                    content: &f.answer,
+                },
+                finish_reason: openai_finish(&f.finish_reason),
+            }],
+            usage: Usage {
+                prompt_tokens: f.prompt_tokens,
+                completion_tokens: f.completion_tokens,
+                total_tokens: f.prompt_tokens + f.completion_tokens,
+            },
+            ragkv: Extras::of(&f),
+        })
         .into_response());
     }
     let stream = async_stream::stream! {
         let mut run = run;
-        let chunk = |delta: Value, finish: Value| json!({
-            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        });
-        yield Ok::<_, Infallible>(SseEvent::default().data(chunk(json!({"role": "assistant", "content": ""}), Value::Null).to_string()));
+        let chunk = |delta: Delta<'_>, finish: Option<&'static str>, ragkv: Option<Extras<'_>>| {
+            let c = Chunk {
+                id: &id,
+                object: "chat.completion.chunk",
+                created,
+                model: &model,
+                choices: [ChunkChoice { index: 0, delta, finish_reason: finish }],
+                ragkv,
+            };
+            SseEvent::default().data(serde_json::to_string(&c).unwrap_or_default())
+        };
+        let first = Delta { role: Some("assistant"), content: Some("") };
+        yield Ok::<_, Infallible>(chunk(first, None, None));
         while let Some(e) = run.next().await {
             match e {
                 Event::Token(t) => {
-                    yield Ok(SseEvent::default().data(chunk(json!({"content": t}), Value::Null).to_string()));
+                    yield Ok(chunk(Delta { role: None, content: Some(&t) }, None, None));
                 }
                 Event::Done(f) => {
-                    let mut last = chunk(json!({}), json!(openai_finish(&f.finish_reason)));
-                    last["ragkv"] = json!({"citations": f.citations, "kv_hits": f.kv_hits,
-                                           "kv_misses": f.kv_misses, "timings": f.timings});
-                    yield Ok(SseEvent::default().data(last.to_string()));
+                    let finish = openai_finish(&f.finish_reason);
+                    yield Ok(chunk(Delta::default(), Some(finish), Some(Extras::of(&f))));
                     break;
                 }
-                Event::Error(kind, e) => {
+                Event::Error(kind, message) => {
                     let kind = ApiError::failed(kind, String::new()).kind();
-                    yield Ok(SseEvent::default().data(json!({"error": {"message": e, "type": kind}}).to_string()));
+                    let e = json!({"error": {"message": message, "type": kind}});
+                    yield Ok(SseEvent::default().data(e.to_string()));
                     break;
                 }
             }
@@ -119,6 +139,89 @@ pub(super) async fn chat(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// A whole answer (`chat.completion`).
+#[derive(Serialize)]
+struct Completion<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [Choice<'a>; 1],
+    usage: Usage,
+    /// ragkv's extension: where the context came from and how long each stage took.
+    ragkv: Extras<'a>,
+}
+
+#[derive(Serialize)]
+struct Choice<'a> {
+    index: u32,
+    message: Said<'a>,
+    finish_reason: &'static str,
+}
+
+/// A message of the answer.
+#[derive(Serialize)]
+struct Said<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    total_tokens: usize,
+}
+
+/// One streamed piece (`chat.completion.chunk`); the last one carries ragkv's extension.
+#[derive(Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChunkChoice<'a>; 1],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ragkv: Option<Extras<'a>>,
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    /// `null` until the last piece.
+    finish_reason: Option<&'static str>,
+}
+
+/// What a piece adds: the role once, then text; empty in the last piece.
+#[derive(Serialize, Default)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+/// ragkv's extension of an answer: citations, KV hits and misses, stage timings.
+#[derive(Serialize)]
+struct Extras<'a> {
+    citations: &'a [crate::events::Citation],
+    kv_hits: usize,
+    kv_misses: usize,
+    timings: &'a crate::events::Timings,
+}
+
+impl<'a> Extras<'a> {
+    fn of(f: &'a Final) -> Extras<'a> {
+        Extras {
+            citations: &f.citations,
+            kv_hits: f.kv_hits,
+            kv_misses: f.kv_misses,
+            timings: &f.timings,
+        }
+    }
 }
 
 pub(super) fn openai_finish(reason: &str) -> &'static str {

@@ -1,36 +1,117 @@
-//! A query's context, the two halves of building it: reading its chunks' stored KV (on the
-//! loader thread, [`read_chunks`]) and assembling the prompt cache from the system prefix and
-//! those chunks by the query's strategy (on the model thread, [`assemble_query`]). Teacher
-//! forcing ([`crate::teacher`]) builds its context with the same two functions.
+//! The loader thread (`ragkv-loader`): reads each admitted query's chunk KV from the store
+//! (verified; what the local store misses, from the shared tier), imports it into tensors
+//! placed at the chunk's prompt positions, tokenizes the question, and hands the loaded
+//! query to the scheduler. It runs one query ahead of the model; how much of each load ran
+//! while the model was busy is measured ([`crate::overlap`]).
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
+use crossbeam_channel::{Receiver, Sender};
 use ingest::Engine;
-use model::{DType, Kv, KvCache, Tensor};
+use model::{DType, Kv};
 use retrieval::Hit;
 
-use crate::assembly::{assemble_into, Assembly, Repair};
-use crate::events::{Citation, KvSource};
+use super::job::{finish_err, ms, ComputeJob, KvMode, LoadJob, Loaded, Prefix, Query, Worker};
+use crate::assembly::Assembly;
+use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::rag::{internal, Failure, KvMode, Prefix, Query};
+use crate::overlap::Timeline;
+use crate::supervise::{contain, Faults};
 
-/// A retrieved chunk, read for assembly.
-pub(crate) struct Loaded {
-    pub hit: Hit,
-    pub tokens: Vec<u32>,
-    /// Stored KV, already at the chunk's place in the prompt; `None`: prefill it.
-    pub kv: Option<Kv>,
-    /// The stored copy failed verification: write the recomputed KV over it.
-    pub corrupt: bool,
+/// The loader loop; returns when its input queue closes or the scheduler's has gone.
+pub(crate) fn run(
+    w: &Worker,
+    timeline: &Timeline,
+    prefix: &Prefix,
+    rx: Receiver<LoadJob>,
+    tx: Sender<ComputeJob>,
+) {
+    let m = &w.metrics;
+    let mut buf = Vec::new();
+    for job in rx {
+        m.load_queue.fetch_sub(1, Ordering::Relaxed);
+        if Faults::take(&w.faults.kill_loader) {
+            return; // as a bug outside any job would: health reports it
+        }
+        let events = job.events.clone();
+        match contain("ragkv-loader", m, || {
+            if Faults::take(&w.faults.panic_loader) {
+                panic!("injected loader fault");
+            }
+            load(w, timeline, prefix, &mut buf, job)
+        }) {
+            Ok(Some(cj)) => {
+                m.compute_queue.fetch_add(1, Ordering::Relaxed);
+                if tx.send(cj).is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => finish_err(m, &events, e),
+        }
+    }
 }
 
-/// A chunk's KV to store, computed because it was missing or damaged.
-pub(crate) struct Writeback {
-    pub doc: String,
-    pub hash: String,
-    pub tokens: Vec<u32>,
-    pub bytes: Vec<u8>,
-    pub replace: bool,
+/// Reads one query's chunks and tokenizes its question; `None` when the query ended here
+/// (cancelled, or failed and told).
+fn load(
+    w: &Worker,
+    timeline: &Timeline,
+    prefix: &Prefix,
+    buf: &mut Vec<u8>,
+    mut job: LoadJob,
+) -> Option<ComputeJob> {
+    let (engine, m) = (&*w.engine, &*w.metrics);
+    if job.events.is_closed() {
+        m.cancelled.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    let t = Instant::now();
+    job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
+    let hits = std::mem::take(&mut job.hits);
+    let start = prefix.tokens.len();
+    let chunks = match read_chunks(engine, m, &job.query, hits, start, buf, w.cache_dtype) {
+        Ok(c) => c,
+        Err(e) => {
+            finish_err(m, &job.events, e);
+            return None;
+        }
+    };
+    let end = Instant::now();
+    let (took, hidden) = (end - t, timeline.overlap(t, end));
+    job.timings.load_ms = ms(took);
+    job.timings.load_hidden_ms = ms(hidden);
+    m.kv_load_us
+        .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    m.kv_load_hidden_us
+        .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
+    let question = match prefix.question(engine, &job.query.question) {
+        Ok(q) => q,
+        Err(e) => {
+            finish_err(m, &job.events, e.into());
+            return None;
+        }
+    };
+    let context: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+    let prompt_tokens = prefix.tokens.len() + context + question.len();
+    let limit = engine.model().max_positions();
+    if prompt_tokens + job.query.params.max_tokens > limit {
+        let why = format!(
+            "the prompt ({prompt_tokens} tokens) and max_tokens ({}) exceed the model's \
+             context ({limit} positions): lower top_k or max_tokens",
+            job.query.params.max_tokens
+        );
+        finish_err(m, &job.events, Error::Invalid { why });
+        return None;
+    }
+    Some(ComputeJob {
+        job,
+        chunks,
+        question,
+        prompt_tokens,
+        queued_at: Instant::now(),
+    })
 }
 
 /// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in `dtype` on the
@@ -46,7 +127,7 @@ pub(crate) fn import(
     pos: usize,
     dtype: DType,
 ) -> model::Result<Kv> {
-    let model = &engine.model;
+    let model = &engine.model();
     let kv = Kv::from_bytes(bytes, &engine.layout(), model.device())?;
     let kv = if dtype == model::Q8_CACHE {
         // Keys turn before they are quantized (re-positioning works on the stored floats);
@@ -70,12 +151,12 @@ pub(crate) fn import(
 fn read_stored(engine: &Engine, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<()> {
     let n = tokens.len();
     match engine
-        .store
+        .store()
         .get_batch_into(engine.namespace(), tokens, n, buf)
     {
         Err(e) if e.is_miss() && !e.is_damage() => match engine.lossless_source() {
             Some(src) => engine
-                .store
+                .store()
                 .get_batch_into(src, tokens, n, buf)
                 .map(|_| ())
                 .map_err(|_| e),
@@ -96,16 +177,16 @@ pub(crate) fn read_chunks(
     mut pos: usize,
     buf: &mut Vec<u8>,
     cache_dtype: DType,
-) -> Result<Vec<Loaded>, String> {
+) -> Result<Vec<Loaded>> {
     let dtype = query
         .assembly
-        .chunk_dtype(engine.model.dtype(), cache_dtype);
+        .chunk_dtype(engine.model().dtype(), cache_dtype);
     let mut chunks = Vec::with_capacity(hits.len());
     for hit in hits {
         let tokens = match engine.chunk_tokens(&hit.payload.text) {
             Ok(t) if !t.is_empty() => t,
             Ok(_) => continue,
-            Err(e) => return Err(format!("loading chunks: {e}")),
+            Err(e) => return Err(e.into()),
         };
         let mut corrupt = false;
         let kv = if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
@@ -168,7 +249,7 @@ fn fetch_remote(
     dtype: DType,
     chunks: &mut [(usize, Loaded)],
 ) {
-    let Some(tier) = engine.remote.as_deref().filter(|r| r.reads()) else {
+    let Some(tier) = engine.remote().filter(|r| r.reads()) else {
         return;
     };
     let missing: Vec<usize> = (0..chunks.len())
@@ -217,7 +298,7 @@ fn fetch_remote(
         // Kept locally under the document version's KV id, as ingest would have stored it
         // (a failure here costs only the next fetch).
         let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
-        let put = engine.store.put_batch(
+        let put = engine.store().put_batch(
             engine.namespace(),
             engine.layout(),
             &[kvstore::PutItem {
@@ -232,137 +313,4 @@ fn fetch_remote(
         c.kv = Some(kv);
         c.corrupt = false;
     }
-}
-
-/// A query's assembled prompt cache.
-pub(crate) struct Assembled {
-    /// The decoding cache, holding the prompt so far, with room for `pending` and the answer.
-    pub cache: KvCache,
-    /// What to feed after the cache's rows: the question's tokens; with `full`, the chunks'
-    /// and the question's; none after a repair, which ran the question in its pass.
-    pub pending: Vec<u32>,
-    /// The logits after the question when the repair ran it (`pending` is then empty).
-    pub logits: Option<Tensor>,
-    /// Cache rows still to recompute (a deferred repair): the first `redo.len()` tokens of
-    /// `pending` are theirs, fed with [`model::Decoder::step_repairing`].
-    pub redo: Vec<usize>,
-    pub citations: Vec<Citation>,
-    /// Chunks served from stored KV, and chunks prefilled now to be written back.
-    pub hits: usize,
-    pub misses: usize,
-    pub recomputed: usize,
-    /// The KV of chunks prefilled now (missing or damaged), for the store.
-    pub writebacks: Vec<Writeback>,
-}
-
-/// The prompt cache of `query`: the exact system prefix, then each chunk at its place (stored
-/// KV as read, or prefilled now exactly as ingest stores it), repaired as the strategy says;
-/// with `full`, just the prefix, the chunks to be prefilled with the question. The cache is
-/// in `dtype` (`serve.cache_dtype`), with room for what is pending and `room` more tokens.
-/// With `defer`, a `link` repair is left to the caller's feeding ([`Assembled::redo`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn assemble_query(
-    engine: &Engine,
-    prefix: &Prefix,
-    repair: &Repair,
-    query: &Query,
-    chunks: Vec<Loaded>,
-    mut question: Vec<u32>,
-    room: usize,
-    dtype: DType,
-    defer: bool,
-) -> Result<Assembled, Failure> {
-    let model = &engine.model;
-    let full = query.assembly == Assembly::Full;
-    let mut parts = Vec::with_capacity(chunks.len());
-    let mut context = prefix.tokens.clone();
-    let mut citations = Vec::with_capacity(chunks.len());
-    let mut writebacks = Vec::new();
-    let (mut hits, mut misses) = (0, 0);
-    for c in chunks {
-        let pos = context.len();
-        context.extend_from_slice(&c.tokens);
-        let citation = |kv| Citation {
-            doc_id: c.hit.payload.doc_id.clone(),
-            chunk: c.hit.payload.ordinal,
-            score: c.hit.score,
-            tokens: c.tokens.len(),
-            kv,
-        };
-        if full {
-            citations.push(citation(KvSource::Full));
-            continue;
-        }
-        let (kv, source) = match c.kv {
-            Some(kv) => {
-                hits += 1;
-                (kv, KvSource::Stored)
-            }
-            None => {
-                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = engine.prefill_bytes(&c.tokens).map_err(internal)?;
-                let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
-                let kv =
-                    import(engine, &bytes, query.assembly, pos, chunk_dtype).map_err(internal)?;
-                if query.kv == KvMode::On {
-                    misses += 1;
-                    writebacks.push(Writeback {
-                        doc: c.hit.payload.doc_id.clone(),
-                        hash: c.hit.payload.doc_hash.clone(),
-                        tokens: c.tokens.clone(),
-                        bytes,
-                        replace: c.corrupt,
-                    });
-                    (kv, KvSource::Recomputed)
-                } else {
-                    (kv, KvSource::Off)
-                }
-            }
-        };
-        citations.push(citation(source));
-        parts.push(kv);
-    }
-    let (cache, recomputed, logits, redo) = if full {
-        // The reference: the chunks are prefilled with the question, after the exact prefix.
-        question.splice(0..0, context[prefix.tokens.len()..].iter().copied());
-        let extra = question.len() + room;
-        let cache = KvCache::from_kv_in(&prefix.kv, extra, dtype).map_err(internal)?;
-        (cache, 0, None, Vec::new())
-    } else {
-        let r = assemble_into(
-            model,
-            query.assembly,
-            repair,
-            &prefix.kv,
-            parts,
-            &context,
-            &question,
-            room,
-            dtype,
-            defer,
-        )
-        .map_err(internal)?;
-        let redo = if r.deferred {
-            // The repair's tokens go first, then the question.
-            question.splice(0..0, r.positions.iter().map(|&p| context[p]));
-            r.positions.clone()
-        } else {
-            if r.logits.is_some() {
-                question.clear();
-            }
-            Vec::new()
-        };
-        (r.cache, r.positions.len(), r.logits, redo)
-    };
-    Ok(Assembled {
-        cache,
-        redo,
-        pending: question,
-        logits,
-        citations,
-        hits,
-        misses,
-        recomputed,
-        writebacks,
-    })
 }

@@ -11,8 +11,8 @@
 
 use std::arch::x86_64::*;
 
-use super::kpacked::{TileKernel, D, DMIN, HI6, MP, Q45, Q6, QH5, SC, SCP6};
-use super::kquant::{BlockQ8K, KKind};
+use super::super::kquant::{BlockQ8K, KKind};
+use super::{TileKernel, D, DMIN, HI6, MP, Q45, Q6, QH5, SC, SCP6};
 
 /// Activation rows per call of the AVX-512 kernels.
 pub(super) const VNNI_ROWS: usize = 8;
@@ -62,7 +62,7 @@ macro_rules! by_rows {
     };
 }
 
-/// The AVX-512 VNNI kernel for `kind` (callers check `super::avx512::available()`).
+/// The AVX-512 VNNI kernel for `kind` (callers check `super::super::avx512_vnni()`).
 pub(super) fn vnni(kind: KKind) -> TileKernel {
     match kind_code(kind) {
         0 => vnni_rows::<0>,
@@ -126,12 +126,16 @@ unsafe fn vnni_tile<const T: u8, const R: usize>(
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         let t = tiles[b * tb..(b + 1) * tb].as_ptr();
-        // SAFETY (every load below): `at + 64 ≤ tb`, inside this tile (the layout's offsets).
+        // The loads below read at the layout's offsets `at`, all with `at + 64 ≤ tb`.
+        // SAFETY: 64 bytes at `at` lie inside this tile.
         let load = |at: usize| unsafe { _mm512_loadu_si512(t.add(at).cast()) };
+        // SAFETY: 32 bytes at `at` lie inside this tile.
         let half16 = |at: usize| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(t.add(at).cast())) };
         // Sixteen rows' pairs of bytes (32 at `at`) as pairs of i16.
+        // SAFETY: 32 bytes at `at` lie inside this tile.
         let widen_u8 =
             |at: usize| unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(t.add(at).cast())) };
+        // SAFETY: as above.
         let widen_i8 =
             |at: usize| unsafe { _mm512_cvtepi8_epi16(_mm256_loadu_si256(t.add(at).cast())) };
         let ys: [&BlockQ8K; R] = std::array::from_fn(|i| &act[i * nb + b]);
@@ -322,18 +326,23 @@ unsafe fn avx2_tile<const T: u8, const R: usize, const H: usize>(
     let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..nb {
         let t = tiles[b * tb..(b + 1) * tb].as_ptr();
-        // Half `e`'s 32 bytes of the 64 at `at` (SAFETY, every load below: `at + 64 ≤ tb`,
-        // inside this tile).
+        // The loads below read at the layout's offsets `at`, all with `at + 64 ≤ tb`, and
+        // `first + e < 2`.
+        // Half `e`'s 32 bytes of the 64 at `at`.
+        // SAFETY: the 32 bytes lie inside this tile.
         let load = |at: usize, e: usize| unsafe {
             _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
         };
+        // SAFETY: the 16 bytes lie inside this tile.
         let half8 = |at: usize, e: usize| unsafe {
             _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
         };
         // Half `e`'s eight rows' pairs of bytes (16 of the 32 at `at`) as pairs of i16.
+        // SAFETY: the 16 bytes lie inside this tile.
         let widen_u8 = |at: usize, e: usize| unsafe {
             _mm256_cvtepu8_epi16(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
         };
+        // SAFETY: as above.
         let widen_i8 = |at: usize, e: usize| unsafe {
             _mm256_cvtepi8_epi16(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
         };

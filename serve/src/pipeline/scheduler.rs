@@ -1,4 +1,4 @@
-//! The model thread: continuous batching.
+//! The model thread (`ragkv-model`): continuous batching.
 //!
 //! `ragkv-model` runs a scheduler over the queries the loader hands it, loaded:
 //! - **Join, between steps.** While the batch has room (`serve.max_batch`) and the next
@@ -30,21 +30,22 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use model::{Decoding, KvCache, Tensor};
+use model::{Decoding, KvCache, StepSeq, Tensor};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-use crate::assembly::Repair;
-use crate::context::{assemble_query, Writeback};
-use crate::events::{Event, FailKind, Final, Timings};
+use super::assemble::{assemble, Request};
+use super::job::{finish_err, ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
+use crate::assembly::{LinkTiming, Repair, Target};
+use crate::error::{Error, Result};
+use crate::events::{Event, Final, Timings};
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
-use crate::rag::{finish_err, internal, ms, ComputeJob, Failure, LoadJob, Prefix, Worker};
 use crate::supervise::{contain, Faults, Ticket};
 
 /// How long, at shutdown, final events wait for clients whose channels are full.
 const LINGER: Duration = Duration::from_secs(2);
 
-/// How the scheduler bounds a batch (from [`crate::ServeConfig`]).
+/// How the scheduler bounds a batch (`[serve]`'s settings).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
     pub max_batch: usize,
@@ -136,7 +137,7 @@ pub(crate) fn run(
     wb: Sender<Writeback>,
 ) {
     let m = &*w.metrics;
-    let token_bytes = limits.cache_token_bytes(&w.engine.model);
+    let token_bytes = limits.cache_token_bytes(w.engine.model());
     let mut active: Vec<Active<'_>> = Vec::new();
     let mut leaving: Vec<Leaving> = Vec::new();
     let mut waiting: Option<ComputeJob> = None;
@@ -182,14 +183,14 @@ pub(crate) fn run(
             }
             let need = cj.cache_tokens() as u64 * token_bytes;
             if need > limits.kv_budget {
-                let e = format!(
+                let why = format!(
                     "the query needs {} MiB of KV cache ({} tokens); serve.kv_budget_mb is {}: \
                      lower top_k or max_tokens",
                     need >> 20,
                     cj.cache_tokens(),
                     limits.kv_budget >> 20
                 );
-                finish_err(m, &cj.job.events, (FailKind::Invalid, e));
+                finish_err(m, &cj.job.events, Error::Invalid { why });
                 continue;
             }
             if active.len() >= limits.max_batch || used + need > limits.kv_budget {
@@ -204,7 +205,7 @@ pub(crate) fn run(
                 }
                 join(w, prefix, &limits, cj, &wb)
             });
-            match r.map_err(internal).and_then(|r| r) {
+            match r.and_then(|r| r) {
                 Ok(mut a) => {
                     a.reserved = need;
                     used += need;
@@ -233,8 +234,9 @@ pub(crate) fn run(
         let r = contain("ragkv-model", m, || {
             step(w, &mut active, limits.prefill_chunk)
         });
-        if let Err((kind, e)) = r.map_err(internal).and_then(|r| r) {
-            tracing::warn!(error = %e, queries = active.len(), "a batch step failed");
+        if let Err(e) = r.and_then(|r| r) {
+            tracing::warn!(error = %e.chain(), queries = active.len(), "a batch step failed");
+            let (kind, message) = (e.kind(), e.public_message());
             used = 0;
             m.batch_size.store(0, Ordering::Relaxed);
             m.kv_reserved_bytes.store(0, Ordering::Relaxed);
@@ -242,7 +244,7 @@ pub(crate) fn run(
                 drop(ticket);
                 m.failed.fetch_add(1, Ordering::Relaxed);
                 // Never blocking: a client whose channel is full sees its stream end.
-                let _ = events.try_send(Event::Error(kind, e.clone()));
+                let _ = events.try_send(Event::Error(kind, message.clone()));
             }
         }
         // Leave: finished, cancelled or gone.
@@ -271,7 +273,7 @@ fn join<'m>(
     limits: &Limits,
     cj: ComputeJob,
     wb: &Sender<Writeback>,
-) -> Result<Active<'m>, Failure> {
+) -> Result<Active<'m>> {
     let engine = &*w.engine;
     let m = &*w.metrics;
     let ComputeJob {
@@ -293,18 +295,19 @@ fn join<'m>(
 
     // Assemble: prefix, then each chunk at its place (the loader placed stored KV there).
     let t = Instant::now();
-    let room = query.params.max_tokens + 1;
-    let a = assemble_query(
-        engine,
+    let req = Request {
         prefix,
-        &limits.repair,
-        &query,
+        repair: &limits.repair,
+        query: &query,
         chunks,
         question,
-        room,
-        limits.cache_dtype,
-        true,
-    )?;
+        target: Target {
+            room: query.params.max_tokens + 1,
+            dtype: limits.cache_dtype,
+            link: LinkTiming::Deferred,
+        },
+    };
+    let a = assemble(engine, req)?;
     m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
     for wbm in a.writebacks {
@@ -318,8 +321,8 @@ fn join<'m>(
     );
     let cache = a.cache;
     timings.assemble_ms = ms(t.elapsed());
-    let decoding = Decoding::new(engine.model.tokenizer(), &query.params)
-        .map_err(|e| (FailKind::Invalid, e.to_string()))?;
+    let decoding = Decoding::new(engine.model().tokenizer(), &query.params)
+        .map_err(|e| Error::Invalid { why: e.to_string() })?;
     Ok(Active {
         ticket,
         events,
@@ -352,7 +355,7 @@ fn join<'m>(
 }
 
 /// One step of every query in the batch: feed, sample, stream.
-fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(), Failure> {
+fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<()> {
     let m = &*w.metrics;
     let now = Instant::now();
     let mut seqs = Vec::with_capacity(active.len());
@@ -369,22 +372,26 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
         };
         fed.push(n);
         if n > 0 {
-            seqs.push((&mut a.cache, &a.pending[..n], a.redo.as_slice()));
+            seqs.push(StepSeq {
+                cache: &mut a.cache,
+                tokens: &a.pending[..n],
+                redo: a.redo.as_slice(),
+            });
         }
     }
     let logits = if seqs.is_empty() {
         None
     } else {
-        let d = w.engine.model.decoder();
-        Some(d.step_repairing(&mut seqs).map_err(internal)?)
+        let d = w.engine.model().decoder();
+        Some(d.step(&mut seqs)?)
     };
     drop(seqs);
     let mut row = 0;
     for (a, n) in active.iter_mut().zip(fed) {
         let l = if n == 0 {
-            a.ready
-                .take()
-                .ok_or_else(|| internal("a query with nothing to feed"))?
+            a.ready.take().ok_or(Error::Invariant {
+                what: "a query with nothing to feed",
+            })?
         } else {
             a.pending.drain(..n);
             a.redo.clear();
@@ -392,10 +399,12 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
             if !a.pending.is_empty() {
                 continue; // the rest of its prompt runs in the next steps
             }
-            let logits = logits.as_ref().ok_or_else(|| internal("no step logits"))?;
-            logits.get(row - 1).map_err(internal)?
+            let logits = logits.as_ref().ok_or(Error::Invariant {
+                what: "no step logits",
+            })?;
+            model::logits_row(logits, row - 1)?
         };
-        let adv = a.decoding.advance(&l).map_err(internal)?;
+        let adv = a.decoding.advance(&l)?;
         let now = Instant::now();
         match a.first {
             None => {

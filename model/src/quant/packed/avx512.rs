@@ -1,4 +1,4 @@
-//! AVX-512 VNNI kernels over repacked matrices ([`super::packed`]; CPUs with `avx512f`,
+//! AVX-512 VNNI kernels over repacked matrices ([`super`]; CPUs with `avx512f`,
 //! `avx512bw`, `avx512vnni`: Intel since Ice Lake, AMD since Zen 4).
 //!
 //! A tile (16 weight rows, one 32-element block) decodes to eight vectors of unsigned bytes,
@@ -8,25 +8,17 @@
 //! block's scales then apply to sixteen outputs at once: `acc += d d_y Σ u q_y + m' s_y`.
 //! Each decoded tile serves up to eight activation rows (a batched decode step's rows, or a
 //! tile of a prompt's), held in registers. Activations are quantized as
-//! [`super::quantize_row`] does, but vectorized (ties rounded to even) and on the thread pool.
+//! [`quantize_row`](super::super::quantize_row) does, but vectorized (ties rounded to even)
+//! and on the thread pool.
 //!
 //! This replaced a kernel over the file's own block order (two blocks per `vpdpbusd`, scales
 //! applied per output): 3.1x the prompt throughput on SmolLM2-135M Q4_1 and 2.3x on
 //! Qwen2.5-0.5B's Q5_0/Q8_0 matrices (docs/BENCHMARKS.md).
 
-#![allow(unused_unsafe)]
-
 use std::arch::x86_64::*;
 
-use super::Kind;
-
-pub(super) fn available() -> bool {
-    crate::simd::allows_avx512()
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vnni")
-        && is_x86_feature_detected!("f16c")
-}
+use super::super::{avx512_vnni, tiled_matmul, BlockQ8, Kind, QK};
+use super::ROWS;
 
 /// Activation rows per pass over a repacked tile (each row's accumulator is a register,
 /// beside the tile's eight decoded vectors).
@@ -39,14 +31,14 @@ pub(super) struct Mat<'a> {
     pub n: usize,
 }
 
-/// `x @ w.T` for each repacked matrix `w` of `mats` (all of `k` columns; [`super::packed`]),
+/// `x @ w.T` for each repacked matrix `w` of `mats` (all of `k` columns; [`super`]),
 /// in one pass over the thread pool with `x` quantized once: the Q, K and V projections of a
 /// layer (or its gate and up) share their input, so they share its quantization and one
 /// barrier instead of three.
 pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
-    debug_assert!(available());
+    debug_assert!(avx512_vnni());
     let m = x.len() / k;
-    let nb = k / super::QK;
+    let nb = k / QK;
     let act = quantize_blocks(x, k, m);
     let kernel = |kind| match kind {
         Kind::Q4_0 => packed_rows::<0>,
@@ -56,12 +48,12 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
         Kind::Q8_0 => packed_rows::<4>,
     };
     for w in mats {
-        let groups = w.n.div_ceil(super::packed::ROWS);
+        let groups = w.n.div_ceil(ROWS);
         debug_assert_eq!(w.tiles.len(), groups * nb * w.kind.tile_bytes());
     }
     let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
-    let row_bytes = nb * std::mem::size_of::<super::BlockQ8>();
-    super::tiled_matmul(&heights, m, row_bytes, PACKED_TILE, |p| {
+    let row_bytes = nb * std::mem::size_of::<BlockQ8>();
+    tiled_matmul(&heights, m, row_bytes, PACKED_TILE, |p| {
         let mat = &mats[p.w];
         let tb = mat.kind.tile_bytes();
         let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
@@ -87,14 +79,15 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
 /// block takes ~10 ns: a decode step's eight rows of 576 are 144 blocks).
 const PARALLEL_BLOCKS: usize = 2048;
 
-/// `m` activation rows of `k` elements as 8-bit blocks (as [`super::quantize_row`], ties
-/// rounded to even), on the thread pool when there are many.
-fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<super::BlockQ8> {
-    let nb = k / super::QK;
-    let zero = super::BlockQ8 {
+/// `m` activation rows of `k` elements as 8-bit blocks (as
+/// [`quantize_row`](super::super::quantize_row), ties rounded to even), on the thread pool
+/// when there are many.
+fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<BlockQ8> {
+    let nb = k / QK;
+    let zero = BlockQ8 {
         d: 0.0,
         s: 0.0,
-        qs: [0; super::QK],
+        qs: [0; QK],
     };
     let mut out = vec![zero; m * nb];
     if m * nb < PARALLEL_BLOCKS {
@@ -104,7 +97,7 @@ fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<super::BlockQ8> {
         }
         return out;
     }
-    struct Dst(*mut super::BlockQ8);
+    struct Dst(*mut BlockQ8);
     // SAFETY: each task writes the rows of its own range only.
     unsafe impl Sync for Dst {}
     let dst = Dst(out.as_mut_ptr());
@@ -122,24 +115,29 @@ fn quantize_blocks(x: &[f32], k: usize, m: usize) -> Vec<super::BlockQ8> {
     out
 }
 
+/// `x` (`32 out.len()` elements) quantized into `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn quantize_blocks_into(x: &[f32], out: &mut [super::BlockQ8]) {
-    unsafe {
-        for (b, blk) in out.iter_mut().enumerate() {
-            let v0 = _mm512_loadu_ps(x.as_ptr().add(b * 32));
-            let v1 = _mm512_loadu_ps(x.as_ptr().add(b * 32 + 16));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            let d = amax / 127.0;
-            let id = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
-            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
-            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            let at = blk.qs.as_mut_ptr();
-            _mm_storeu_si128(at as *mut __m128i, _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128(at.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
-            blk.d = d;
-            blk.s = d * sum as f32;
-        }
+fn quantize_blocks_into(x: &[f32], out: &mut [BlockQ8]) {
+    let load = |x: &[f32]| {
+        let x: &[f32; 16] = x.try_into().expect("16 values");
+        // SAFETY: `x` is 16 readable f32; `loadu` takes any alignment.
+        unsafe { _mm512_loadu_ps(x.as_ptr()) }
+    };
+    for (blk, x) in out.iter_mut().zip(x.chunks_exact(32)) {
+        let (v0, v1) = (load(&x[..16]), load(&x[16..]));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        let d = amax / 127.0;
+        let id = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        let (lo, hi) = blk.qs.split_at_mut(16);
+        // SAFETY: `lo` is 16 writable bytes; `storeu` takes any alignment.
+        unsafe { _mm_storeu_si128(lo.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0)) };
+        // SAFETY: as above, for `hi`.
+        unsafe { _mm_storeu_si128(hi.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q1)) };
+        blk.d = d;
+        blk.s = d * sum as f32;
     }
 }
 
@@ -149,13 +147,14 @@ unsafe fn quantize_blocks_into(x: &[f32], out: &mut [super::BlockQ8]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn packed_rows<const K: u8>(
     tiles: &[u8],
-    act: &[super::BlockQ8],
+    act: &[BlockQ8],
     nb: usize,
     r: usize,
     out: *mut f32,
     stride: usize,
     mask: u16,
 ) {
+    // SAFETY: the caller's contract, which is `packed_tile`'s.
     unsafe {
         match r {
             1 => packed_tile::<K, 1>(tiles, act, nb, out, stride, mask),
@@ -174,12 +173,15 @@ unsafe fn packed_rows<const K: u8>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn packed_tile<const K: u8, const R: usize>(
     tiles: &[u8],
-    act: &[super::BlockQ8],
+    act: &[BlockQ8],
     nb: usize,
     out: *mut f32,
     stride: usize,
     mask: u16,
 ) {
+    // SAFETY: the caller's contract (the features; `out + i * stride` writable for the
+    // lanes of `mask`, `i < R`); the tile and activation reads stay inside `tiles` and `act`
+    // (their lengths asserted below; the prefetches read nothing).
     unsafe {
         let tb = [288, 320, 352, 384, 544][K as usize];
         assert!(tiles.len() >= nb * tb && act.len() >= R * nb);
@@ -209,10 +211,12 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
 }
 
 /// A tile's eight quant vectors (unsigned bytes, four elements per row lane), its rows'
-/// scales `d` and offsets `m'` (see [`super::packed`]).
+/// scales `d` and offsets `m'` (see [`super`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn packed_decode<const K: u8>(t: *const u8) -> ([__m512i; 8], __m512, __m512) {
+    // SAFETY: the caller's contract: `t` points at a whole tile of kind `K` (every offset
+    // read below is inside one).
     unsafe {
         let half16 = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(t.add(at) as *const __m256i));
         let d = half16(0);
