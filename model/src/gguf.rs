@@ -143,7 +143,8 @@ pub(crate) fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
     map_name(gguf, true, arch)
 }
 
-/// Maps an HF tensor name to its GGUF name.
+/// Maps an HF tensor name to its GGUF name (the synthetic models' writer).
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     map_name(hf, false, arch)
 }

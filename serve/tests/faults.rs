@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::router::{call, fixture, start, teardown};
+use common::router::{call, fixture, serve_limited, start, teardown};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -275,12 +275,8 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
     };
     let limits = serve::listen::Limits::from_config(&config);
     let (rag, app) = start(&f, config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve::listen::serve(listener, app, limits, async {
-        let _ = stopped.await;
-    }));
+    let server = serve_limited(app, limits).await;
+    let addr = server.addr;
     let read_all = |mut s: tokio::net::TcpStream| async move {
         let mut out = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
@@ -367,16 +363,7 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
         assert!(got.starts_with("HTTP/1.1 408"), "{got}");
     }
 
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    server.teardown(rag, f).await;
 }
 
 /// A flood of connections that send half a request line and stall, four times the cap,
@@ -393,12 +380,8 @@ async fn stalled_connections_past_the_cap_do_not_keep_a_request_out() {
     assert!(config.header_timeout_ms >= 10_000);
     let limits = serve::listen::Limits::from_config(&config);
     let (rag, app) = start(&f, config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve::listen::serve(listener, app, limits, async {
-        let _ = stopped.await;
-    }));
+    let server = serve_limited(app, limits).await;
+    let addr = server.addr;
     let mut stalled = Vec::new();
     for _ in 0..16 {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -426,16 +409,7 @@ async fn stalled_connections_past_the_cap_do_not_keep_a_request_out() {
         t.elapsed()
     );
     drop(stalled);
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    drop(rag);
-    tokio::task::spawn_blocking(move || f.close())
-        .await
-        .unwrap();
+    server.teardown(rag, f).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

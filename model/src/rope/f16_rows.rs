@@ -1,7 +1,9 @@
 //! Turning f16 rows in one pass: each element widened, turned in f32 and rounded back once,
 //! exactly as widening the whole tensor, [`super::Rope::turn_rows`] and narrowing it again
 //! would (the same products and sums, round to nearest even), without the two whole-tensor
-//! conversions and copies. This is the loader's repositioning of stored f16 keys.
+//! conversions and copies. This is the loader's repositioning of stored f16 keys. Its x86
+//! kernels stay `unsafe fn`s over raw pointers (a safe slice-based version was measurably
+//! slower in the dev profile, as the AVX2 attention loops were).
 
 use half::f16;
 
@@ -17,11 +19,12 @@ pub(super) fn turn(style: RopeStyle, x: &[f16], out: &mut [f16], cos: &[f32], si
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("f16c")
     {
-        match style {
-            // SAFETY: AVX2 and F16C were just detected.
-            RopeStyle::Half => unsafe { x86::half(x, out, cos, sin) },
-            // SAFETY: as above.
-            RopeStyle::Interleaved => unsafe { x86::interleaved(x, out, cos, sin) },
+        // SAFETY: AVX2 and F16C were just detected.
+        unsafe {
+            match style {
+                RopeStyle::Half => x86::half(x, out, cos, sin),
+                RopeStyle::Interleaved => x86::interleaved(x, out, cos, sin),
+            }
         }
         return;
     }
@@ -50,48 +53,48 @@ mod x86 {
 
     use half::f16;
 
-    /// Eight f16, widened.
+    /// Eight f16 at `p`, widened.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn load8(x: &[f16]) -> __m256 {
-        let x: &[f16; 8] = x[..8].try_into().expect("8 values");
-        // SAFETY: `x` is 16 readable bytes; `loadu` takes any alignment.
-        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(x.as_ptr().cast()) })
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's contract: eight f16 readable at `p`, and the features.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
-    /// Eight f32.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn loadf(x: &[f32]) -> __m256 {
-        let x: &[f32; 8] = x[..8].try_into().expect("8 values");
-        // SAFETY: `x` is 8 readable f32; `loadu` takes any alignment.
-        unsafe { _mm256_loadu_ps(x.as_ptr()) }
-    }
-
-    /// Eight f32 rounded to f16 (nearest, ties to even) into `out[..8]`.
+    /// Eight f32 rounded to f16 (nearest, ties to even) at `p`.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn store8(out: &mut [f16], v: __m256) {
-        let out: &mut [f16; 8] = (&mut out[..8]).try_into().expect("8 values");
-        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-        // SAFETY: `out` is 16 writable bytes; `storeu` takes any alignment.
-        unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), h) }
+    unsafe fn store8(p: *mut f16, v: __m256) {
+        // SAFETY: the caller's contract: eight f16 writable at `p`, and the features.
+        unsafe {
+            _mm_storeu_si128(
+                p as *mut __m128i,
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v),
+            )
+        }
     }
 
     /// [`super::turn`] for [`crate::RopeStyle::Half`] (element `i` pairs with `h + i`);
     /// `cos.len()` a multiple of 8.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) fn half(x: &[f16], out: &mut [f16], cos: &[f32], sin: &[f32]) {
+    pub(super) unsafe fn half(x: &[f16], out: &mut [f16], cos: &[f32], sin: &[f32]) {
         let h = cos.len();
         for (row, o) in x.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)) {
             for i in (0..h).step_by(8) {
-                let x1 = load8(&row[i..]);
-                let x2 = load8(&row[h + i..]);
-                let (c, s) = (loadf(&cos[i..]), loadf(&sin[i..]));
-                let a = _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s));
-                let b = _mm256_add_ps(_mm256_mul_ps(x1, s), _mm256_mul_ps(x2, c));
-                store8(&mut o[i..], a);
-                store8(&mut o[h + i..], b);
+                // SAFETY: `i + 8 <= h`, rows are `2h` long, tables `h`.
+                unsafe {
+                    let x1 = load8(row.as_ptr().add(i));
+                    let x2 = load8(row.as_ptr().add(h + i));
+                    let c = _mm256_loadu_ps(cos.as_ptr().add(i));
+                    let s = _mm256_loadu_ps(sin.as_ptr().add(i));
+                    let a = _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s));
+                    let b = _mm256_add_ps(_mm256_mul_ps(x1, s), _mm256_mul_ps(x2, c));
+                    store8(o.as_mut_ptr().add(i), a);
+                    store8(o.as_mut_ptr().add(h + i), b);
+                }
             }
         }
     }
@@ -100,8 +103,11 @@ mod x86 {
     /// pair): each lane times its pair's cosine, plus its neighbour's value times the sine
     /// with the sign the lane needs (`x1 c + x2 (-s)`, `x2 c + x1 s`: the portable arithmetic,
     /// operands in another order). `cos.len()` a multiple of 8.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) fn interleaved(x: &[f16], out: &mut [f16], cos: &[f32], sin: &[f32]) {
+    pub(super) unsafe fn interleaved(x: &[f16], out: &mut [f16], cos: &[f32], sin: &[f32]) {
         let d = 2 * cos.len();
         let cc: Vec<f32> = (0..d).map(|j| cos[j / 2]).collect();
         let ss: Vec<f32> = (0..d)
@@ -109,12 +115,16 @@ mod x86 {
             .collect();
         for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             for j in (0..d).step_by(8) {
-                let v = load8(&row[j..]);
-                // Each pair's two lanes swapped.
-                let w = _mm256_permute_ps::<0b10_11_00_01>(v);
-                let (c, s) = (loadf(&cc[j..]), loadf(&ss[j..]));
-                let t = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(w, s));
-                store8(&mut o[j..], t);
+                // SAFETY: `j + 8 <= d`, rows and tables are `d` long.
+                unsafe {
+                    let v = load8(row.as_ptr().add(j));
+                    // Each pair's two lanes swapped.
+                    let w = _mm256_permute_ps::<0b10_11_00_01>(v);
+                    let c = _mm256_loadu_ps(cc.as_ptr().add(j));
+                    let s = _mm256_loadu_ps(ss.as_ptr().add(j));
+                    let t = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(w, s));
+                    store8(o.as_mut_ptr().add(j), t);
+                }
             }
         }
     }

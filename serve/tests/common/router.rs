@@ -121,6 +121,22 @@ pub async fn serve(app: axum::Router) -> Server {
     Server { addr, stop, task }
 }
 
+/// Serves `app` on a free loopback port through ragkv's own server loop with `limits`
+/// (connection cap, header timeout), as `ragkv serve` does.
+pub async fn serve_limited(app: axum::Router, limits: serve::listen::Limits) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        serve::listen::serve(listener, app, limits, async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap()
+    });
+    Server { addr, stop, task }
+}
+
 impl Server {
     /// Stops accepting and waits for the open connections to end, so that nothing holds
     /// the app (and through it the engine) afterwards.
