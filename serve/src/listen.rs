@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -67,7 +67,7 @@ struct Conn {
 /// The open connections in accept order (oldest first).
 #[derive(Default)]
 struct Conns {
-    next: std::sync::atomic::AtomicU64,
+    next: AtomicU64,
     open: Mutex<BTreeMap<u64, Arc<Conn>>>,
 }
 

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use serve::{AppState, Rag, ServeConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::router::{call, fixture, serve_limited, start, teardown};
+use common::router::{call, fixture, send_healthz, serve_limited, start, teardown};
 
 const QUESTION: &str = "Who was the last resident keeper of the Varrow Point Lighthouse?";
 
@@ -311,12 +311,7 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
     let mut b = tokio::net::TcpStream::connect(addr).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t = std::time::Instant::now();
-    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-    c.write_all(
-        format!("GET /healthz HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
+    let c = send_healthz(addr).await;
     let got = read_all(c).await;
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     assert!(
@@ -348,12 +343,7 @@ async fn slow_clients_are_cut_off_and_connections_are_capped() {
         busy.push(s);
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-    c.write_all(
-        format!("GET /healthz HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
+    let mut c = send_healthz(addr).await;
     let early = tokio::time::timeout(Duration::from_millis(200), c.read(&mut buf)).await;
     assert!(early.is_err(), "served past the connection cap");
     let got = read_all(c).await;
@@ -390,12 +380,7 @@ async fn stalled_connections_past_the_cap_do_not_keep_a_request_out() {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t = std::time::Instant::now();
-    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-    c.write_all(
-        format!("GET /healthz HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
+    let mut c = send_healthz(addr).await;
     let mut out = Vec::new();
     let r = tokio::time::timeout(Duration::from_secs(1), c.read_to_end(&mut out)).await;
     let got = String::from_utf8_lossy(&out);

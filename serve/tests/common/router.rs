@@ -98,6 +98,16 @@ pub async fn send_query(addr: std::net::SocketAddr, body: &Value) -> tokio::net:
     sock
 }
 
+/// Sends `GET /healthz` to a real server at `addr` over a new connection (closed after the
+/// response) and returns the socket to read the answer from.
+pub async fn send_healthz(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET /healthz HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    sock.write_all(req.as_bytes()).await.unwrap();
+    sock
+}
+
 /// A real server for an app on a loopback port, stopped with [`Server::stop`].
 pub struct Server {
     pub addr: std::net::SocketAddr,
