@@ -194,7 +194,7 @@ pub fn ingest(
         "a server is running on this data directory: sending the documents to http://{}",
         server.addr
     );
-    let limits = ingest::source::ReadLimits {
+    let limits = ingest::ReadLimits {
         max_doc_bytes: config.ingest.max_doc_bytes,
     };
     let budget = server
@@ -222,7 +222,7 @@ pub fn ingest(
     let mut skipped: Vec<Value> = Vec::new();
     let mut err = None;
     for src in sources {
-        ingest::source::read(src, limits, &mut |item| {
+        ingest::read_source(src, limits, &mut |item| {
             match item {
                 ingest::Item::Skipped { origin, reason } => {
                     skipped.push(json!({"origin": origin, "reason": reason}));

@@ -345,7 +345,7 @@ fn verify_cmd(config: &Config, search: bool) -> Result<()> {
     let (store, check) = if config.vectors_dir().exists() {
         let engine = open_engine(config)?;
         let check = engine.check(search)?;
-        (engine.store().clone(), Some(check))
+        (engine.corpus().store().clone(), Some(check))
     } else {
         (std::sync::Arc::new(open_store(config)?), None)
     };
@@ -534,7 +534,7 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
     };
     let llm = model::Model::load(&source, &opts)
         .with_context(|| format!("loading {}", path.display()))?;
-    let engine = ingest::Engine::new(
+    let corpus = ingest::Corpus::new(
         store,
         std::sync::Arc::new(index),
         std::sync::Arc::new(embedder),
@@ -543,10 +543,12 @@ fn open_engine(config: &Config) -> Result<ingest::Engine> {
         config.kv_dtype()?,
     )?;
     if !config.remote.enabled() {
-        return Ok(engine);
+        return Ok(ingest::Engine::new(corpus));
     }
     let tier = remote::Remote::open(&config.remote).context("opening the shared KV tier")?;
-    Ok(engine.with_remote(std::sync::Arc::new(tier)))
+    Ok(ingest::Engine::new(
+        corpus.with_remote(std::sync::Arc::new(tier)),
+    ))
 }
 
 fn open_store(config: &Config) -> Result<kvstore::Store> {

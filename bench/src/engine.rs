@@ -57,6 +57,17 @@ pub fn open_coded(
     chunk_preamble: &str,
     codec: kvstore::Codec,
 ) -> Result<ingest::Engine, Error> {
+    corpus(dir, llm, chunk_tokens, chunk_preamble, codec).map(ingest::Engine::new)
+}
+
+/// The corpus in `dir` (KV store, vector index, embedder, model) that [`open_coded`] writes.
+pub fn corpus(
+    dir: &Path,
+    llm: &ModelArgs,
+    chunk_tokens: usize,
+    chunk_preamble: &str,
+    codec: kvstore::Codec,
+) -> Result<ingest::Corpus, Error> {
     let opts = kvstore::StoreOptions {
         default_codec: codec,
         ..kvstore::StoreOptions::default()
@@ -88,7 +99,7 @@ pub fn open_coded(
     let llm = model::ModelSource::from_path(&path)
         .and_then(|s| model::Model::load(&s, &opts))
         .map_err(|x| e("model")(x.to_string()))?;
-    ingest::Engine::new(
+    ingest::Corpus::new(
         Arc::new(store),
         Arc::new(index),
         Arc::new(embedder),
@@ -194,18 +205,25 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
     let mut n = 0;
     for h in hits {
         let tokens = engine
+            .corpus()
             .chunk_tokens(&h.payload.text)
             .map_err(|x| e("tokenize")(x.to_string()))?;
-        if engine.store().probe(engine.namespace(), &tokens)? == tokens.len() {
+        if engine
+            .corpus()
+            .store()
+            .probe(engine.corpus().namespace(), &tokens)?
+            == tokens.len()
+        {
             continue;
         }
         let bytes = engine
+            .corpus()
             .prefill_bytes(&tokens)
             .map_err(|x| e("prefill")(x.to_string()))?;
         let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-        engine.store().put_batch(
-            engine.namespace(),
-            engine.layout(),
+        engine.corpus().store().put_batch(
+            engine.corpus().namespace(),
+            engine.corpus().layout(),
             &[kvstore::PutItem {
                 tokens: &tokens,
                 kv: &bytes,

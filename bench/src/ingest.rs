@@ -38,17 +38,24 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let _ = std::fs::remove_dir_all(work.join("kv"));
     let _ = std::fs::remove_dir_all(work.join("vectors"));
-    let mut engine = crate::engine::open(&work, &args.llm, args.chunk_tokens)?;
-    engine
+    let mut stored = crate::engine::corpus(
+        &work,
+        &args.llm,
+        args.chunk_tokens,
+        "",
+        kvstore::Codec::None,
+    )?;
+    stored
         .set_prefill_batch_tokens(args.prefill_batch_tokens)
         .map_err(|e| Error::Check(e.to_string()))?;
+    let engine = ingest::Engine::new(stored);
 
     // Baseline: bare prefill of exactly the chunks the pipeline will prefill.
-    let chunker = engine.config().chunker();
+    let chunker = engine.corpus().config().chunker();
     let docs: Vec<Vec<Vec<u32>>> = corpus
         .iter()
         .map(|d| {
-            ingest::chunk_text(&d.text, engine.model().tokenizer(), &chunker)
+            ingest::chunk_text(&d.text, engine.corpus().model().tokenizer(), &chunker)
                 .into_iter()
                 .map(|c| c.tokens)
                 .collect()
@@ -64,6 +71,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let t = Instant::now();
     for c in &chunks {
         engine
+            .corpus()
             .model()
             .decoder()
             .prefill(c, 0)
@@ -80,6 +88,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         for group in ingest::prefill_groups(&lens, args.prefill_batch_tokens) {
             let chunks: Vec<&[u32]> = doc[group].iter().map(Vec::as_slice).collect();
             engine
+                .corpus()
                 .model()
                 .decoder()
                 .prefill_many(&chunks)

@@ -342,10 +342,12 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut materialized = 0;
     for q in &questions {
         let v = engine
+            .corpus()
             .embedder()
             .embed_one(q)
             .map_err(|e| Error::Check(format!("embed: {e}")))?;
         let hits = engine
+            .corpus()
             .index()
             .search(&v, args.top_k, &SearchFilter::default())
             .map_err(|e| Error::Check(format!("search: {e}")))?;
@@ -355,7 +357,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
                 .map_err(|e| Error::Check(e.to_string()))?,
         );
     }
-    engine.store().sync()?;
+    engine.corpus().store().sync()?;
     let prompt_mean = prompts.iter().map(Vec::len).sum::<usize>() as f64 / prompts.len() as f64;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     eprintln!(

@@ -101,10 +101,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let work = work_dir.path().to_path_buf();
     let cfg = tier_config(args, &work);
     let writer = tier(&cfg, WriteMode::Through)?;
-    let a = Arc::new(
-        crate::engine::open(&work.join("a"), &args.llm, args.chunk_tokens)?
-            .with_remote(writer.clone()),
-    );
+    let a = Arc::new(ingest::Engine::new(
+        crate::engine::corpus(
+            &work.join("a"),
+            &args.llm,
+            args.chunk_tokens,
+            "",
+            kvstore::Codec::None,
+        )?
+        .with_remote(writer.clone()),
+    ));
     let t = Instant::now();
     let corpus = dataset::documents(&ds, args.docs)?;
     let report = crate::engine::ingest(
@@ -122,26 +128,31 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     // Every stored chunk, as the loader would ask for it.
     let mut chunks: Vec<Vec<u32>> = Vec::new();
     for (_, p) in a
+        .corpus()
         .index()
         .points()
         .map_err(|e| check("points")(e.to_string()))?
     {
         chunks.push(
-            a.chunk_tokens(&p.text)
+            a.corpus()
+                .chunk_tokens(&p.text)
                 .map_err(|e| check("tokenize")(e.to_string()))?,
         );
     }
-    let ns = a.namespace();
-    let bytes: usize = chunks.iter().map(|c| a.layout().bytes_for(c.len())).sum();
+    let ns = a.corpus().namespace();
+    let bytes: usize = chunks
+        .iter()
+        .map(|c| a.corpus().layout().bytes_for(c.len()))
+        .sum();
     let gb = bytes as f64 / 1e9;
 
     // Local store, cold.
-    for p in a.store().segment_paths() {
+    for p in a.corpus().store().segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }
     let t = Instant::now();
     for c in &chunks {
-        a.store().get_batch(ns, c, c.len())?;
+        a.corpus().store().get_batch(ns, c, c.len())?;
     }
     let local_s = t.elapsed().as_secs_f64();
     // The tier: one request at a time, then `top_k` at once.
@@ -166,7 +177,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let sample = &chunks[..args.recompute_chunks.min(chunks.len())];
     let t = Instant::now();
     for c in sample {
-        a.prefill_bytes(c)
+        a.corpus()
+            .prefill_bytes(c)
             .map_err(|e| check("prefill")(e.to_string()))?;
     }
     let recompute_ms = t.elapsed().as_secs_f64() * 1e3 / sample.len().max(1) as f64;
@@ -200,19 +212,19 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
 
     // Node B: nothing local; every query's chunks come from the tier, or are recomputed.
     let b_store = kvstore::Store::open(work.join("b/kv"), kvstore::StoreOptions::default())?;
-    let b = Arc::new(
-        ingest::Engine::new(
+    let b = Arc::new(ingest::Engine::new(
+        ingest::Corpus::new(
             Arc::new(b_store),
-            a.index().clone(),
-            a.embedder().clone(),
-            a.model().clone(),
-            a.config().clone(),
+            a.corpus().index().clone(),
+            a.corpus().embedder().clone(),
+            a.corpus().model().clone(),
+            a.corpus().config().clone(),
             model::DType::F16,
         )
         .map_err(|e| check("node b")(e.to_string()))?
         .with_remote(tier(&cfg, WriteMode::Off)?),
-    );
-    if b.namespace() != ns {
+    ));
+    if b.corpus().namespace() != ns {
         return Err(Error::Check("node B computes another KV namespace".into()));
     }
     let rag = Rag::start(b.clone(), ServeConfig::default()).map_err(check("server pipeline"))?;
@@ -246,7 +258,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         fetched.push(f.timings.first_token_ms);
         // Remote-only again for the next question: B's copies go.
         for h in &hits {
-            b.store()
+            b.corpus()
+                .store()
                 .delete_document(&ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash))?;
         }
         let off = query(&q.question, KvMode::Off);

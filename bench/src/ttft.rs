@@ -54,7 +54,7 @@ fn check<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Error + '_ {
 }
 
 pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
-    for p in engine.store().segment_paths() {
+    for p in engine.corpus().store().segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }
     Ok(())
@@ -114,16 +114,18 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut materialized = 0;
     for q in &questions {
         let v = engine
+            .corpus()
             .embedder()
             .embed_one(&q.question)
             .map_err(|e| check("embed")(e.to_string()))?;
         let hits = engine
+            .corpus()
             .index()
             .search(&v, args.top_k, &SearchFilter::default())
             .map_err(|e| check("search")(e.to_string()))?;
         materialized += crate::engine::materialize(&engine, &hits)?;
     }
-    engine.store().sync()?;
+    engine.corpus().store().sync()?;
     eprintln!(
         "[ttft] materialized {materialized} chunks in {:.1} s",
         t.elapsed().as_secs_f64()

@@ -49,7 +49,7 @@ impl Engine {
     /// With `search`, each chunk must also come back in the top 3 when searching its own text.
     pub fn check(&self, search: bool) -> Result<CheckReport> {
         let mut r = CheckReport::default();
-        let points = self.index.points()?;
+        let points = self.corpus.index.points()?;
         r.points = points.len();
         let mut by_doc: BTreeMap<String, Vec<(uuid::Uuid, retrieval::ChunkPayload)>> =
             BTreeMap::new();
@@ -76,14 +76,15 @@ impl Engine {
             }
             let hash = pts[0].1.doc_hash.clone();
             let attached: HashSet<usize> = self
+                .corpus
                 .store
                 .document_sequences(&kv_doc(&doc, &hash))?
                 .into_iter()
-                .filter(|(ns, _)| *ns == self.namespace())
+                .filter(|(ns, _)| *ns == self.corpus.namespace())
                 .map(|(_, n)| n)
                 .collect();
             for (id, p) in &pts {
-                let tokens = self.chunk_tokens(&p.text)?;
+                let tokens = self.corpus.chunk_tokens(&p.text)?;
                 // Indexed under another tokenization (a model change): its KV identity is its
                 // tokens now; the payload's count and key are the old tokenizer's.
                 let retokenized = tokens.len() != p.tokens as usize;
@@ -96,7 +97,10 @@ impl Engine {
                         p.ordinal
                     ));
                 } else {
-                    let state = self.store.inspect(self.namespace(), &tokens, &mut buf)?;
+                    let state =
+                        self.corpus
+                            .store
+                            .inspect(self.corpus.namespace(), &tokens, &mut buf)?;
                     match &state {
                         SeqState::Present => r.kv_verified += 1,
                         SeqState::Absent => r.kv_missing += 1,
@@ -113,8 +117,8 @@ impl Engine {
                     }
                 }
                 if search {
-                    let v = self.embedder.embed_one(&p.text)?;
-                    let hits = self.index.search(&v, 3, &SearchFilter::default())?;
+                    let v = self.corpus.embedder.embed_one(&p.text)?;
+                    let hits = self.corpus.index.search(&v, 3, &SearchFilter::default())?;
                     if hits.iter().any(|h| h.id == *id) {
                         r.searchable += 1;
                     } else {
@@ -125,7 +129,7 @@ impl Engine {
             }
             versions.insert(doc, hash);
         }
-        for d in self.store.documents()? {
+        for d in self.corpus.store.documents()? {
             if let Some((doc, hash)) = split_kv_doc(&d) {
                 if versions.get(doc).map(String::as_str) != Some(hash) {
                     r.problems

@@ -1,27 +1,30 @@
 #![deny(missing_docs)]
 //! ragkv ingestion: document sources, token-aware chunking, and the pipeline that embeds
 //! chunks into the vector index and materializes their KV into the store
-//! ([`Engine::ingest`]; the commit order that makes it crash-safe is documented in
-//! [`pipeline`]); re-materialization and garbage collection ([`Engine::rematerialize`],
-//! [`Engine::gc`]).
+//! ([`Engine::ingest`]; the commit order that makes it crash-safe is documented in the
+//! pipeline module, `src/pipeline.rs`); re-materialization and garbage collection
+//! ([`Engine::rematerialize`], [`Engine::gc`]). What a stored chunk lives in and how its KV is
+//! keyed is a [`Corpus`], which the server reads and an [`Engine`] writes.
 
 mod check;
-pub mod chunk;
+mod chunk;
 mod claims;
 mod config;
+mod corpus;
 mod error;
-pub mod pipeline;
-pub mod progress;
+mod pipeline;
+mod progress;
 mod remat;
 mod report;
-pub mod source;
+mod source;
 
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
 pub use config::{IngestConfig, Materialize, RunOptions, Shard};
+pub use corpus::Corpus;
 pub use error::{Error, Result};
 pub use pipeline::{kv_doc, kv_key, prefill_groups, split_kv_doc, Engine, CHUNK_TEMPLATE};
 pub use progress::{Counters, Progress, ProgressMode};
 pub use remat::{GcReport, Planned, Reason, RematOptions, RematReport, Scope};
 pub use report::{Failure, Report, StageTimes};
-pub use source::{Doc, Item, Source};
+pub use source::{read_source, Doc, Item, ReadLimits, Source, CONTENT_HASH_LEN};

@@ -31,7 +31,7 @@
 //! # Concurrent writers
 //! Ingest runs, deletes, reconciliation and rematerialization may run at once (the server
 //! does). Each holds a document's claim while it reads and writes that document's state
-//! (see [`crate::claims`]), so operations on one document are ordered and a version being
+//! (see `ingest/src/claims.rs`), so operations on one document are ordered and a version being
 //! written is never detached as an orphan. The reconciliation at the end of a run looks only
 //! at the documents the run touched (a seek per document in the KV store and the index), so
 //! an ingest costs what its documents cost, not what the corpus does; `gc` and `--prune`
@@ -43,20 +43,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
-use kvstore::{KvLayout, NamespaceId, PutItem, Store};
-use model::Model;
+use kvstore::PutItem;
 use parking_lot::Mutex;
-use remote::Remote;
-use retrieval::{ChunkPayload, ChunkPoint, Embedder, SearchFilter, VectorIndex};
+use retrieval::{ChunkPayload, ChunkPoint, SearchFilter};
 use uuid::Uuid;
 
 use crate::chunk::{chunk_text, Chunk};
 use crate::claims::{Claim, Claims};
-use crate::config::{IngestConfig, Materialize, RunOptions};
+use crate::config::{Materialize, RunOptions};
+use crate::corpus::Corpus;
 use crate::error::{Error, Result};
 use crate::progress::Counters;
 use crate::report::{secs, Failure, Report, StageTimes};
-use crate::source::{self, Doc, Item, ReadLimits, Source, CONTENT_HASH_LEN};
+use crate::source::{self, Doc, Item, ReadLimits, Source};
 
 mod prefill;
 mod reconcile;
@@ -68,25 +67,12 @@ pub use prefill::prefill_groups;
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
-/// Everything ingest writes to, and the model that computes KV.
+/// The writer of a [`Corpus`]: ingest runs, deletes, write-backs, re-materialization and
+/// garbage collection, ordered per document by write claims (`ingest/src/claims.rs`).
 #[derive(Debug)]
 pub struct Engine {
-    pub(crate) store: Arc<Store>,
-    pub(crate) index: Arc<VectorIndex>,
-    pub(crate) embedder: Arc<Embedder>,
-    pub(crate) model: Arc<Model>,
-    pub(crate) config: IngestConfig,
-    /// The shared KV tier behind the local store, when configured ([`Engine::with_remote`]).
-    pub(crate) remote: Option<Arc<Remote>>,
-    ns: NamespaceId,
-    /// With a lossy codec: the namespace of the same model's KV stored losslessly, which
-    /// re-materialization re-encodes from instead of prefilling.
-    lossless_source: Option<NamespaceId>,
-    layout: KvLayout,
-    /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
-    preamble: Vec<u32>,
-    kv_dtype: model::DType,
-    claims: Claims,
+    pub(crate) corpus: Arc<Corpus>,
+    pub(crate) claims: Claims,
     /// Milliseconds each document's commit waits after its KV is stored and before its points
     /// are upserted: widens that window for tests of concurrent writers; 0 in production.
     pub(crate) commit_delay_ms: std::sync::atomic::AtomicU64,
@@ -109,105 +95,18 @@ pub fn kv_key(tokens: &[u32]) -> String {
 }
 
 impl Engine {
-    /// Binds the parts together and registers the model's KV namespace (fingerprint of the
-    /// weights, tokenizer, positions, KV layout in `kv_dtype`, chunker and chunk template).
-    pub fn new(
-        store: Arc<Store>,
-        index: Arc<VectorIndex>,
-        embedder: Arc<Embedder>,
-        model: Arc<Model>,
-        config: IngestConfig,
-        kv_dtype: model::DType,
-    ) -> Result<Engine> {
-        config.validate()?;
-        if embedder.dim() != index.dim() {
-            return Err(Error::Invalid {
-                what: "embedder",
-                why: format!(
-                    "produces {}-dimensional vectors but the index holds {}",
-                    embedder.dim(),
-                    index.dim()
-                ),
-            });
-        }
-        let preamble = model.tokenizer().encode(&config.chunk_preamble)?;
-        let template = if preamble.is_empty() {
-            CHUNK_TEMPLATE.to_string()
-        } else {
-            let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
-            format!("chunk-preamble-v1:{}", &h[..16])
-        };
-        let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
-        fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
-        let layout = fp.layout;
-        let codec = store.options().default_codec;
-        let ns = fp.namespace_with_codec(codec);
-        store.register_namespace(ns, layout, codec)?;
-        // A lossy namespace can be filled from the same model's lossless KV without prefill.
-        let lossless_source = (!codec.is_lossless()).then(|| fp.namespace());
-        Ok(Engine {
-            store,
-            index,
-            embedder,
-            model,
-            config,
-            remote: None,
-            ns,
-            lossless_source,
-            layout,
-            preamble,
-            kv_dtype,
+    /// The writer of `corpus`.
+    pub fn new(corpus: Corpus) -> Engine {
+        Engine {
+            corpus: Arc::new(corpus),
             claims: Claims::default(),
             commit_delay_ms: Default::default(),
-        })
+        }
     }
 
-    /// Puts the shared KV tier behind the local store: with `remote.write`, ingest stores
-    /// every document's KV there too (before the document becomes searchable) and deletes
-    /// release it; with `remote.read`, the server fetches what the local store misses.
-    pub fn with_remote(mut self, remote: Arc<Remote>) -> Engine {
-        self.remote = Some(remote);
-        self
-    }
-
-    /// The KV store.
-    pub fn store(&self) -> &Arc<Store> {
-        &self.store
-    }
-
-    /// The vector index.
-    pub fn index(&self) -> &Arc<VectorIndex> {
-        &self.index
-    }
-
-    /// The embedding model.
-    pub fn embedder(&self) -> &Arc<Embedder> {
-        &self.embedder
-    }
-
-    /// The LLM whose KV is stored.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
-    }
-
-    /// `[ingest]` settings.
-    pub fn config(&self) -> &IngestConfig {
-        &self.config
-    }
-
-    /// Changes `ingest.prefill_batch_tokens` (how many tokens of short chunks one batched
-    /// prefill takes; it does not change the KV, so the namespace stays).
-    pub fn set_prefill_batch_tokens(&mut self, tokens: usize) -> Result<()> {
-        let mut c = self.config.clone();
-        c.prefill_batch_tokens = tokens;
-        c.validate()?;
-        self.config = c;
-        Ok(())
-    }
-
-    /// The shared KV tier behind the local store, when configured.
-    pub fn remote(&self) -> Option<&Arc<Remote>> {
-        self.remote.as_ref()
+    /// What this engine writes: store, index, embedder, model and how chunks are stored.
+    pub fn corpus(&self) -> &Arc<Corpus> {
+        &self.corpus
     }
 
     /// Test hook: each document's commit waits `ms` after its KV is stored and before its
@@ -218,63 +117,22 @@ impl Engine {
             .store(ms, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// The tier when ingest writes to it.
-    fn remote_writes(&self) -> Option<&Remote> {
-        self.remote.as_deref().filter(|r| r.writes())
-    }
-
-    /// The KV namespace chunks are stored under.
-    pub fn namespace(&self) -> NamespaceId {
-        self.ns
-    }
-
-    /// The namespace holding this model's KV losslessly, when chunks are stored with a lossy
-    /// codec (see [`schema::ModelFingerprint::namespace_with_codec`]).
-    pub fn lossless_source(&self) -> Option<NamespaceId> {
-        self.lossless_source
-    }
-
-    /// Layout of stored chunk KV.
-    pub fn layout(&self) -> KvLayout {
-        self.layout
-    }
-
-    /// Tokens of a stored chunk's text as prefilled: the preamble's, then the text's.
-    pub fn chunk_tokens(&self, text: &str) -> Result<Vec<u32>> {
-        let mut t = self.preamble.clone();
-        t.extend(self.model.tokenizer().encode(text)?);
-        Ok(t)
-    }
-
-    /// The most tokens a stored chunk has: the preamble's and `chunk_tokens`.
-    pub fn max_chunk_tokens(&self) -> usize {
-        self.preamble.len() + self.config.chunker().chunk_tokens
-    }
-
     /// Removes a document: its points, then its KV (every version). Returns whether it existed.
-    /// Ordered with any ingest of the same document (see [`crate::claims`]).
+    /// Ordered with any ingest of the same document (see `ingest/src/claims.rs`).
     pub fn delete_document(&self, doc: &str) -> Result<bool> {
         let _claim = self.claims.claim(doc);
-        let points = self.index.count(&SearchFilter::document(doc))?;
-        self.index.delete_document(doc)?;
-        self.index.flush()?;
-        let versions = self.kv_versions(doc)?;
+        let points = self.corpus.index.count(&SearchFilter::document(doc))?;
+        self.corpus.index.delete_document(doc)?;
+        self.corpus.index.flush()?;
+        let versions = self.corpus.kv_versions(doc)?;
         for d in &versions {
-            self.store.delete_document(d)?;
+            self.corpus.store.delete_document(d)?;
         }
         let mut remote = 0;
-        if let Some(r) = self.remote_writes() {
-            remote = r.delete_doc(self.ns, doc, None)?.manifests;
+        if let Some(r) = self.corpus.remote_writes() {
+            remote = r.delete_doc(self.corpus.ns, doc, None)?.manifests;
         }
         Ok(points > 0 || !versions.is_empty() || remote > 0)
-    }
-
-    /// The KV documents (`doc@hash`) of every stored version of `doc`.
-    fn kv_versions(&self, doc: &str) -> Result<Vec<String>> {
-        let prefix = kv_doc(doc, "");
-        Ok(self
-            .store
-            .documents_with_prefix(&prefix, prefix.len() + CONTENT_HASH_LEN)?)
     }
 
     /// Runs the pipeline over `sources`.
@@ -291,7 +149,7 @@ impl Engine {
             stop: std::sync::atomic::AtomicBool::new(false),
             counters,
         };
-        let depth = self.config.queue_depth;
+        let depth = self.corpus.config.queue_depth;
         let (read_tx, read_rx) = bounded::<Doc>(depth);
         let (plan_tx, plan_rx) = bounded::<Planned<'_>>(depth);
         let (embed_tx, embed_rx) = bounded::<Embedded<'_>>(depth);
@@ -329,8 +187,8 @@ impl Engine {
         if let Some(e) = shared.fatal.lock().take() {
             return Err(e);
         }
-        self.index.flush()?;
-        self.store.sync()?;
+        self.corpus.index.flush()?;
+        self.corpus.store.sync()?;
         let mut report = shared.report.into_inner();
         let seen = seen.into_inner();
         self.finish(opts, &seen, &mut report)?;
@@ -353,12 +211,12 @@ impl Engine {
         seen: &Mutex<HashSet<String>>,
     ) -> f64 {
         let limits = ReadLimits {
-            max_doc_bytes: self.config.max_doc_bytes,
+            max_doc_bytes: self.corpus.config.max_doc_bytes,
         };
         let mut busy = Duration::ZERO;
         let mut t = Instant::now();
         for src in sources {
-            let ok = source::read(src, limits, &mut |item| {
+            let ok = source::read_source(src, limits, &mut |item| {
                 if shared.stopped() {
                     return false;
                 }
@@ -403,14 +261,14 @@ impl Engine {
         tx: Sender<Planned<'a>>,
         shared: &Shared<'_>,
     ) -> f64 {
-        let chunker = self.config.chunker();
+        let chunker = self.corpus.config.chunker();
         let mut busy = Duration::ZERO;
         for doc in rx {
             let t = Instant::now();
             let hash = doc.content_hash();
             // Held until the document is committed (or abandoned) downstream.
             let claim = self.claims.claim(&doc.id);
-            let old = match self.index.document(&doc.id) {
+            let old = match self.corpus.index.document(&doc.id) {
                 Ok(o) => o,
                 Err(e) => {
                     shared.fatal(e.into());
@@ -423,9 +281,12 @@ impl Engine {
                 busy += t.elapsed();
                 continue;
             }
-            let mut chunks = chunk_text(&doc.text, self.model.tokenizer(), &chunker);
-            for c in chunks.iter_mut().filter(|_| !self.preamble.is_empty()) {
-                c.tokens.splice(0..0, self.preamble.iter().copied());
+            let mut chunks = chunk_text(&doc.text, self.corpus.model.tokenizer(), &chunker);
+            for c in chunks
+                .iter_mut()
+                .filter(|_| !self.corpus.preamble.is_empty())
+            {
+                c.tokens.splice(0..0, self.corpus.preamble.iter().copied());
             }
             if chunks.is_empty() {
                 shared.fail(doc.origin.clone(), "no text to index after chunking".into());
@@ -481,6 +342,7 @@ impl Engine {
             Materialize::Eager => {
                 old.iter().all(|(_, p)| !p.kv_key.is_empty())
                     && self
+                        .corpus
                         .store
                         .document_sequences(&kv_doc(doc, hash))
                         .is_ok_and(|s| !s.is_empty())
@@ -499,7 +361,7 @@ impl Engine {
         for planned in rx {
             let t = Instant::now();
             let texts: Vec<&str> = planned.chunks.iter().map(|c| c.text.as_str()).collect();
-            let vectors = match self.embedder.embed(&texts) {
+            let vectors = match self.corpus.embedder.embed(&texts) {
                 Ok(v) => v,
                 Err(e) => {
                     shared.fail(planned.doc.id.clone(), format!("embedding failed: {e}"));

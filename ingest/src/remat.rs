@@ -192,11 +192,13 @@ impl Engine {
             return Ok(false);
         }
         if replace {
-            self.store.delete(self.namespace(), tokens, 0)?;
+            self.corpus
+                .store
+                .delete(self.corpus.namespace(), tokens, 0)?;
         }
-        self.store.put_batch(
-            self.namespace(),
-            self.layout(),
+        self.corpus.store.put_batch(
+            self.corpus.namespace(),
+            self.corpus.layout(),
             &[PutItem {
                 tokens,
                 kv: bytes,
@@ -221,7 +223,7 @@ impl Engine {
         stop: impl Fn() -> bool,
     ) -> Result<RematReport> {
         let start = Instant::now();
-        let ns = self.namespace();
+        let ns = self.corpus.namespace();
         let mut report = RematReport {
             dry_run: opts.dry_run,
             ..RematReport::default()
@@ -229,7 +231,7 @@ impl Engine {
         let verify = opts.scope != Scope::Stale;
         let mut cands = Vec::new();
         let mut buf = Vec::new();
-        let mut points = self.index.points()?;
+        let mut points = self.corpus.index.points()?;
         points.sort_by(|a, b| (&a.1.doc_id, a.1.ordinal).cmp(&(&b.1.doc_id, b.1.ordinal)));
         counters
             .chunks_total
@@ -257,25 +259,26 @@ impl Engine {
                 continue; // lazy or vectors-only: materialized at first retrieval, if ever
             }
             report.chunks += 1;
-            let tokens = self.chunk_tokens(&p.text)?;
+            let tokens = self.corpus.chunk_tokens(&p.text)?;
             if tokens.is_empty() {
                 continue;
             }
             let kv_doc = kv_doc(&p.doc_id, &p.doc_hash);
             let state = if verify {
-                match self.store.inspect(ns, &tokens, &mut buf)? {
+                match self.corpus.store.inspect(ns, &tokens, &mut buf)? {
                     SeqState::Present => None,
                     SeqState::Absent => Some(Reason::Missing),
                     SeqState::Damaged(_) => Some(Reason::Corrupt),
                 }
             } else {
-                (self.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)
+                (self.corpus.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)
             };
             let Some(mut reason) = state else {
                 report.present += 1;
                 continue;
             };
             let others: Vec<NamespaceId> = self
+                .corpus
                 .store
                 .document_sequences(&kv_doc)?
                 .into_iter()
@@ -292,7 +295,7 @@ impl Engine {
             }
             let reads = std::iter::once(ns)
                 .chain(others)
-                .filter_map(|n| self.store.access(n, &tokens))
+                .filter_map(|n| self.corpus.store.access(n, &tokens))
                 .map(|a| a.reads)
                 .max()
                 .unwrap_or(0);
@@ -339,7 +342,7 @@ impl Engine {
 
         // Redo: corrupt ones are deleted first, so their blocks are written again.
         for c in cands.iter().filter(|c| c.reason == Reason::Corrupt) {
-            self.store.delete(ns, &c.tokens, 0)?;
+            self.corpus.store.delete(ns, &c.tokens, 0)?;
         }
         counters
             .chunks_total
@@ -362,7 +365,7 @@ impl Engine {
                 continue;
             }
             let stored = matches!(
-                self.store.inspect(ns, &c.tokens, &mut buf)?,
+                self.corpus.store.inspect(ns, &c.tokens, &mut buf)?,
                 SeqState::Present
             );
             let mut reencoded = false;
@@ -372,7 +375,7 @@ impl Engine {
                 reencoded = true;
                 Some(b)
             } else {
-                match self.prefill_bytes(&c.tokens) {
+                match self.corpus.prefill_bytes(&c.tokens) {
                     Ok(b) => Some(b),
                     Err(e) => {
                         report
@@ -382,9 +385,9 @@ impl Engine {
                     }
                 }
             };
-            let put = self.store.put_batch(
+            let put = self.corpus.store.put_batch(
                 ns,
-                self.layout(),
+                self.corpus.layout(),
                 &[PutItem {
                     tokens: &c.tokens,
                     kv: bytes.as_deref().unwrap_or(&[]),
@@ -410,7 +413,7 @@ impl Engine {
                 .tokens_done
                 .fetch_add(c.tokens.len() as u64, Ordering::Relaxed);
         }
-        self.store.sync()?;
+        self.corpus.store.sync()?;
         report.elapsed_s = start.elapsed().as_secs_f64();
         tracing::info!(
             planned = report.planned,
@@ -425,10 +428,14 @@ impl Engine {
     /// The chunk's KV from the lossless namespace of the same model, when this namespace is
     /// lossy and that one holds all of it verified; `None`: prefill it.
     fn lossless_copy(&self, tokens: &[u32], buf: &mut Vec<u8>) -> Result<Option<Vec<u8>>> {
-        let Some(src) = self.lossless_source() else {
+        let Some(src) = self.corpus.lossless_source() else {
             return Ok(None);
         };
-        match self.store.get_batch_into(src, tokens, tokens.len(), buf) {
+        match self
+            .corpus
+            .store
+            .get_batch_into(src, tokens, tokens.len(), buf)
+        {
             Ok(_) => Ok(Some(std::mem::take(buf))),
             Err(e) if e.is_miss() || e.is_damage() => Ok(None),
             Err(e) => Err(e.into()),
@@ -442,26 +449,26 @@ impl Engine {
     /// ([`remote::Remote::gc`]).
     pub fn gc(&self) -> Result<GcReport> {
         let mut report = GcReport::default();
-        let grace = Duration::from_secs_f64(self.config.namespace_grace_hours * 3600.0);
+        let grace = Duration::from_secs_f64(self.corpus.config.namespace_grace_hours * 3600.0);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        for n in self.store.namespaces() {
-            if n.id == self.namespace() {
+        for n in self.corpus.store.namespaces() {
+            if n.id == self.corpus.namespace() {
                 continue;
             }
             if now.saturating_sub(n.active_ms) >= grace.as_millis() as u64 {
-                let r = self.store.drop_namespace(n.id)?;
+                let r = self.corpus.store.drop_namespace(n.id)?;
                 report.blocks_dropped += r.blocks;
                 report.namespaces_dropped.push(n.id.to_string());
             }
         }
         report.orphans_detached = self.detach_orphans(&self.indexed_versions()?)?;
-        let m = self.store.compact_all()?;
+        let m = self.corpus.store.compact_all()?;
         report.segments_rewritten = m.segments_rewritten;
         report.bytes_reclaimed = m.bytes_reclaimed;
-        if let Some(r) = self.remote.as_deref().filter(|r| r.writes()) {
+        if let Some(r) = self.corpus.remote.as_deref().filter(|r| r.writes()) {
             let g = r.gc(r.gc_grace())?;
             report.remote_dead_references = g.dead_references;
             report.remote_orphans = g.orphans;

@@ -105,7 +105,7 @@ struct JsonDoc {
 
 /// Calls `f` with every item of `source`, in a stable order (directories sorted by path).
 /// Stops early, returning `false`, when `f` returns `false`.
-pub fn read(source: &Source, limits: ReadLimits, f: &mut dyn FnMut(Item) -> bool) -> bool {
+pub fn read_source(source: &Source, limits: ReadLimits, f: &mut dyn FnMut(Item) -> bool) -> bool {
     match source {
         Source::Dir(root) => {
             let mut files = Vec::new();
@@ -417,7 +417,7 @@ fn parse_json_doc(bytes: &[u8], origin: String, limits: ReadLimits) -> Item {
 
 /// Visible text of an HTML page: tags dropped, `script`/`style` contents dropped, block
 /// elements turned into line breaks, the common entities decoded.
-pub fn html_to_text(html: &str) -> String {
+pub(crate) fn html_to_text(html: &str) -> String {
     let mut out = String::with_capacity(html.len() / 2);
     let lower = html.to_ascii_lowercase();
     let mut i = 0;

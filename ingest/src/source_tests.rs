@@ -8,7 +8,7 @@ const LIMITS: ReadLimits = ReadLimits {
 
 fn collect(source: &Source) -> Vec<Item> {
     let mut v = Vec::new();
-    read(source, LIMITS, &mut |i| {
+    read_source(source, LIMITS, &mut |i| {
         v.push(i);
         true
     });

@@ -258,7 +258,7 @@ fn to_cache_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
 
 /// A preallocated per-sequence cache: appends write into place (`slice_set`), growing by
 /// doubling when full, so decoding does not concatenate per token. Its dtype is f32, f16, or
-/// [`Q8_CACHE`] (8-bit rows with a scale each, [`crate::kv_q8`]; CPU only).
+/// [`Q8_CACHE`] (8-bit rows with a scale each, `model/src/kv_q8.rs`; CPU only).
 #[derive(Debug)]
 pub struct KvCache {
     layers: Vec<(Tensor, Tensor)>,

@@ -67,7 +67,7 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// System prompt placed before the retrieved chunks.
     pub system_prompt: String,
-    /// How chunk KV is assembled when a request does not say (see [`crate::assembly`]).
+    /// How chunk KV is assembled when a request does not say (see [`crate::Assembly`]).
     pub assembly: Assembly,
     /// Share of chunk tokens `reposition+recompute` and `query-aware` recompute, in (0, 1].
     pub recompute_share: f64,

@@ -56,7 +56,7 @@ impl AppState {
 }
 
 /// The router: every route of the API (see the crate docs), behind the `Host`/`Origin`
-/// rules of [`crate::guard`].
+/// rules of `serve/src/guard.rs`.
 pub fn app(state: AppState) -> Router {
     let limit = state.rag.config.max_body_bytes;
     let body_timeout = Duration::from_millis(state.rag.config.body_timeout_ms);
@@ -111,9 +111,18 @@ async fn healthz(State(state): State<AppState>) -> Response {
 async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let engine = state.rag.engine.clone();
     let (s, info, current) = blocking(move || {
-        let ns = engine.namespace();
-        let current = engine.store().namespaces().into_iter().find(|n| n.id == ns);
-        (engine.store().stats(), engine.index().info(), current)
+        let ns = engine.corpus().namespace();
+        let current = engine
+            .corpus()
+            .store()
+            .namespaces()
+            .into_iter()
+            .find(|n| n.id == ns);
+        (
+            engine.corpus().store().stats(),
+            engine.corpus().index().info(),
+            current,
+        )
     })
     .await?;
     let info = info.map_err(ApiError::internal)?;
@@ -121,7 +130,7 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     Ok(Json(json!({
         "kv": {"entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
-               "segments": s.segments.len(), "namespace": state.rag.engine.namespace().to_hex(),
+               "segments": s.segments.len(), "namespace": state.rag.engine.corpus().namespace().to_hex(),
                "codec": current.as_ref().map(|n| n.codec.name()),
                "tokens": current.as_ref().map(|n| n.tokens),
                "bytes_per_token": current.as_ref().map(|n| n.bytes_per_token()),

@@ -11,7 +11,7 @@
 //!   stalled one out.
 //! - A request's headers must arrive within `serve.header_timeout_ms` (hyper's header read
 //!   timeout, which also bounds how long a kept-alive connection idles), its body within
-//!   `serve.body_timeout_ms` (see [`crate::http`]); a slow client is cut off, not waited for.
+//!   `serve.body_timeout_ms` (see `serve/src/http.rs`); a slow client is cut off, not waited for.
 //! - On shutdown, connections finish the request they are serving (up to `drain`), idle
 //!   ones close at once.
 

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
-use ingest::Engine;
+use ingest::{Corpus, Engine};
 use parking_lot::Mutex;
 use retrieval::Hit;
 use tokio::sync::mpsc;
@@ -26,7 +26,7 @@ use crate::pipeline::Query;
 /// The serving pipeline. Cheap to share (`Arc`); dropping the last handle stops its threads
 /// once their queues drain.
 pub struct Rag {
-    /// Store, index, embedder and model.
+    /// The writer of the corpus queries read (ingest, deletes, write-backs, maintenance).
     pub engine: Arc<Engine>,
     /// `[serve]` settings.
     pub config: ServeConfig,
@@ -64,18 +64,19 @@ impl Rag {
         // The prompt follows the model's own chat template (ChatML without one); the system
         // prompt is configuration, the question outside text: neither can spell control
         // tokens.
-        let prompt = engine.model().rag_prompt()?;
+        let prompt = engine.corpus().model().rag_prompt()?;
         let tokens = engine
+            .corpus()
             .model()
             .prompt_tokens(&prompt.prefix(&config.system_prompt))?;
-        let (kv, _) = engine.model().decoder().prefill(&tokens, 0)?;
+        let (kv, _) = engine.corpus().model().decoder().prefill(&tokens, 0)?;
         // The model thread takes this KV: on a GPU this thread's stream must be done with it.
-        engine.model().settle()?;
+        engine.corpus().model().settle()?;
         let prefix = Arc::new(Prefix { tokens, kv, prompt });
         let prefix_tokens = prefix.tokens.len();
         // A configuration whose default query cannot fit is refused at start-up.
         fits_context(
-            &engine,
+            engine.corpus(),
             prefix_tokens,
             config.default_top_k,
             config.default_max_tokens,
@@ -85,9 +86,9 @@ impl Rag {
             why: e.to_string(),
         })?;
         // ... and so is a KV budget that cannot hold one default query.
-        let per_token = config.limits().cache_token_bytes(engine.model()) as usize;
+        let per_token = config.limits().cache_token_bytes(engine.corpus().model()) as usize;
         let tokens = prefix_tokens
-            + config.default_top_k * engine.max_chunk_tokens()
+            + config.default_top_k * engine.corpus().max_chunk_tokens()
             + config.default_max_tokens;
         let need = (tokens * per_token) as u64;
         if need > config.limits().kv_budget {
@@ -123,6 +124,7 @@ impl Rag {
                 })
         };
         let worker = || Worker {
+            corpus: engine.corpus().clone(),
             engine: engine.clone(),
             cache_dtype: config.cache_dtype.dtype(),
             metrics: metrics.clone(),
@@ -192,6 +194,11 @@ impl Rag {
         self.health.dead()
     }
 
+    /// What queries read: store, index, embedder, model (the engine's corpus).
+    pub fn corpus(&self) -> &Arc<Corpus> {
+        self.engine.corpus()
+    }
+
     /// Stops taking queries, lets the queued ones finish (or cancel, if their clients left),
     /// stores every pending write-back, stops maintenance ([`crate::Maintenance::close`]),
     /// and joins the threads. Later queries fail with [`Error::Stopped`].
@@ -210,8 +217,8 @@ impl Rag {
     /// Retrieval: blocking (embedding, vector search); call from `spawn_blocking`.
     pub fn retrieve(&self, q: &Query) -> Result<Vec<Hit>> {
         Faults::delay(&self.faults.retrieval_delay_ms);
-        let v = self.engine.embedder().embed_one(&q.question)?;
-        Ok(self.engine.index().search(&v, q.top_k, &q.filter)?)
+        let v = self.corpus().embedder().embed_one(&q.question)?;
+        Ok(self.corpus().index().search(&v, q.top_k, &q.filter)?)
     }
 
     /// The whole prompt of `question` over `hits` as the model sees it: the system prefix,
@@ -221,10 +228,10 @@ impl Rag {
     pub fn prompt_tokens(&self, question: &str, hits: &[Hit]) -> Result<Vec<u32>> {
         let mut tokens = self.prefix.tokens.clone();
         for hit in hits {
-            let chunk = self.engine.chunk_tokens(&hit.payload.text)?;
+            let chunk = self.corpus().chunk_tokens(&hit.payload.text)?;
             tokens.extend_from_slice(&chunk);
         }
-        let q = self.prefix.question(&self.engine, question.trim())?;
+        let q = self.prefix.question(self.corpus(), question.trim())?;
         tokens.extend_from_slice(&q);
         Ok(tokens)
     }
@@ -273,14 +280,14 @@ impl Rag {
     /// bound, before the question is tokenized; the exact count is checked on the model
     /// thread).
     pub fn fits_context(&self, top_k: usize, max_tokens: usize) -> Result<()> {
-        fits_context(&self.engine, self.prefix.tokens.len(), top_k, max_tokens)
+        fits_context(self.corpus(), self.prefix.tokens.len(), top_k, max_tokens)
     }
 }
 
 /// Whether a system prompt of `prefix` tokens, `top_k` chunks of the longest size and
 /// `max_tokens` of answer fit the model's positions.
-fn fits_context(engine: &Engine, prefix: usize, top_k: usize, max_tokens: usize) -> Result<()> {
-    let (m, chunk) = (engine.model().max_positions(), engine.max_chunk_tokens());
+fn fits_context(corpus: &Corpus, prefix: usize, top_k: usize, max_tokens: usize) -> Result<()> {
+    let (m, chunk) = (corpus.model().max_positions(), corpus.max_chunk_tokens());
     let need = prefix + top_k * chunk + max_tokens;
     if need > m {
         return Err(Error::Invalid {

@@ -109,7 +109,7 @@ impl Health {
     }
 }
 
-/// Faults a test can inject; see [`crate::Rag::faults`].
+/// Faults a test can inject; see `Rag::faults` (with the `testing` feature).
 #[derive(Debug, Default)]
 pub struct Faults {
     /// Panic in the loader on its next job.

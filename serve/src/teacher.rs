@@ -44,14 +44,14 @@ impl Rag {
     /// logits behind every token (see the module docs).
     pub fn reference(&self, query: &Query, hits: Vec<Hit>) -> Result<Reference> {
         let t = Instant::now();
-        let decoder = self.engine.model().decoder();
+        let decoder = self.corpus().model().decoder();
         let (mut cache, pending, ready) = self.context(query, hits, query.params.max_tokens + 1)?;
         let mut logits = match ready {
             Some(l) => l,
             None => self.feed(decoder, &mut cache, &pending)?,
         };
         let first_token_ms = ms(t.elapsed());
-        let mut decoding = Decoding::new(self.engine.model().tokenizer(), &query.params)?;
+        let mut decoding = Decoding::new(self.corpus().model().tokenizer(), &query.params)?;
         let mut rows = Vec::new();
         loop {
             rows.push(logits.clone());
@@ -83,7 +83,7 @@ impl Rag {
                 why: "forced: an empty answer".into(),
             });
         };
-        let decoder = self.engine.model().decoder();
+        let decoder = self.corpus().model().decoder();
         let (mut cache, pending, ready) = self.context(query, hits, answer.len())?;
         if let Some(first) = ready {
             // The repair ran the question: its logits predict the first answer token.
@@ -114,12 +114,12 @@ impl Rag {
         hits: Vec<Hit>,
         room: usize,
     ) -> Result<(KvCache, Vec<u32>, Option<Tensor>)> {
-        let engine = &*self.engine;
+        let corpus = &**self.corpus();
         let mut buf = Vec::new();
         let start = self.prefix.tokens.len();
         let dtype = self.config.cache_dtype.dtype();
-        let chunks = read_chunks(engine, &self.metrics, query, hits, start, &mut buf, dtype)?;
-        let question = self.prefix.question(engine, &query.question)?;
+        let chunks = read_chunks(corpus, &self.metrics, query, hits, start, &mut buf, dtype)?;
+        let question = self.prefix.question(corpus, &query.question)?;
         let repair = self.config.repair();
         let req = Request {
             prefix: &self.prefix,
@@ -133,7 +133,7 @@ impl Rag {
                 link: LinkTiming::Now,
             },
         };
-        let a = assemble(engine, req)?;
+        let a = assemble(corpus, req)?;
         Ok((a.cache, a.pending, a.logits))
     }
 

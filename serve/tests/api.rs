@@ -94,11 +94,17 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
     assert!(j["recomputed_tokens"].as_u64().unwrap() > 0, "{j}");
 
     // A chunk whose KV is gone is prefilled inline (same answer) and written back.
-    let hash = f.engine.index().document("varrow-lighthouse.md").unwrap()[0]
+    let hash = f
+        .engine
+        .corpus()
+        .index()
+        .document("varrow-lighthouse.md")
+        .unwrap()[0]
         .1
         .doc_hash
         .clone();
     f.engine
+        .corpus()
         .store()
         .delete_document(&ingest::kv_doc("varrow-lighthouse.md", &hash))
         .unwrap();

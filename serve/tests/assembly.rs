@@ -353,7 +353,7 @@ fn teacher_forcing_with(cache_dtype: CacheDtype, tol: f32) {
     let r = rag.reference(&query(Assembly::Full), hits.clone()).unwrap();
     eprintln!("reference: {:?} {:?}", r.generation.text, r.targets);
     assert!(r.generation.text.contains(want), "{:?}", r.generation.text);
-    let vocab = engine.model().config().vocab_size;
+    let vocab = engine.corpus().model().config().vocab_size;
     assert_eq!(r.logits.dims(), [r.targets.len(), vocab]);
     assert!(r.targets.len() >= r.generation.tokens.len());
     assert!(r.first_token_ms > 0.0);
@@ -401,20 +401,31 @@ fn a_chunk_preamble_is_prefilled_with_every_chunk() {
     let plain = planted_engine(&dir.path().join("plain"), "");
     let with = planted_engine(&dir.path().join("with"), "Passage:\n");
     assert_ne!(
-        plain.namespace(),
-        with.namespace(),
+        plain.corpus().namespace(),
+        with.corpus().namespace(),
         "the preamble is part of the namespace"
     );
-    let pre = with.model().tokenizer().encode("Passage:\n").unwrap();
+    let pre = with
+        .corpus()
+        .model()
+        .tokenizer()
+        .encode("Passage:\n")
+        .unwrap();
     let (_, text, _, _) = PLANTED[0];
-    let tokens = with.chunk_tokens(text).unwrap();
+    let tokens = with.corpus().chunk_tokens(text).unwrap();
     assert_eq!(tokens[..pre.len()], pre[..]);
-    assert_eq!(tokens[pre.len()..], plain.chunk_tokens(text).unwrap()[..]);
-    // What ingest stored is exactly those tokens' KV, found by the same lookup serve does.
-    let hit = &with.index().document(PLANTED[0].0).unwrap()[0].1;
-    let stored = with.chunk_tokens(&hit.text).unwrap();
     assert_eq!(
-        with.store().probe(with.namespace(), &stored).unwrap(),
+        tokens[pre.len()..],
+        plain.corpus().chunk_tokens(text).unwrap()[..]
+    );
+    // What ingest stored is exactly those tokens' KV, found by the same lookup serve does.
+    let hit = &with.corpus().index().document(PLANTED[0].0).unwrap()[0].1;
+    let stored = with.corpus().chunk_tokens(&hit.text).unwrap();
+    assert_eq!(
+        with.corpus()
+            .store()
+            .probe(with.corpus().namespace(), &stored)
+            .unwrap(),
         stored.len()
     );
     assert!(with.check(false).unwrap().ok());
@@ -436,6 +447,7 @@ fn the_whole_prompt_is_what_full_prefills() {
     assert!(f.answer.contains(want), "{:?}", f.answer);
     assert_eq!(prompt.len(), f.prompt_tokens);
     let alone = engine
+        .corpus()
         .model()
         .generate(&prompt, &query(false).params, |_| true)
         .unwrap();

@@ -181,7 +181,7 @@ async fn the_kv_budget_bounds_the_batch() {
     assert_eq!(s, StatusCode::OK, "{text}");
     rag.shutdown();
     drop((rag, app));
-    let mut layout = f.engine.model().kv_layout().unwrap();
+    let mut layout = f.engine.corpus().model().kv_layout().unwrap();
     layout.dtype = model::kv_schema_dtype(ServeConfig::default().cache_dtype.dtype()).unwrap();
     let per_token = layout.bytes_per_token();
     let need = (r["prompt_tokens"].as_u64().unwrap() as usize + 17) * per_token;

@@ -245,9 +245,14 @@ async fn shutdown_stores_pending_write_backs_and_joins_the_threads() {
     assert_eq!(rag.metrics.rematerialized.load(Ordering::SeqCst), 1);
     let engine = f.engine.clone();
     let stored = tokio::task::spawn_blocking(move || {
-        let chunks = engine.index().document("late").unwrap();
-        let tokens = engine.chunk_tokens(&chunks[0].1.text).unwrap();
-        engine.store().probe(engine.namespace(), &tokens).unwrap() == tokens.len()
+        let chunks = engine.corpus().index().document("late").unwrap();
+        let tokens = engine.corpus().chunk_tokens(&chunks[0].1.text).unwrap();
+        engine
+            .corpus()
+            .store()
+            .probe(engine.corpus().namespace(), &tokens)
+            .unwrap()
+            == tokens.len()
     })
     .await
     .unwrap();

@@ -49,7 +49,13 @@ fn all_verified(engine: &ingest::Engine) -> usize {
     assert!(c.ok(), "{:?}", c.problems);
     assert_eq!(c.kv_missing, 0, "{c:?}");
     assert_eq!(c.kv_verified, c.points, "{c:?}");
-    assert!(engine.store().verify().unwrap().failures.is_empty());
+    assert!(engine
+        .corpus()
+        .store()
+        .verify()
+        .unwrap()
+        .failures
+        .is_empty());
     c.points
 }
 
@@ -65,6 +71,7 @@ fn remat(engine: &ingest::Engine, scope: Scope, dry_run: bool) -> ingest::RematR
 /// Distinct chunk texts (the same sentence in two documents is one stored chunk).
 fn unique(engine: &ingest::Engine) -> usize {
     let texts: std::collections::HashSet<String> = engine
+        .corpus()
         .index()
         .points()
         .unwrap()
@@ -94,7 +101,7 @@ fn a_model_change_is_migrated_by_rematerialize_and_the_old_namespace_collected()
     let c = engine.check(false).unwrap();
     assert!(c.ok(), "{:?}", c.problems);
     assert_eq!((c.kv_missing, c.kv_verified), (points, 0));
-    assert_eq!(engine.store().namespaces().len(), 2);
+    assert_eq!(engine.corpus().store().namespaces().len(), 2);
 
     let dry = remat(&engine, Scope::All, true);
     assert_eq!(
@@ -134,9 +141,9 @@ fn a_model_change_is_migrated_by_rematerialize_and_the_old_namespace_collected()
     let gc = engine.gc().unwrap();
     assert_eq!(gc.namespaces_dropped.len(), 1, "{gc:?}");
     assert!(gc.blocks_dropped > 0 && gc.bytes_reclaimed > 0, "{gc:?}");
-    let nss = engine.store().namespaces();
+    let nss = engine.corpus().store().namespaces();
     assert_eq!(nss.len(), 1);
-    assert_eq!(nss[0].id, engine.namespace());
+    assert_eq!(nss[0].id, engine.corpus().namespace());
     assert_eq!(all_verified(&engine), points);
 }
 
@@ -187,15 +194,15 @@ fn a_lossy_codec_change_is_re_encoded_from_the_lossless_copy_without_prefill() {
     assert_eq!(r.reencoded, distinct, "{r:?}");
     assert_eq!(r.reencoded + r.attached, points, "{r:?}");
     assert_eq!(all_verified(&engine), points);
-    let nss = engine.store().namespaces();
+    let nss = engine.corpus().store().namespaces();
     let of = |c: kvstore::Codec| nss.iter().find(|n| n.codec == c).unwrap();
     let (none, q4) = (of(kvstore::Codec::None), of(kvstore::Codec::Q4));
-    assert_eq!(q4.id, engine.namespace());
+    assert_eq!(q4.id, engine.corpus().namespace());
     assert_eq!(q4.tokens, none.tokens);
     let ratio = none.bytes_per_token() / q4.bytes_per_token();
     assert!(ratio > 3.0, "q4 stores {ratio:.2}x fewer bytes per token");
     // The lossless copy goes; the q4 one serves.
-    engine.store().drop_namespace(none.id).unwrap();
+    engine.corpus().store().drop_namespace(none.id).unwrap();
     served("from q4");
 }
 
@@ -252,7 +259,7 @@ fn hot_scope_redoes_only_chunks_that_were_read() {
     let engine = common::open_engine(dir.path(), config(), model::DType::F16);
     // Read three chunks twice, then evict everything.
     let mut count: std::collections::BTreeMap<String, usize> = Default::default();
-    for (_, p) in engine.index().points().unwrap() {
+    for (_, p) in engine.corpus().index().points().unwrap() {
         *count.entry(p.text).or_default() += 1;
     }
     let texts: Vec<String> = count
@@ -264,13 +271,18 @@ fn hot_scope_redoes_only_chunks_that_were_read() {
     assert_eq!(texts.len(), 3);
     let mut buf = Vec::new();
     for t in texts.iter().chain(&texts) {
-        let tokens = engine.chunk_tokens(t).unwrap();
+        let tokens = engine.corpus().chunk_tokens(t).unwrap();
         engine
+            .corpus()
             .store()
-            .get_batch_into(engine.namespace(), &tokens, tokens.len(), &mut buf)
+            .get_batch_into(engine.corpus().namespace(), &tokens, tokens.len(), &mut buf)
             .unwrap();
     }
-    let r = engine.store().evict(kvstore::DEFAULT_GROUP, 0).unwrap();
+    let r = engine
+        .corpus()
+        .store()
+        .evict(kvstore::DEFAULT_GROUP, 0)
+        .unwrap();
     assert_eq!(r.sequences, unique(&engine));
     let c = engine.check(false).unwrap();
     assert!(c.ok(), "evicted chunks are not problems: {:?}", c.problems);

@@ -81,6 +81,7 @@ fn concurrent_ingest_delete_and_gc_of_one_document_leave_it_whole_or_gone() {
     let c = check(&engine);
     assert_eq!(c.points, 0);
     assert!(engine
+        .corpus()
         .store()
         .documents()
         .unwrap()
@@ -103,6 +104,7 @@ fn during_a_commit(other: impl FnOnce(&ingest::Engine) + Send) {
         s.spawn(move || ingest_eager(e, "The Sellick dam has three spillways and one gate."));
         let t = std::time::Instant::now();
         while e
+            .corpus()
             .store()
             .documents()
             .unwrap()

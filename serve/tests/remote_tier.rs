@@ -26,6 +26,17 @@ const DOCS: &[(&str, &str)] = &[
     ),
 ];
 
+/// A corpus in `dir` with the default settings and f16 KV.
+fn corpus(dir: &std::path::Path) -> ingest::Corpus {
+    common::open_corpus(
+        dir,
+        Default::default(),
+        model::DType::F16,
+        common::model(),
+        Default::default(),
+    )
+}
+
 fn tier(base: &RemoteConfig, prefix: &str, write: WriteMode) -> Arc<Remote> {
     Arc::new(
         Remote::open(&RemoteConfig {
@@ -71,30 +82,33 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
         })
         .collect();
     // Node A: ingests, writing every chunk through to the tier.
-    let a = common::open_engine(&dir.path().join("a"), Default::default(), model::DType::F16)
-        .with_remote(tier(&base, prefix, WriteMode::Through));
+    let a = ingest::Engine::new(corpus(&dir.path().join("a")).with_remote(tier(
+        &base,
+        prefix,
+        WriteMode::Through,
+    )));
     let report = common::ingest_eager(&a, ingest::Source::Docs(docs));
     assert_eq!(report.docs_new, DOCS.len());
-    let shared = a.remote().cloned().unwrap();
-    let ns = a.namespace();
+    let shared = a.corpus().remote().cloned().unwrap();
+    let ns = a.corpus().namespace();
     let stored = shared.usage().unwrap();
     assert_eq!(stored[&ns.to_hex()].0, report.chunks, "{stored:?}");
 
     // Node B: its own empty KV store, the same index and model; reads through, writes nothing.
     let b_store = kvstore::Store::open(dir.path().join("b/kv"), Default::default()).unwrap();
-    let b = Arc::new(
-        ingest::Engine::new(
+    let b = Arc::new(ingest::Engine::new(
+        ingest::Corpus::new(
             Arc::new(b_store),
-            a.index().clone(),
-            a.embedder().clone(),
-            a.model().clone(),
+            a.corpus().index().clone(),
+            a.corpus().embedder().clone(),
+            a.corpus().model().clone(),
             Default::default(),
             model::DType::F16,
         )
         .unwrap()
         .with_remote(tier(&base, prefix, WriteMode::Off)),
-    );
-    assert_eq!(b.namespace(), ns);
+    ));
+    assert_eq!(b.corpus().namespace(), ns);
     let rag = Rag::start(b.clone(), ServeConfig::default()).unwrap();
     let q = "What is the access code for the Orion vault?";
     let f = answer(&rag, query(q));
@@ -109,8 +123,9 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
     assert_eq!((f.kv_hits, f.kv_misses), (1, 0));
     assert_eq!(m.remote_hits.load(Ordering::Relaxed), 1);
     assert!(
-        b.store()
-            .probe(ns, &b.chunk_tokens(DOCS[0].1).unwrap())
+        b.corpus()
+            .store()
+            .probe(ns, &b.corpus().chunk_tokens(DOCS[0].1).unwrap())
             .unwrap()
             > 0
     );
@@ -189,12 +204,11 @@ fn shard_workers_together_store_what_one_worker_stores() {
             url: format!("file://{}", dir.path().join(name).join("tier").display()),
             ..RemoteConfig::default()
         };
-        let e = common::open_engine(
-            &dir.path().join(name),
-            Default::default(),
-            model::DType::F16,
-        )
-        .with_remote(tier(&base, "ragkv", WriteMode::Through));
+        let e = ingest::Engine::new(corpus(&dir.path().join(name)).with_remote(tier(
+            &base,
+            "ragkv",
+            WriteMode::Through,
+        )));
         let mut new = 0;
         for &shard in shards {
             let r = e
@@ -218,6 +232,7 @@ fn shard_workers_together_store_what_one_worker_stores() {
         }
         assert_eq!(new, 8);
         let mut points: Vec<(String, u32, String)> = e
+            .corpus()
             .index()
             .points()
             .unwrap()
@@ -225,7 +240,7 @@ fn shard_workers_together_store_what_one_worker_stores() {
             .map(|(_, p)| (p.doc_id, p.ordinal, p.kv_key))
             .collect();
         points.sort();
-        let usage = e.remote().unwrap().usage().unwrap();
+        let usage = e.corpus().remote().unwrap().usage().unwrap();
         (points, usage)
     };
     let halves: Vec<Option<ingest::Shard>> = ["0/2", "1/2"]

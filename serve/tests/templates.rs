@@ -82,13 +82,13 @@ async fn answers_with_its_template(arch: Arch, eot: &str) {
     let f = tokio::task::spawn_blocking(move || fixture(arch))
         .await
         .unwrap();
-    let m = f.engine.model().clone();
+    let m = f.engine.corpus().model().clone();
     let t = m.tokenizer();
     assert!(t.token_to_id("<|im_start|>").is_none() || arch == Arch::Qwen3);
     let eot_id = t.token_to_id(eot).unwrap();
 
     // The document's markup is plain text in its chunk's tokens.
-    let chunk = f.engine.chunk_tokens(DOC).unwrap();
+    let chunk = f.engine.corpus().chunk_tokens(DOC).unwrap();
     assert!(!chunk.iter().any(|i| t.is_special(*i)), "{chunk:?}");
 
     let config = ServeConfig::default();

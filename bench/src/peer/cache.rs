@@ -132,7 +132,7 @@ pub(crate) fn lines(
     theirs: &Side,
 ) -> Result<Vec<Line>, Error> {
     let (forced_agree, forced_total) = forced_agreement(engine, config, versus, questions, args)?;
-    let tok = engine.model().tokenizer();
+    let tok = engine.corpus().model().tokenizer();
     let (mut common, mut total, mut identical) = (0usize, 0usize, 0usize);
     for (a, b) in ours.answers.iter().zip(&theirs.answers) {
         let enc = |s: &str| {

@@ -41,16 +41,16 @@ impl Coded {
                 ..kvstore::StoreOptions::default()
             },
         )?;
-        let engine = ingest::Engine::new(
+        let corpus = ingest::Corpus::new(
             Arc::new(store),
-            base.index().clone(),
-            base.embedder().clone(),
-            base.model().clone(),
-            base.config().clone(),
+            base.corpus().index().clone(),
+            base.corpus().embedder().clone(),
+            base.corpus().model().clone(),
+            base.corpus().config().clone(),
             model::DType::F16,
         )
         .map_err(|e| Error::Check(format!("codec engine: {e}")))?;
-        let engine = Arc::new(engine);
+        let engine = Arc::new(ingest::Engine::new(corpus));
         let rag = Rag::start(engine.clone(), config)
             .map_err(|e| Error::Check(format!("codec pipeline: {e}")))?;
         Ok(Coded { codec, engine, rag })
@@ -61,19 +61,22 @@ impl Coded {
     pub fn copy(&self, base: &ingest::Engine, hits: &[Hit]) -> Result<(), Error> {
         for h in hits {
             let tokens = base
+                .corpus()
                 .chunk_tokens(&h.payload.text)
                 .map_err(|e| Error::Check(format!("tokenize: {e}")))?;
-            let ns = self.engine.namespace();
-            if self.engine.store().probe(ns, &tokens)? == tokens.len() {
+            let ns = self.engine.corpus().namespace();
+            if self.engine.corpus().store().probe(ns, &tokens)? == tokens.len() {
                 continue;
             }
-            let kv = base
-                .store()
-                .get_batch(base.namespace(), &tokens, tokens.len())?;
+            let kv = base.corpus().store().get_batch(
+                base.corpus().namespace(),
+                &tokens,
+                tokens.len(),
+            )?;
             let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-            self.engine.store().put_batch(
+            self.engine.corpus().store().put_batch(
                 ns,
-                self.engine.layout(),
+                self.engine.corpus().layout(),
                 &[kvstore::PutItem {
                     tokens: &tokens,
                     kv: &kv.bytes,

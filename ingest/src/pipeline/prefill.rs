@@ -9,7 +9,6 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::{kv_doc, Embedded, Engine, Shared, ToWriter};
 use crate::config::{Materialize, RunOptions};
-use crate::error::Result;
 use crate::report::secs;
 
 /// Most chunks in one group (stored ones included: they ride along to keep the order).
@@ -17,7 +16,7 @@ const MAX_GROUP: usize = 64;
 
 /// Groups of consecutive chunks, in order, given each chunk's token count and whether it still
 /// needs prefill: a group's chunks to prefill add up to at most `budget` tokens (a longer chunk
-/// makes a group alone), at most [`MAX_GROUP`] chunks. Every chunk is in exactly one group.
+/// makes a group alone), at most `MAX_GROUP` chunks. Every chunk is in exactly one group.
 pub fn prefill_groups(chunks: &[(usize, bool)], budget: usize) -> Vec<Range<usize>> {
     let mut groups = Vec::new();
     let (mut start, mut tokens) = (0, 0);
@@ -38,27 +37,6 @@ pub fn prefill_groups(chunks: &[(usize, bool)], budget: usize) -> Vec<Range<usiz
 }
 
 impl Engine {
-    /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
-    pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
-        let (kv, _) = self.model.decoder().prefill(tokens, 0)?;
-        Ok(kv.to_bytes(self.kv_dtype)?)
-    }
-
-    /// [`Engine::prefill_bytes`] of each chunk, in one forward pass when there are several.
-    pub fn prefill_many_bytes(&self, chunks: &[&[u32]]) -> Result<Vec<Vec<u8>>> {
-        match chunks {
-            [] => Ok(Vec::new()),
-            [one] => Ok(vec![self.prefill_bytes(one)?]),
-            _ => self
-                .model
-                .decoder()
-                .prefill_many(chunks)?
-                .iter()
-                .map(|kv| Ok(kv.to_bytes(self.kv_dtype)?))
-                .collect(),
-        }
-    }
-
     /// Sends each document's chunks (with their KV, `None` where stored already) to the
     /// writer, then the document; returns the busy time in seconds.
     pub(super) fn prefill_stage<'a>(
@@ -76,7 +54,7 @@ impl Engine {
                 // Stored already (an identical chunk, or an interrupted earlier run)?
                 let mut needs = Vec::with_capacity(chunks.len());
                 for c in chunks {
-                    match self.store.probe(self.ns, &c.tokens) {
+                    match self.corpus.store.probe(self.corpus.ns, &c.tokens) {
                         Ok(n) => needs.push((c.tokens.len(), n != c.tokens.len())),
                         Err(err) => {
                             shared.fatal(err.into());
@@ -84,7 +62,7 @@ impl Engine {
                         }
                     }
                 }
-                for group in prefill_groups(&needs, self.config.prefill_batch_tokens) {
+                for group in prefill_groups(&needs, self.corpus.config.prefill_batch_tokens) {
                     if shared.stopped() {
                         break 'docs;
                     }
@@ -94,7 +72,7 @@ impl Engine {
                         .filter(|&i| needs[i].1)
                         .map(|i| chunks[i].tokens.as_slice())
                         .collect();
-                    let mut kvs = match self.prefill_many_bytes(&todo) {
+                    let mut kvs = match self.corpus.prefill_many_bytes(&todo) {
                         Ok(kvs) => kvs.into_iter(),
                         Err(err) => {
                             shared.fail(e.planned.doc.id.clone(), format!("prefill failed: {err}"));

@@ -24,12 +24,12 @@ impl Engine {
             // Only the documents this run read: a seek each, not a scan of every payload.
             let mut candidates = Vec::new();
             for d in seen {
-                candidates.extend(self.kv_versions(d)?);
+                candidates.extend(self.corpus.kv_versions(d)?);
             }
             self.detach_unreferenced(candidates)?
         };
-        self.index.optimize()?;
-        self.index.flush()?;
+        self.corpus.index.optimize()?;
+        self.corpus.index.flush()?;
         Ok(())
     }
 
@@ -64,18 +64,18 @@ impl Engine {
             .collect();
         for d in gone {
             let _claim = self.claims.claim(&d);
-            self.index.delete_document(&d)?;
+            self.corpus.index.delete_document(&d)?;
             versions.remove(&d);
             report.docs_deleted += 1;
         }
-        self.index.flush()?;
+        self.corpus.index.flush()?;
         Ok(versions)
     }
 
     /// Document → content hashes of the versions the vector index holds.
     pub(crate) fn indexed_versions(&self) -> Result<HashMap<String, HashSet<String>>> {
         let mut versions: HashMap<String, HashSet<String>> = HashMap::new();
-        for (_, p) in self.index.points()? {
+        for (_, p) in self.corpus.index.points()? {
             versions.entry(p.doc_id).or_default().insert(p.doc_hash);
         }
         Ok(versions)
@@ -89,7 +89,7 @@ impl Engine {
         &self,
         versions: &HashMap<String, HashSet<String>>,
     ) -> Result<usize> {
-        let candidates = self.store.documents()?.into_iter().filter(|d| {
+        let candidates = self.corpus.store.documents()?.into_iter().filter(|d| {
             split_kv_doc(d)
                 .is_some_and(|(id, h)| !versions.get(id).is_some_and(|hs| hs.contains(h)))
         });
@@ -106,7 +106,7 @@ impl Engine {
             };
             let _claim = self.claims.claim(id);
             if !self.indexes_version(id, h)? {
-                self.store.delete_document(&d)?;
+                self.corpus.store.delete_document(&d)?;
                 n += 1;
             }
         }
@@ -116,6 +116,7 @@ impl Engine {
     /// Whether some point of `doc` carries version `hash`.
     pub(crate) fn indexes_version(&self, doc: &str, hash: &str) -> Result<bool> {
         Ok(self
+            .corpus
             .index
             .document(doc)?
             .iter()

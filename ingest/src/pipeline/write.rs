@@ -25,9 +25,9 @@ impl Engine {
                     bytes,
                 } => {
                     let t = Instant::now();
-                    let r = self.store.put_batch(
-                        self.ns,
-                        self.layout,
+                    let r = self.corpus.store.put_batch(
+                        self.corpus.ns,
+                        self.corpus.layout,
                         &[PutItem {
                             tokens: &tokens,
                             kv: bytes.as_deref().unwrap_or(&[]),
@@ -73,7 +73,7 @@ impl Engine {
     /// the marker that `kv_doc` references it. A chunk that was stored before (`bytes` is
     /// `None`) is only attached when the tier has it, else read back and uploaded.
     fn store_remote(&self, kv_doc: &str, tokens: &[u32], bytes: Option<&[u8]>) -> Result<()> {
-        let Some(r) = self.remote_writes() else {
+        let Some(r) = self.corpus.remote_writes() else {
             return Ok(());
         };
         let (doc, version) = split_kv_doc(kv_doc).ok_or_else(|| Error::Invalid {
@@ -82,17 +82,20 @@ impl Engine {
         })?;
         let item = |kv| remote::Item {
             tokens,
-            layout: self.layout,
+            layout: self.corpus.layout,
             kv,
         };
         match bytes {
             Some(kv) => {
-                r.put_object(self.ns, doc, version, item(kv))?;
+                r.put_object(self.corpus.ns, doc, version, item(kv))?;
             }
             None => {
-                if !r.attach_object(self.ns, doc, version, tokens)? {
-                    let local = self.store.get_batch(self.ns, tokens, tokens.len())?;
-                    r.put_object(self.ns, doc, version, item(&local.bytes))?;
+                if !r.attach_object(self.corpus.ns, doc, version, tokens)? {
+                    let local =
+                        self.corpus
+                            .store
+                            .get_batch(self.corpus.ns, tokens, tokens.len())?;
+                    r.put_object(self.corpus.ns, doc, version, item(&local.bytes))?;
                 }
             }
         }
@@ -111,10 +114,10 @@ impl Engine {
         } = planned;
         let n = chunks.len() as u32;
         let eager = opts.materialize == Materialize::Eager;
-        if let Some(r) = self.remote_writes().filter(|_| eager) {
+        if let Some(r) = self.corpus.remote_writes().filter(|_| eager) {
             // Step 1 on the shared tier: every object is stored; the manifest says so.
             let tokens: Vec<&[u32]> = chunks.iter().map(|c| c.tokens.as_slice()).collect();
-            r.put_manifest(self.ns, &doc.id, &hash, &tokens)?;
+            r.put_manifest(self.corpus.ns, &doc.id, &hash, &tokens)?;
         }
         let delay = self.commit_delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
@@ -143,23 +146,23 @@ impl Engine {
                 )
             })
             .collect();
-        self.index.upsert(&points)?;
+        self.corpus.index.upsert(&points)?;
         let fresh: HashSet<Uuid> = points.iter().map(|p| p.id).collect();
         let stale: Vec<Uuid> = old
             .iter()
             .map(|(id, _)| *id)
             .filter(|id| !fresh.contains(id))
             .collect();
-        self.index.delete_points(&stale)?;
+        self.corpus.index.delete_points(&stale)?;
         let old_hashes: HashSet<&str> = old
             .iter()
             .map(|(_, p)| p.doc_hash.as_str())
             .filter(|h| *h != hash)
             .collect();
         for h in &old_hashes {
-            self.store.delete_document(&kv_doc(&doc.id, h))?;
-            if let Some(r) = self.remote_writes() {
-                r.delete_doc(self.ns, &doc.id, Some(h))?;
+            self.corpus.store.delete_document(&kv_doc(&doc.id, h))?;
+            if let Some(r) = self.corpus.remote_writes() {
+                r.delete_doc(self.corpus.ns, &doc.id, Some(h))?;
             }
         }
         let mut rep = shared.report.lock();

@@ -168,7 +168,7 @@ impl Store {
 
     /// Stores KV for each item's token sequence (which starts at position 0), split into
     /// blocks of `block_tokens`. Blocks already stored are not written again. Payloads are
-    /// appended (and synced per [`SyncPolicy`]) before one atomic index batch makes them
+    /// appended (and synced per [`crate::SyncPolicy`]) before one atomic index batch makes them
     /// visible.
     pub fn put_batch(
         &self,

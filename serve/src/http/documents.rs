@@ -34,7 +34,7 @@ pub(super) async fn add_documents(
         return Err(ApiError::bad("documents: empty"));
     }
     let materialize = match b.materialize.as_deref() {
-        None => state.rag.engine.config().materialize,
+        None => state.rag.corpus().config().materialize,
         Some(m) => m
             .parse::<ingest::Materialize>()
             .map_err(|e| ApiError::bad(format!("materialize: {e}")))?,
@@ -89,7 +89,7 @@ pub(super) async fn get_document(
     let Path(id) = id.map_err(rejected)?;
     let engine = state.rag.engine.clone();
     let id2 = id.clone();
-    let chunks = blocking(move || engine.index().document(&id2))
+    let chunks = blocking(move || engine.corpus().index().document(&id2))
         .await?
         .map_err(ApiError::internal)?;
     if chunks.is_empty() {

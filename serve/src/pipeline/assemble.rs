@@ -3,7 +3,7 @@
 //! prefilled now, exactly as ingest stores them, and queued for writing back). Teacher forcing
 //! ([`crate::teacher`]) assembles with the same function.
 
-use ingest::Engine;
+use ingest::Corpus;
 use model::{KvCache, Tensor};
 
 use super::job::{KvMode, Loaded, Prefix, Query, Writeback};
@@ -33,7 +33,7 @@ pub(crate) struct Assembled {
     pub writebacks: Vec<Writeback>,
 }
 
-/// One query's assembly: what [`assemble`] takes besides the engine.
+/// One query's assembly: what [`assemble`] takes besides the corpus.
 pub(crate) struct Request<'a> {
     /// The system prefix.
     pub prefix: &'a Prefix,
@@ -55,7 +55,7 @@ pub(crate) struct Request<'a> {
 /// with `full`, just the prefix, the chunks to be prefilled with the question. The cache has
 /// room for what is pending and `target.room` more tokens. A deferred `link` repair is left
 /// to the caller's feeding ([`Assembled::redo`]).
-pub(crate) fn assemble(engine: &Engine, req: Request<'_>) -> Result<Assembled> {
+pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
     let Request {
         prefix,
         repair,
@@ -65,7 +65,7 @@ pub(crate) fn assemble(engine: &Engine, req: Request<'_>) -> Result<Assembled> {
         target,
     } = req;
     let (room, dtype) = (target.room, target.dtype);
-    let model = &engine.model();
+    let model = &corpus.model();
     let full = query.assembly == Assembly::Full;
     let mut parts = Vec::with_capacity(chunks.len());
     let mut context = prefix.tokens.clone();
@@ -93,9 +93,9 @@ pub(crate) fn assemble(engine: &Engine, req: Request<'_>) -> Result<Assembled> {
             }
             None => {
                 // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = engine.prefill_bytes(&c.tokens)?;
+                let bytes = corpus.prefill_bytes(&c.tokens)?;
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
-                let kv = import(engine, &bytes, query.assembly, pos, chunk_dtype)?;
+                let kv = import(corpus, &bytes, query.assembly, pos, chunk_dtype)?;
                 if query.kv == KvMode::On {
                     misses += 1;
                     writebacks.push(Writeback {

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ingest::Engine;
+use ingest::{Corpus, Engine};
 use model::{GenerateParams, Kv};
 use retrieval::{Hit, SearchFilter};
 use serde::Serialize;
@@ -83,8 +83,8 @@ pub(crate) struct Prefix {
 
 impl Prefix {
     /// The question's tokens, in the chat template after the chunks.
-    pub fn question(&self, engine: &Engine, text: &str) -> model::Result<Vec<u32>> {
-        engine
+    pub fn question(&self, corpus: &Corpus, text: &str) -> model::Result<Vec<u32>> {
+        corpus
             .model()
             .tokenizer()
             .encode_pieces(&self.prompt.question(text))
@@ -112,6 +112,9 @@ pub(crate) struct Writeback {
 
 /// What each pipeline thread works with.
 pub(crate) struct Worker {
+    /// What queries read.
+    pub corpus: Arc<Corpus>,
+    /// The writer, for write-backs of repaired chunks.
     pub engine: Arc<Engine>,
     /// `serve.cache_dtype`.
     pub cache_dtype: model::DType,

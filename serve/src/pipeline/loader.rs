@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use ingest::Engine;
+use ingest::Corpus;
 use model::{DType, Kv};
 use retrieval::Hit;
 
@@ -62,7 +62,7 @@ fn load(
     buf: &mut Vec<u8>,
     mut job: LoadJob,
 ) -> Option<ComputeJob> {
-    let (engine, m) = (&*w.engine, &*w.metrics);
+    let (corpus, m) = (&*w.corpus, &*w.metrics);
     if job.events.is_closed() {
         m.cancelled.fetch_add(1, Ordering::Relaxed);
         return None;
@@ -71,7 +71,7 @@ fn load(
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
     let hits = std::mem::take(&mut job.hits);
     let start = prefix.tokens.len();
-    let chunks = match read_chunks(engine, m, &job.query, hits, start, buf, w.cache_dtype) {
+    let chunks = match read_chunks(corpus, m, &job.query, hits, start, buf, w.cache_dtype) {
         Ok(c) => c,
         Err(e) => {
             finish_err(m, &job.events, e);
@@ -86,7 +86,7 @@ fn load(
         .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
     m.kv_load_hidden_us
         .fetch_add(hidden.as_micros() as u64, Ordering::Relaxed);
-    let question = match prefix.question(engine, &job.query.question) {
+    let question = match prefix.question(corpus, &job.query.question) {
         Ok(q) => q,
         Err(e) => {
             finish_err(m, &job.events, e.into());
@@ -95,7 +95,7 @@ fn load(
     };
     let context: usize = chunks.iter().map(|c| c.tokens.len()).sum();
     let prompt_tokens = prefix.tokens.len() + context + question.len();
-    let limit = engine.model().max_positions();
+    let limit = corpus.model().max_positions();
     if prompt_tokens + job.query.params.max_tokens > limit {
         let why = format!(
             "the prompt ({prompt_tokens} tokens) and max_tokens ({}) exceed the model's \
@@ -121,14 +121,14 @@ fn load(
 /// as they are and only the keys are widened, turned and rounded (on the CPU in one pass on
 /// this thread, [`model::Decoder::reposition`]), so the model thread just copies them in.
 pub(crate) fn import(
-    engine: &Engine,
+    corpus: &Corpus,
     bytes: &[u8],
     assembly: Assembly,
     pos: usize,
     dtype: DType,
 ) -> model::Result<Kv> {
-    let model = &engine.model();
-    let kv = Kv::from_bytes(bytes, &engine.layout(), model.device())?;
+    let model = &corpus.model();
+    let kv = Kv::from_bytes(bytes, &corpus.layout(), model.device())?;
     let kv = if dtype == model::Q8_CACHE {
         // Keys turn before they are quantized (re-positioning works on the stored floats);
         // the q8 cache then takes the rows as they are.
@@ -144,18 +144,18 @@ pub(crate) fn import(
     Ok(kv)
 }
 
-/// A chunk's stored KV into `buf`: from the engine's namespace, or, when that misses and
+/// A chunk's stored KV into `buf`: from the corpus's namespace, or, when that misses and
 /// chunks are stored with a lossy codec, from the same model's lossless namespace (a store
 /// written before the codec changed serves as it did until `ragkv rematerialize` re-encodes
 /// it).
-fn read_stored(engine: &Engine, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<()> {
+fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<()> {
     let n = tokens.len();
-    match engine
+    match corpus
         .store()
-        .get_batch_into(engine.namespace(), tokens, n, buf)
+        .get_batch_into(corpus.namespace(), tokens, n, buf)
     {
-        Err(e) if e.is_miss() && !e.is_damage() => match engine.lossless_source() {
-            Some(src) => engine
+        Err(e) if e.is_miss() && !e.is_damage() => match corpus.lossless_source() {
+            Some(src) => corpus
                 .store()
                 .get_batch_into(src, tokens, n, buf)
                 .map(|_| ())
@@ -170,7 +170,7 @@ fn read_stored(engine: &Engine, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::R
 /// on); a chunk whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without
 /// it. Chunks whose text tokenizes to nothing are left out.
 pub(crate) fn read_chunks(
-    engine: &Engine,
+    corpus: &Corpus,
     m: &Metrics,
     query: &Query,
     hits: Vec<Hit>,
@@ -180,21 +180,21 @@ pub(crate) fn read_chunks(
 ) -> Result<Vec<Loaded>> {
     let dtype = query
         .assembly
-        .chunk_dtype(engine.model().dtype(), cache_dtype);
+        .chunk_dtype(corpus.model().dtype(), cache_dtype);
     let mut chunks = Vec::with_capacity(hits.len());
     for hit in hits {
-        let tokens = match engine.chunk_tokens(&hit.payload.text) {
+        let tokens = match corpus.chunk_tokens(&hit.payload.text) {
             Ok(t) if !t.is_empty() => t,
             Ok(_) => continue,
             Err(e) => return Err(e.into()),
         };
         let mut corrupt = false;
         let kv = if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-            match read_stored(engine, &tokens, buf) {
+            match read_stored(corpus, &tokens, buf) {
                 Ok(_) => {
                     m.kv_bytes_loaded
                         .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    match import(engine, buf, query.assembly, pos, dtype) {
+                    match import(corpus, buf, query.assembly, pos, dtype) {
                         Ok(kv) => Some(kv),
                         Err(e) => {
                             tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
@@ -233,7 +233,7 @@ pub(crate) fn read_chunks(
         pos += chunks.last().map_or(0, |(_, c)| c.tokens.len());
     }
     if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-        fetch_remote(engine, m, query.assembly, dtype, &mut chunks);
+        fetch_remote(corpus, m, query.assembly, dtype, &mut chunks);
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
 }
@@ -243,13 +243,13 @@ pub(crate) fn read_chunks(
 /// under its quota) and placed at its prompt position `pos`. Whatever the tier misses or
 /// fails to give stays missing, to be recomputed: a remote failure is never a query's error.
 fn fetch_remote(
-    engine: &Engine,
+    corpus: &Corpus,
     m: &Metrics,
     assembly: Assembly,
     dtype: DType,
     chunks: &mut [(usize, Loaded)],
 ) {
-    let Some(tier) = engine.remote().filter(|r| r.reads()) else {
+    let Some(tier) = corpus.remote().filter(|r| r.reads()) else {
         return;
     };
     let missing: Vec<usize> = (0..chunks.len())
@@ -262,12 +262,12 @@ fn fetch_remote(
         .iter()
         .map(|&i| chunks[i].1.tokens.as_slice())
         .collect();
-    let got = tier.get_many(engine.namespace(), &seqs);
+    let got = tier.get_many(corpus.namespace(), &seqs);
     for (&i, r) in missing.iter().zip(got) {
         let (pos, c) = &mut chunks[i];
         let doc = &c.hit.payload.doc_id;
         let f = match r {
-            Ok(Some(f)) if f.layout == engine.layout() => f,
+            Ok(Some(f)) if f.layout == corpus.layout() => f,
             Ok(Some(f)) => {
                 tracing::warn!(%doc, layout = ?f.layout, "shared-tier KV has another layout; recomputing");
                 m.remote_errors.fetch_add(1, Ordering::Relaxed);
@@ -286,7 +286,7 @@ fn fetch_remote(
         m.remote_fetch.observe(f.ms / 1e3);
         m.remote_bytes
             .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
-        let kv = match import(engine, &f.kv, assembly, *pos, dtype) {
+        let kv = match import(corpus, &f.kv, assembly, *pos, dtype) {
             Ok(kv) => kv,
             Err(e) => {
                 tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
@@ -298,9 +298,9 @@ fn fetch_remote(
         // Kept locally under the document version's KV id, as ingest would have stored it
         // (a failure here costs only the next fetch).
         let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
-        let put = engine.store().put_batch(
-            engine.namespace(),
-            engine.layout(),
+        let put = corpus.store().put_batch(
+            corpus.namespace(),
+            corpus.layout(),
             &[kvstore::PutItem {
                 tokens: &c.tokens,
                 kv: &f.kv,

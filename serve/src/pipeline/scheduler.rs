@@ -137,7 +137,7 @@ pub(crate) fn run(
     wb: Sender<Writeback>,
 ) {
     let m = &*w.metrics;
-    let token_bytes = limits.cache_token_bytes(w.engine.model());
+    let token_bytes = limits.cache_token_bytes(w.corpus.model());
     let mut active: Vec<Active<'_>> = Vec::new();
     let mut leaving: Vec<Leaving> = Vec::new();
     let mut waiting: Option<ComputeJob> = None;
@@ -274,7 +274,7 @@ fn join<'m>(
     cj: ComputeJob,
     wb: &Sender<Writeback>,
 ) -> Result<Active<'m>> {
-    let engine = &*w.engine;
+    let corpus = &*w.corpus;
     let m = &*w.metrics;
     let ComputeJob {
         job,
@@ -307,7 +307,7 @@ fn join<'m>(
             link: LinkTiming::Deferred,
         },
     };
-    let a = assemble(engine, req)?;
+    let a = assemble(corpus, req)?;
     m.kv_hits.fetch_add(a.hits as u64, Ordering::Relaxed);
     m.kv_misses.fetch_add(a.misses as u64, Ordering::Relaxed);
     for wbm in a.writebacks {
@@ -321,7 +321,7 @@ fn join<'m>(
     );
     let cache = a.cache;
     timings.assemble_ms = ms(t.elapsed());
-    let decoding = Decoding::new(engine.model().tokenizer(), &query.params)
+    let decoding = Decoding::new(corpus.model().tokenizer(), &query.params)
         .map_err(|e| Error::Invalid { why: e.to_string() })?;
     Ok(Active {
         ticket,
@@ -382,7 +382,7 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
     let logits = if seqs.is_empty() {
         None
     } else {
-        let d = w.engine.model().decoder();
+        let d = w.corpus.model().decoder();
         Some(d.step(&mut seqs)?)
     };
     drop(seqs);

@@ -43,6 +43,18 @@ pub fn open_engine_opts(
     llm: model::Model,
     store: kvstore::StoreOptions,
 ) -> ingest::Engine {
+    ingest::Engine::new(open_corpus(dir, config, kv_dtype, llm, store))
+}
+
+/// The corpus [`open_engine_opts`] writes: a store and an index in `dir`, the default
+/// embedder, `llm`.
+pub fn open_corpus(
+    dir: &Path,
+    config: ingest::IngestConfig,
+    kv_dtype: model::DType,
+    llm: model::Model,
+    store: kvstore::StoreOptions,
+) -> ingest::Corpus {
     let store = kvstore::Store::open(dir.join("kv"), store).unwrap();
     let embedder = retrieval::Embedder::new(&retrieval::EmbedderConfig::default()).unwrap();
     let index = retrieval::VectorIndex::open(
@@ -51,7 +63,7 @@ pub fn open_engine_opts(
         &retrieval::IndexConfig::default(),
     )
     .unwrap();
-    ingest::Engine::new(
+    ingest::Corpus::new(
         std::sync::Arc::new(store),
         std::sync::Arc::new(index),
         std::sync::Arc::new(embedder),

@@ -1,0 +1,202 @@
+//! The corpus: the parts a stored chunk lives in (KV store, vector index, shared tier) and
+//! the parts that make its KV (tokenizer, model, preamble), bound to the namespace its KV is
+//! stored under. Shared by the ingest [`crate::Engine`] (which writes it) and the server
+//! (which only reads it, and recomputes what is missing).
+
+use std::sync::Arc;
+
+use kvstore::{KvLayout, NamespaceId, Store};
+use model::Model;
+use remote::Remote;
+use retrieval::{Embedder, VectorIndex};
+
+use crate::config::IngestConfig;
+use crate::error::{Error, Result};
+use crate::pipeline::{kv_doc, CHUNK_TEMPLATE};
+use crate::source::CONTENT_HASH_LEN;
+
+/// What is stored and how to read it: the KV store, the vector index, the embedder, the model
+/// whose KV is stored, and how a chunk's KV is keyed (namespace, layout, preamble). Ingest
+/// writes a corpus through an [`crate::Engine`]; the server reads it (retrieval, chunk KV,
+/// recompute of a missing chunk) without the writer's claims.
+#[derive(Debug)]
+pub struct Corpus {
+    pub(crate) store: Arc<Store>,
+    pub(crate) index: Arc<VectorIndex>,
+    pub(crate) embedder: Arc<Embedder>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) config: IngestConfig,
+    /// The shared KV tier behind the local store, when configured ([`Corpus::with_remote`]).
+    pub(crate) remote: Option<Arc<Remote>>,
+    pub(crate) ns: NamespaceId,
+    /// With a lossy codec: the namespace of the same model's KV stored losslessly, which
+    /// re-materialization re-encodes from instead of prefilling.
+    pub(crate) lossless_source: Option<NamespaceId>,
+    pub(crate) layout: KvLayout,
+    /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
+    pub(crate) preamble: Vec<u32>,
+    pub(crate) kv_dtype: model::DType,
+}
+
+impl Corpus {
+    /// Binds the parts together and registers the model's KV namespace (fingerprint of the
+    /// weights, tokenizer, positions, KV layout in `kv_dtype`, chunker and chunk template).
+    pub fn new(
+        store: Arc<Store>,
+        index: Arc<VectorIndex>,
+        embedder: Arc<Embedder>,
+        model: Arc<Model>,
+        config: IngestConfig,
+        kv_dtype: model::DType,
+    ) -> Result<Corpus> {
+        config.validate()?;
+        if embedder.dim() != index.dim() {
+            return Err(Error::Invalid {
+                what: "embedder",
+                why: format!(
+                    "produces {}-dimensional vectors but the index holds {}",
+                    embedder.dim(),
+                    index.dim()
+                ),
+            });
+        }
+        let preamble = model.tokenizer().encode(&config.chunk_preamble)?;
+        let template = if preamble.is_empty() {
+            CHUNK_TEMPLATE.to_string()
+        } else {
+            let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
+            format!("chunk-preamble-v1:{}", &h[..16])
+        };
+        let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
+        fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
+        let layout = fp.layout;
+        let codec = store.options().default_codec;
+        let ns = fp.namespace_with_codec(codec);
+        store.register_namespace(ns, layout, codec)?;
+        // A lossy namespace can be filled from the same model's lossless KV without prefill.
+        let lossless_source = (!codec.is_lossless()).then(|| fp.namespace());
+        Ok(Corpus {
+            store,
+            index,
+            embedder,
+            model,
+            config,
+            remote: None,
+            ns,
+            lossless_source,
+            layout,
+            preamble,
+            kv_dtype,
+        })
+    }
+
+    /// Puts the shared KV tier behind the local store: with `remote.write`, ingest stores
+    /// every document's KV there too (before the document becomes searchable) and deletes
+    /// release it; with `remote.read`, the server fetches what the local store misses.
+    pub fn with_remote(mut self, remote: Arc<Remote>) -> Corpus {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The KV store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The vector index.
+    pub fn index(&self) -> &Arc<VectorIndex> {
+        &self.index
+    }
+
+    /// The embedding model.
+    pub fn embedder(&self) -> &Arc<Embedder> {
+        &self.embedder
+    }
+
+    /// The LLM whose KV is stored.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// `[ingest]` settings.
+    pub fn config(&self) -> &IngestConfig {
+        &self.config
+    }
+
+    /// Changes `ingest.prefill_batch_tokens` (how many tokens of short chunks one batched
+    /// prefill takes; it does not change the KV, so the namespace stays).
+    pub fn set_prefill_batch_tokens(&mut self, tokens: usize) -> Result<()> {
+        let mut c = self.config.clone();
+        c.prefill_batch_tokens = tokens;
+        c.validate()?;
+        self.config = c;
+        Ok(())
+    }
+
+    /// The shared KV tier behind the local store, when configured.
+    pub fn remote(&self) -> Option<&Arc<Remote>> {
+        self.remote.as_ref()
+    }
+
+    /// The tier when ingest writes to it.
+    pub(crate) fn remote_writes(&self) -> Option<&Remote> {
+        self.remote.as_deref().filter(|r| r.writes())
+    }
+
+    /// The KV namespace chunks are stored under.
+    pub fn namespace(&self) -> NamespaceId {
+        self.ns
+    }
+
+    /// The namespace holding this model's KV losslessly, when chunks are stored with a lossy
+    /// codec (see [`schema::ModelFingerprint::namespace_with_codec`]).
+    pub fn lossless_source(&self) -> Option<NamespaceId> {
+        self.lossless_source
+    }
+
+    /// Layout of stored chunk KV.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Tokens of a stored chunk's text as prefilled: the preamble's, then the text's.
+    pub fn chunk_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        let mut t = self.preamble.clone();
+        t.extend(self.model.tokenizer().encode(text)?);
+        Ok(t)
+    }
+
+    /// The most tokens a stored chunk has: the preamble's and `chunk_tokens`.
+    pub fn max_chunk_tokens(&self) -> usize {
+        self.preamble.len() + self.config.chunker().chunk_tokens
+    }
+
+    /// The KV documents (`doc@hash`) of every stored version of `doc`.
+    pub(crate) fn kv_versions(&self, doc: &str) -> Result<Vec<String>> {
+        let prefix = kv_doc(doc, "");
+        Ok(self
+            .store
+            .documents_with_prefix(&prefix, prefix.len() + CONTENT_HASH_LEN)?)
+    }
+
+    /// Prefills `tokens` at positions `0..` and returns the KV bytes in the stored layout.
+    pub fn prefill_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
+        let (kv, _) = self.model.decoder().prefill(tokens, 0)?;
+        Ok(kv.to_bytes(self.kv_dtype)?)
+    }
+
+    /// [`Corpus::prefill_bytes`] of each chunk, in one forward pass when there are several.
+    pub fn prefill_many_bytes(&self, chunks: &[&[u32]]) -> Result<Vec<Vec<u8>>> {
+        match chunks {
+            [] => Ok(Vec::new()),
+            [one] => Ok(vec![self.prefill_bytes(one)?]),
+            _ => self
+                .model
+                .decoder()
+                .prefill_many(chunks)?
+                .iter()
+                .map(|kv| Ok(kv.to_bytes(self.kv_dtype)?))
+                .collect(),
+        }
+    }
+}
