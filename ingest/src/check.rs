@@ -6,8 +6,9 @@ use kvstore::SeqState;
 use retrieval::SearchFilter;
 use serde::Serialize;
 
+use crate::corpus::{kv_doc, kv_key, split_kv_doc};
 use crate::error::Result;
-use crate::pipeline::{kv_doc, kv_key, split_kv_doc, Engine};
+use crate::pipeline::Engine;
 
 /// What [`Engine::check`] found. `problems` is empty when everything holds.
 #[derive(Debug, Clone, Default, Serialize)]

@@ -12,8 +12,27 @@ use retrieval::{Embedder, VectorIndex};
 
 use crate::config::IngestConfig;
 use crate::error::{Error, Result};
-use crate::pipeline::{kv_doc, CHUNK_TEMPLATE};
 use crate::source::CONTENT_HASH_LEN;
+
+/// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
+/// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
+pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
+
+/// KV-store document id of version `hash` of document `doc`.
+pub fn kv_doc(doc: &str, hash: &str) -> String {
+    format!("{doc}@{hash}")
+}
+
+/// Splits a KV-store document id into (document, hash).
+pub fn split_kv_doc(kv_doc: &str) -> Option<(&str, &str)> {
+    kv_doc.rsplit_once('@')
+}
+
+/// Hex key of a chunk's KV: the token digest of its tokens.
+pub fn kv_key(tokens: &[u32]) -> String {
+    let d = schema::TokenDigest::of(tokens);
+    d.0.iter().map(|b| format!("{b:02x}")).collect()
+}
 
 /// What is stored and how to read it: the KV store, the vector index, the embedder, the model
 /// whose KV is stored, and how a chunk's KV is keyed (namespace, layout, preamble). Ingest

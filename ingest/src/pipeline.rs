@@ -51,7 +51,7 @@ use uuid::Uuid;
 use crate::chunk::{chunk_text, Chunk};
 use crate::claims::{Claim, Claims};
 use crate::config::{Materialize, RunOptions};
-use crate::corpus::Corpus;
+use crate::corpus::{kv_doc, kv_key, split_kv_doc, Corpus};
 use crate::error::{Error, Result};
 use crate::progress::Counters;
 use crate::report::{secs, Failure, Report, StageTimes};
@@ -63,10 +63,6 @@ mod write;
 
 pub use prefill::prefill_groups;
 
-/// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
-/// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
-pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
-
 /// The writer of a [`Corpus`]: ingest runs, deletes, write-backs, re-materialization and
 /// garbage collection, ordered per document by write claims (`ingest/src/claims.rs`).
 #[derive(Debug)]
@@ -76,22 +72,6 @@ pub struct Engine {
     /// Milliseconds each document's commit waits after its KV is stored and before its points
     /// are upserted: widens that window for tests of concurrent writers; 0 in production.
     pub(crate) commit_delay_ms: std::sync::atomic::AtomicU64,
-}
-
-/// KV-store document id of version `hash` of document `doc`.
-pub fn kv_doc(doc: &str, hash: &str) -> String {
-    format!("{doc}@{hash}")
-}
-
-/// Splits a KV-store document id into (document, hash).
-pub fn split_kv_doc(kv_doc: &str) -> Option<(&str, &str)> {
-    kv_doc.rsplit_once('@')
-}
-
-/// Hex key of a chunk's KV: the token digest of its tokens.
-pub fn kv_key(tokens: &[u32]) -> String {
-    let d = schema::TokenDigest::of(tokens);
-    d.0.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Engine {

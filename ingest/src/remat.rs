@@ -31,8 +31,9 @@ use std::time::{Duration, Instant};
 use kvstore::{NamespaceId, PutItem, SeqState};
 use serde::{Deserialize, Serialize};
 
+use crate::corpus::kv_doc;
 use crate::error::{Error, Result};
-use crate::pipeline::{kv_doc, Engine};
+use crate::pipeline::Engine;
 use crate::progress::Counters;
 
 /// Which chunks a run redoes.

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{kv_doc, Embedded, Engine, Shared, ToWriter};
+use super::{Embedded, Engine, Shared, ToWriter};
 use crate::config::{Materialize, RunOptions};
+use crate::corpus::kv_doc;
 use crate::report::secs;
 
 /// Most chunks in one group (stored ones included: they ride along to keep the order).

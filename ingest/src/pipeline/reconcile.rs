@@ -3,8 +3,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{split_kv_doc, Engine};
+use super::Engine;
 use crate::config::{RunOptions, Shard};
+use crate::corpus::split_kv_doc;
 use crate::error::Result;
 use crate::report::{Failure, Report};
 
