@@ -3,19 +3,26 @@
 better ragkv is than the line's baseline) on a log scale, 1x marked.
 
     scripts/bench-plots.py FILE.jsonl [OUT.svg]      (default OUT: FILE with .svg)
-    scripts/bench-plots.py --xy FIELD_X FIELD_Y FILE.jsonl [OUT.svg]
+    scripts/bench-plots.py [--bench NAME] [--log-y] [--names A,B] \
+        --xy FIELD_X FIELD_Y[,FIELD_Y2...] FILE.jsonl [OUT.svg]
 
 Reads what `ragkv bench ...` / `ragkv eval ...` print (`{"bench", "ours", "baseline",
 "ratio", "unit", "baseline_name"?}`; other lines are skipped) and writes an SVG with no
 dependency beyond Python. With `--xy`, one point per line instead: FIELD_Y (e.g. `ours`)
-against FIELD_X (e.g. `recomputed_tokens`, on a log scale from 1), labelled by `bench`.
+against FIELD_X (e.g. `recomputed_tokens`, on a log scale from 1), labelled by `bench`; with
+several FIELD_Ys (e.g. `ours,baseline`), one coloured series each, named by `--names`. Fields
+may name nested keys with dots (`detail.prompt_tokens_mean`); `--bench` keeps only the lines
+of one bench; `--log-y` draws y on a log scale.
 
     scripts/bench-plots.py docs/figures/summary.jsonl
     scripts/bench-plots.py --xy recomputed_tokens ours docs/figures/agreement.jsonl
+    scripts/bench-plots.py --bench peer.ttft_p50 --log-y --names ragkv,llama-server \
+        --xy detail.prompt_tokens_mean ours,baseline docs/figures/ttft.jsonl
 
 redraw docs/figures/summary.svg (the figures of docs/BENCHMARKS.md's summary table) and
 docs/figures/agreement.svg (teacher-forced agreement with full prefill against the chunk
-tokens each assembly strategy recomputes).
+tokens each assembly strategy recomputes) and docs/figures/ttft.svg (time to first token
+against prompt length, ragkv from stored KV and llama-server's full prefill).
 """
 import html
 import json
@@ -92,70 +99,126 @@ def svg(rows):
     return "\n".join(out) + "\n"
 
 
-def scatter(rows, fx, fy):
-    """FIELD_Y against FIELD_X (log scale of x + 1), one labelled point per line."""
-    pts = [(float(r[fx]), float(r[fy]), r["bench"]) for r in rows if fx in r and fy in r]
+def field(row, path):
+    """`path`'s value in `row`: a key, or keys joined by dots into nested objects."""
+    v = row
+    for k in path.split("."):
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v if isinstance(v, (int, float)) else None
+
+
+COLORS = ["#1565c0", "#c62828", "#2e7d32", "#6a1b9a"]
+
+
+def scatter(rows, fx, fys, log_y=False, names=None):
+    """Each FIELD_Y against FIELD_X (log scale of x + 1): one labelled point per line with one
+    field, one coloured series per field (and a legend) with several."""
+    names = names or fys
+    series = []
+    for fy, name, color in zip(fys, names, COLORS):
+        pts = [(field(r, fx), field(r, fy), r["bench"]) for r in rows]
+        pts = sorted(p for p in pts if p[0] is not None and p[1] is not None)
+        if pts:
+            series.append((name, color, pts))
+    if not series:
+        raise SystemExit(f"no line has both {fx} and any of {', '.join(fys)}")
     left, top, w, h = 70, 40, 560, 320
-    xmax = math.log10(max(p[0] for p in pts) + 1) or 1.0
-    ylo, yhi = min(p[1] for p in pts), max(p[1] for p in pts)
+    allp = [p for _, _, pts in series for p in pts]
+    xmax = math.log10(max(p[0] for p in allp) + 1) or 1.0
+    # From 0 when a point sits there; otherwise from a little below the smallest x.
+    xmin = max(0.0, math.log10(min(p[0] for p in allp) + 1) - 0.15)
+    xmin = 0.0 if xmin < 0.5 else xmin
+    xmax = max(xmax, xmin + 0.5)
+    ty = (lambda v: math.log10(max(v, 1e-9))) if log_y else (lambda v: v)
+    ylo, yhi = min(ty(p[1]) for p in allp), max(ty(p[1]) for p in allp)
     pad = (yhi - ylo) * 0.1 or 1.0
     ylo, yhi = ylo - pad, yhi + pad
 
     def px(v):
-        return left + w * math.log10(v + 1) / xmax
+        return left + w * (math.log10(v + 1) - xmin) / (xmax - xmin)
 
     def py(v):
-        return top + h * (1 - (v - ylo) / (yhi - ylo))
+        return top + h * (1 - (ty(v) - ylo) / (yhi - ylo))
 
-    unit = html.escape(str(rows[0].get("unit", fy)))
+    unit = html.escape(str(rows[0].get("unit", fys[0])))
+    what = html.escape(", ".join(names))
+    scale = "log scales" if log_y else "log scale"
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + w + 260}" '
         f'height="{top + h + 50}" font-family="sans-serif" font-size="12">',
         f'<rect width="{left + w + 260}" height="{top + h + 50}" fill="white"/>',
-        f'<text x="10" y="20" font-size="14">{html.escape(fy)} ({unit}) against '
-        f"{html.escape(fx)} (log scale)</text>",
+        f'<text x="10" y="20" font-size="14">{what} ({unit}) against '
+        f"{html.escape(fx)} ({scale})</text>",
         f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" stroke="#444"/>',
         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" stroke="#444"/>',
     ]
-    for tick in [0, 10, 100, 1000, 10000]:
-        if math.log10(tick + 1) <= xmax * 1.001:
+    steps = [1, 2, 5] if xmin > 0 else [1]
+    for tick in [0] + [m * 10**e for e in range(1, 6) for m in steps]:
+        if xmin <= math.log10(tick + 1) <= xmax * 1.001:
             out.append(
                 f'<text x="{px(tick):.1f}" y="{top + h + 16}" text-anchor="middle">{tick}</text>'
             )
-    for k in range(5):
-        v = ylo + (yhi - ylo) * k / 4
-        out.append(f'<text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{v:.3g}</text>')
-    pts.sort()
-    path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y, _ in pts)
-    out.append(f'<polyline points="{path}" fill="none" stroke="#1565c0"/>')
-    for x, y, name in pts:
-        out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="#1565c0"/>')
+    if log_y:
+        yticks = [m * 10.0**e for e in range(-3, 7) for m in (1, 2, 5)]
+        yticks = [v for v in yticks if ylo <= math.log10(v) <= yhi]
+    else:
+        yticks = [ylo + (yhi - ylo) * k / 4 for k in range(5)]
+    for v in yticks:
+        label = f"{v:,.0f}" if log_y and v >= 1 else f"{v:.3g}"
+        out.append(f'<text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{label}</text>')
         out.append(
-            f'<text x="{px(x) + 7:.1f}" y="{py(y) + 4:.1f}">{html.escape(name)}</text>'
+            f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + w}" y2="{py(v):.1f}" stroke="#eee"/>'
         )
+    for i, (name, color, pts) in enumerate(series):
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y, _ in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}"/>')
+        for x, y, label in pts:
+            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{color}"/>')
+            if len(series) == 1:
+                out.append(
+                    f'<text x="{px(x) + 7:.1f}" y="{py(y) + 4:.1f}">{html.escape(label)}</text>'
+                )
+        if len(series) > 1:
+            ly = top + 16 * i
+            out.append(
+                f'<rect x="{left + w + 20}" y="{ly}" width="12" height="12" fill="{color}"/>'
+            )
+            out.append(
+                f'<text x="{left + w + 38}" y="{ly + 11}">{html.escape(name)}</text>'
+            )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def main():
     args = sys.argv[1:]
-    xy = None
-    if args[:1] == ["--xy"]:
-        if len(args) < 4:
+    xy, log_y, names, only = None, False, None, None
+    while args[:1] and args[0].startswith("--"):
+        flag = args.pop(0)
+        if flag == "--xy" and len(args) >= 2:
+            xy, args = (args[0], args[1].split(",")), args[2:]
+        elif flag == "--log-y":
+            log_y = True
+        elif flag == "--names" and args:
+            names = args.pop(0).split(",")
+        elif flag == "--bench" and args:
+            only = args.pop(0)
+        else:
             print(__doc__.strip(), file=sys.stderr)
             sys.exit(2)
-        xy, args = (args[1], args[2]), args[3:]
     if not args:
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(2)
     src = args[0]
     dst = args[1] if len(args) > 1 else src.rsplit(".", 1)[0] + ".svg"
-    rows = lines(src)
+    rows = [r for r in lines(src) if only is None or r["bench"] == only]
     if not rows:
         print(f"{src}: no bench lines with a ratio", file=sys.stderr)
         sys.exit(1)
     with open(dst, "w", encoding="utf-8") as f:
-        f.write(scatter(rows, *xy) if xy else svg(rows))
+        f.write(scatter(rows, xy[0], xy[1], log_y, names) if xy else svg(rows))
     print(f"{dst}: {len(rows)} {'points' if xy else 'bars'}")
 
 
