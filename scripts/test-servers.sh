@@ -7,6 +7,11 @@
 #                                     the variables the suites read (RAGKV_TEST_S3_*)
 #   scripts/test-servers.sh stop
 #   scripts/test-servers.sh installed exits 0 when Garage is installed
+#   scripts/test-servers.sh cluster-start    three Garage nodes on loopback (replication factor
+#                                     3, each its own ports and data directory), one bucket;
+#                                     writes $RAGKV_SERVERS/cluster/env (RAGKV_TEST_GARAGE_*)
+#   scripts/test-servers.sh cluster-kill N, cluster-revive N   SIGKILLs / restarts node N
+#   scripts/test-servers.sh cluster-stop
 #
 # `scripts/test.sh` starts the servers that are installed and runs the remote suites against
 # them. Qdrant's server is not on any package registry this project may use (crates.io has a
@@ -99,10 +104,126 @@ EOF
   echo "garage on 127.0.0.1:$port (bucket $bucket); variables in $run/env"
 }
 
+# A three-node cluster: node i serves S3 on cluster_port + 10 i, RPC on the next port.
+cluster_port="${RAGKV_GARAGE_CLUSTER_PORT:-39200}"
+cluster_run="$run/cluster"
+
+node_cfg() { echo "$cluster_run/node$1/garage.toml"; }
+
+node_start() {
+  RUST_LOG="${RUST_LOG_GARAGE:-warn}" "$garage" -c "$(node_cfg "$1")" server \
+    >> "$cluster_run/node$1/log" 2>&1 &
+  echo $! > "$cluster_run/node$1/pid"
+}
+
+node_kill() {
+  if [ -f "$cluster_run/node$1/pid" ]; then
+    kill -9 "$(cat "$cluster_run/node$1/pid")" 2>/dev/null || true
+    rm -f "$cluster_run/node$1/pid"
+  fi
+}
+
+cluster_stop() {
+  for i in 0 1 2; do node_kill "$i"; done
+}
+
+# Runs a garage admin command against node 0 until it succeeds (the nodes take a moment to
+# open their RPC ports and to see each other).
+admin() {
+  for _ in $(seq 1 100); do
+    if "$garage" -c "$(node_cfg 0)" "$@" > "$cluster_run/admin.out" 2>&1; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  echo "garage $*: $(cat "$cluster_run/admin.out")" >&2
+  exit 1
+}
+
+cluster_start() {
+  if [ ! -x "$garage" ]; then
+    echo "garage is not installed: scripts/test-servers.sh install" >&2
+    exit 1
+  fi
+  cluster_stop
+  rm -rf "$cluster_run"
+  mkdir -p "$cluster_run"
+  chmod 700 "$cluster_run"
+  local secret_rpc ids=() i p id
+  secret_rpc="$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  for i in 0 1 2; do
+    p=$((cluster_port + 10 * i))
+    mkdir -p "$cluster_run/node$i"
+    cat > "$(node_cfg "$i")" <<EOF
+metadata_dir = "$cluster_run/node$i/meta"
+data_dir = "$cluster_run/node$i/data"
+db_engine = "sqlite"
+replication_factor = 3
+rpc_bind_addr = "127.0.0.1:$((p + 1))"
+rpc_public_addr = "127.0.0.1:$((p + 1))"
+rpc_secret = "$secret_rpc"
+
+[s3_api]
+s3_region = "garage"
+api_bind_addr = "127.0.0.1:$p"
+root_domain = ".s3.garage.localhost"
+
+[admin]
+api_bind_addr = "127.0.0.1:$((p + 2))"
+EOF
+    chmod 600 "$(node_cfg "$i")"
+    node_start "$i"
+  done
+  for i in 0 1 2; do
+    id=""
+    for _ in $(seq 1 100); do
+      id="$("$garage" -c "$(node_cfg "$i")" node id -q 2>/dev/null)" && break
+      sleep 0.2
+    done
+    if [ -z "$id" ]; then
+      echo "garage node $i did not start; its log:" >&2
+      cat "$cluster_run/node$i/log" >&2
+      exit 1
+    fi
+    ids+=("$id")
+  done
+  sleep 0.5
+  for i in 0 1 2; do
+    if ! kill -0 "$(cat "$cluster_run/node$i/pid")" 2>/dev/null; then
+      echo "garage node $i exited (ports $((cluster_port + 10 * i))-$((cluster_port + 10 * i + 2)) taken?); its log:" >&2
+      tail -20 "$cluster_run/node$i/log" >&2
+      exit 1
+    fi
+  done
+  admin node connect "${ids[1]}"
+  admin node connect "${ids[2]}"
+  # One zone per node, so that each node keeps a copy of everything.
+  for i in 0 1 2; do admin layout assign -z "dc$i" -c 1G "${ids[$i]%%@*}"; done
+  admin layout apply --version 1
+  admin key import --yes -n "$bucket" "$key_id" "$secret"
+  admin bucket create "$bucket"
+  admin bucket allow --read --write --owner "$bucket" --key "$key_id"
+  printf 'access_key_id = %s\nsecret_access_key = %s\n' "$key_id" "$secret" > "$cluster_run/credentials"
+  cat > "$cluster_run/env" <<EOF
+export RAGKV_TEST_GARAGE_CLUSTER_URLS=http://127.0.0.1:$cluster_port,http://127.0.0.1:$((cluster_port + 10)),http://127.0.0.1:$((cluster_port + 20))
+export RAGKV_TEST_GARAGE_CLUSTER_BUCKET=$bucket
+export RAGKV_TEST_GARAGE_CLUSTER_CREDENTIALS=$cluster_run/credentials
+export RAGKV_TEST_GARAGE_CLUSTER_SCRIPT=$PWD/scripts/test-servers.sh
+EOF
+  echo "garage cluster of 3 nodes on 127.0.0.1:$cluster_port/$((cluster_port + 10))/$((cluster_port + 20)) (bucket $bucket); variables in $cluster_run/env"
+}
+
 case "${1:-start}" in
   install) install ;;
   installed) [ -x "$garage" ] ;;
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 [install|installed|start|stop]" >&2; exit 2 ;;
+  cluster-start) cluster_start ;;
+  cluster-stop) cluster_stop ;;
+  cluster-kill) node_kill "${2:?node number}" ;;
+  cluster-revive) node_start "${2:?node number}" ;;
+  *)
+    echo "usage: $0 install|installed|start|stop|cluster-start|cluster-stop|cluster-kill N|cluster-revive N" >&2
+    exit 2
+    ;;
 esac

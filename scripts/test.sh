@@ -40,6 +40,12 @@ if scripts/test-servers.sh installed; then
   # shellcheck disable=SC1091
   source "${RAGKV_SERVERS:-${TMPDIR:-/tmp}/ragkv-servers}/env"
   cargo test --workspace --locked --no-fail-fast --test tier --test remote_tier -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
+  # The same tier on a three-node Garage cluster: one node killed and brought back.
+  scripts/test-servers.sh cluster-start
+  trap 'rm -f "$log" "$remote_log"; scripts/test-servers.sh stop; scripts/test-servers.sh cluster-stop' EXIT
+  # shellcheck disable=SC1091
+  source "${RAGKV_SERVERS:-${TMPDIR:-/tmp}/ragkv-servers}/cluster/env"
+  cargo test --workspace --locked --no-fail-fast --test cluster -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
 else
   echo "remote KV suites skipped: no S3 server (scripts/test-servers.sh install builds one)"
 fi
