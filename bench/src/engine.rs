@@ -202,28 +202,22 @@ pub fn ingest(
 /// Stores the KV of every retrieved chunk not stored yet (what eager ingest would have
 /// stored, attached to the chunk's document version); returns how many were prefilled.
 pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<usize, Error> {
+    let corpus = engine.corpus();
     let mut n = 0;
     for h in hits {
-        let tokens = engine
-            .corpus()
+        let tokens = corpus
             .chunk_tokens(&h.payload.text)
             .map_err(|x| e("tokenize")(x.to_string()))?;
-        if engine
-            .corpus()
-            .store()
-            .probe(engine.corpus().namespace(), &tokens)?
-            == tokens.len()
-        {
+        if corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len() {
             continue;
         }
-        let bytes = engine
-            .corpus()
+        let bytes = corpus
             .prefill_bytes(&tokens)
             .map_err(|x| e("prefill")(x.to_string()))?;
         let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-        engine.corpus().store().put_batch(
-            engine.corpus().namespace(),
-            engine.corpus().layout(),
+        corpus.store().put_batch(
+            corpus.namespace(),
+            corpus.layout(),
             &[kvstore::PutItem {
                 tokens: &tokens,
                 kv: &bytes,

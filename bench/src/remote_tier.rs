@@ -111,6 +111,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         )?
         .with_remote(writer.clone()),
     ));
+    let a_corpus = a.corpus();
     let t = Instant::now();
     let corpus = dataset::documents(&ds, args.docs)?;
     let report = crate::engine::ingest(
@@ -127,32 +128,31 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
 
     // Every stored chunk, as the loader would ask for it.
     let mut chunks: Vec<Vec<u32>> = Vec::new();
-    for (_, p) in a
-        .corpus()
+    for (_, p) in a_corpus
         .index()
         .points()
         .map_err(|e| check("points")(e.to_string()))?
     {
         chunks.push(
-            a.corpus()
+            a_corpus
                 .chunk_tokens(&p.text)
                 .map_err(|e| check("tokenize")(e.to_string()))?,
         );
     }
-    let ns = a.corpus().namespace();
+    let ns = a_corpus.namespace();
     let bytes: usize = chunks
         .iter()
-        .map(|c| a.corpus().layout().bytes_for(c.len()))
+        .map(|c| a_corpus.layout().bytes_for(c.len()))
         .sum();
     let gb = bytes as f64 / 1e9;
 
     // Local store, cold.
-    for p in a.corpus().store().segment_paths() {
+    for p in a_corpus.store().segment_paths() {
         crate::kvstore::drop_pages(&p)?;
     }
     let t = Instant::now();
     for c in &chunks {
-        a.corpus().store().get_batch(ns, c, c.len())?;
+        a_corpus.store().get_batch(ns, c, c.len())?;
     }
     let local_s = t.elapsed().as_secs_f64();
     // The tier: one request at a time, then `top_k` at once.
@@ -177,7 +177,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let sample = &chunks[..args.recompute_chunks.min(chunks.len())];
     let t = Instant::now();
     for c in sample {
-        a.corpus()
+        a_corpus
             .prefill_bytes(c)
             .map_err(|e| check("prefill")(e.to_string()))?;
     }
@@ -215,10 +215,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let b = Arc::new(ingest::Engine::new(
         ingest::Corpus::new(
             Arc::new(b_store),
-            a.corpus().index().clone(),
-            a.corpus().embedder().clone(),
-            a.corpus().model().clone(),
-            a.corpus().config().clone(),
+            a_corpus.index().clone(),
+            a_corpus.embedder().clone(),
+            a_corpus.model().clone(),
+            a_corpus.config().clone(),
             model::DType::F16,
         )
         .map_err(|e| check("node b")(e.to_string()))?

@@ -469,7 +469,7 @@ impl Engine {
         let m = self.corpus.store.compact_all()?;
         report.segments_rewritten = m.segments_rewritten;
         report.bytes_reclaimed = m.bytes_reclaimed;
-        if let Some(r) = self.corpus.remote.as_deref().filter(|r| r.writes()) {
+        if let Some(r) = self.corpus.remote_writes() {
             let g = r.gc(r.gc_grace())?;
             report.remote_dead_references = g.dead_references;
             report.remote_orphans = g.orphans;

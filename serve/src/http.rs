@@ -109,20 +109,11 @@ async fn healthz(State(state): State<AppState>) -> Response {
 }
 
 async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
-    let engine = state.rag.engine.clone();
+    let corpus = state.rag.corpus().clone();
+    let ns = corpus.namespace();
     let (s, info, current) = blocking(move || {
-        let ns = engine.corpus().namespace();
-        let current = engine
-            .corpus()
-            .store()
-            .namespaces()
-            .into_iter()
-            .find(|n| n.id == ns);
-        (
-            engine.corpus().store().stats(),
-            engine.corpus().index().info(),
-            current,
-        )
+        let current = corpus.store().namespaces().into_iter().find(|n| n.id == ns);
+        (corpus.store().stats(), corpus.index().info(), current)
     })
     .await?;
     let info = info.map_err(ApiError::internal)?;
@@ -130,7 +121,7 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     Ok(Json(json!({
         "kv": {"entries": s.entries, "live_bytes": s.live_bytes, "dead_bytes": s.dead_bytes,
-               "segments": s.segments.len(), "namespace": state.rag.engine.corpus().namespace().to_hex(),
+               "segments": s.segments.len(), "namespace": ns.to_hex(),
                "codec": current.as_ref().map(|n| n.codec.name()),
                "tokens": current.as_ref().map(|n| n.tokens),
                "bytes_per_token": current.as_ref().map(|n| n.bytes_per_token()),

@@ -34,6 +34,7 @@ impl Coded {
         codec: kvstore::Codec,
         config: ServeConfig,
     ) -> Result<Coded, Error> {
+        let base = base.corpus();
         let store = kvstore::Store::open(
             work.join(format!("kv-{codec}")),
             kvstore::StoreOptions {
@@ -43,10 +44,10 @@ impl Coded {
         )?;
         let corpus = ingest::Corpus::new(
             Arc::new(store),
-            base.corpus().index().clone(),
-            base.corpus().embedder().clone(),
-            base.corpus().model().clone(),
-            base.corpus().config().clone(),
+            base.index().clone(),
+            base.embedder().clone(),
+            base.model().clone(),
+            base.config().clone(),
             model::DType::F16,
         )
         .map_err(|e| Error::Check(format!("codec engine: {e}")))?;
@@ -59,24 +60,22 @@ impl Coded {
     /// Copies the stored f16 KV of `hits`' chunks from `base` into this store (encoded by its
     /// codec), where missing.
     pub fn copy(&self, base: &ingest::Engine, hits: &[Hit]) -> Result<(), Error> {
+        let (base, ours) = (base.corpus(), self.engine.corpus());
         for h in hits {
             let tokens = base
-                .corpus()
                 .chunk_tokens(&h.payload.text)
                 .map_err(|e| Error::Check(format!("tokenize: {e}")))?;
-            let ns = self.engine.corpus().namespace();
-            if self.engine.corpus().store().probe(ns, &tokens)? == tokens.len() {
+            let ns = ours.namespace();
+            if ours.store().probe(ns, &tokens)? == tokens.len() {
                 continue;
             }
-            let kv = base.corpus().store().get_batch(
-                base.corpus().namespace(),
-                &tokens,
-                tokens.len(),
-            )?;
+            let kv = base
+                .store()
+                .get_batch(base.namespace(), &tokens, tokens.len())?;
             let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-            self.engine.corpus().store().put_batch(
+            ours.store().put_batch(
                 ns,
-                self.engine.corpus().layout(),
+                ours.layout(),
                 &[kvstore::PutItem {
                     tokens: &tokens,
                     kv: &kv.bytes,
