@@ -21,9 +21,9 @@
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
 # GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
-# shipped as $DIR/smollm2.part*), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags,
-# e.g. "--codec q8"); RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of
-# the pinned one.
+# shipped as $DIR/smollm2.part*; "ab" for `bench model` again on candle's operations instead of
+# the fused GPU ones, last), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
+# RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of the pinned one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -179,6 +179,13 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
         --llama-server "$root/llama/llama-server" --dir "$root/peer-${s%%:*}" || true
     fi
   done
+  # The same `bench model` on the path before the fused GPU operations (candle's attention,
+  # separate projections, cudarc's event tracking on): what they changed, on this machine.
+  if [[ $steps == *" ab "* ]]; then
+    RAGKV_CUDA_ATTENTION=candle RAGKV_CUDA_FUSED=off RAGKV_CUDA_JOIN=off RAGKV_CUDA_EVENTS=on \
+      step model-candle-ops 180 "$ragkv" bench model --device cuda "${synth_args[@]}" \
+      --synthetic-dir "$synth" --llama-bench "$root/llama/llama-bench" --no-stock --reps 3 || true
+  fi
   log "done: $res"
 }
 

@@ -26,6 +26,8 @@ use crate::quant::SharedOut;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod loops;
 
 use loops::Kernel;
@@ -87,6 +89,27 @@ fn raw<'a>(data: Elems<'a>, l: &Layout) -> Raw<'a> {
         start: l.start_offset(),
         head: st[1],
         row: st[2],
+    }
+}
+
+/// On a GPU, attention of `q` `(1, heads, s, d)` over one sequence's cache rows `k`, `v`
+/// `(1, kv_heads, t, d)` in one launch (`cuda.rs`), query row `i` at cache index `t - s + i`,
+/// within `window` if set: `(1, s, heads * d)`. `None` where that kernel does not take the
+/// operands (the CPU, other dtypes, spans too long for it, a build without `cuda`): the caller
+/// then takes candle's operations.
+pub(crate) fn attend_device(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    window: Option<usize>,
+    scale: f32,
+) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return cuda::attend(q, k, v, window, scale);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, window, scale);
+        Ok(None)
     }
 }
 

@@ -16,6 +16,7 @@ use crate::linear::{Embedding, Proj};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
+mod gpu;
 mod heads;
 mod layer;
 mod repair;
@@ -300,27 +301,33 @@ impl Decoder {
                 _ => &global,
             };
             let h = self.rms(&x, &layer.attn_norm)?;
-            let (q, k, v) = self.qkv(layer, &h)?;
-            let q = rope.apply(&q, cos, sin)?;
-            let k = rope.apply(&k, cos, sin)?;
-            // Every sequence's fresh keys and values go into its cache (recomputed rows in
-            // place, the others appended); its live rows come back.
-            let mut views = Vec::with_capacity(spans.len());
-            for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
-                let rows = |t: &Tensor, from: usize, n: usize| {
-                    t.narrow(2, sp.first + from, n).ctx("sequence rows")
-                };
-                if let Some(idx) = &sp.scatter {
-                    let r = sp.redo;
-                    cache.set_rows(i, &rows(&k, 0, r)?, &rows(&v, 0, r)?, idx)?;
+            let (q, views) = match self.qkv_stored(layer, i, &h, seqs, &spans, (cos, sin))? {
+                Some(done) => done,
+                None => {
+                    let (q, k, v) = self.qkv(layer, &h)?;
+                    let q = rope.apply(&q, cos, sin)?;
+                    let k = rope.apply(&k, cos, sin)?;
+                    // Every sequence's fresh keys and values go into its cache (recomputed rows in
+                    // place, the others appended); its live rows come back.
+                    let mut views = Vec::with_capacity(spans.len());
+                    for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
+                        let rows = |t: &Tensor, from: usize, n: usize| {
+                            t.narrow(2, sp.first + from, n).ctx("sequence rows")
+                        };
+                        if let Some(idx) = &sp.scatter {
+                            let r = sp.redo;
+                            cache.set_rows(i, &rows(&k, 0, r)?, &rows(&v, 0, r)?, idx)?;
+                        }
+                        views.push(if sp.appended > 0 {
+                            let (r, s) = (sp.redo, sp.appended);
+                            cache.append(i, &rows(&k, r, s)?, &rows(&v, r, s)?)?
+                        } else {
+                            cache.rows(i, cache.len())?
+                        });
+                    }
+                    (q, views)
                 }
-                views.push(if sp.appended > 0 {
-                    let (r, s) = (sp.redo, sp.appended);
-                    cache.append(i, &rows(&k, r, s)?, &rows(&v, r, s)?)?
-                } else {
-                    cache.rows(i, cache.len())?
-                });
-            }
+            };
             let y = if in_place {
                 let parts: Vec<_> = spans
                     .iter()
@@ -342,6 +349,14 @@ impl Decoder {
                     let q = q
                         .narrow(2, sp.first, sp.redo + sp.appended)
                         .ctx("sequence rows")?;
+                    if sp.redo == 0 {
+                        let fused = crate::attention::attend_device(&q, ck, cv, window, scale)
+                            .ctx("attention")?;
+                        if let Some(y) = fused {
+                            ys.push(y);
+                            continue;
+                        }
+                    }
                     let (ck, cv) = (
                         KvCache::float_rows(ck, self.dtype)?,
                         KvCache::float_rows(cv, self.dtype)?,
@@ -422,10 +437,15 @@ impl Decoder {
     /// `x + mlp(norm(x))` (the MLP's output normed again where the model says so).
     fn mlp(&self, layer: &Layer, x: Tensor) -> Result<Tensor> {
         let h = self.rms(&x, &layer.ffn_norm)?;
-        let [g, u] = Proj::forward_many([&layer.gate, &layer.up], &h)?;
-        let gated = match self.cfg.activation {
-            Activation::Silu => crate::swiglu::swiglu(&g, &u).ctx("swiglu")?,
-            Activation::GeluTanh => (g.gelu().ctx("gelu")? * u).ctx("geglu")?,
+        let gated = match self.gate_fused(layer, &h)? {
+            Some(gated) => gated,
+            None => {
+                let [g, u] = layer.gate_up.forward(&h)?;
+                match self.cfg.activation {
+                    Activation::Silu => crate::swiglu::swiglu(&g, &u).ctx("swiglu")?,
+                    Activation::GeluTanh => (g.gelu().ctx("gelu")? * u).ctx("geglu")?,
+                }
+            }
         };
         let m = layer.down.forward(&gated)?;
         let m = match &layer.post_ffn_norm {
@@ -440,7 +460,7 @@ impl Decoder {
         let cfg = &self.cfg;
         let (b, s, _) = h.dims3().ctx("attn input")?;
         let (nh, nkv, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
-        let [q, k, v] = Proj::forward_many([&layer.q, &layer.k, &layer.v], h)?;
+        let [q, k, v] = layer.qkv.forward(h)?;
         let q = q.reshape((b, s, nh, hd)).ctx("q")?;
         let k = k.reshape((b, s, nkv, hd)).ctx("k")?;
         let (q, k) = match (&layer.q_norm, &layer.k_norm) {

@@ -71,9 +71,25 @@ pub fn device(name: &str) -> Result<Device> {
     name.parse::<DeviceSpec>()?.open()
 }
 
+/// A CUDA device. cudarc creates two CUDA events per allocation (and destroys them on free)
+/// for its cross-stream tracking, which only acts once a context has streams of its own;
+/// candle queues each thread's work on the per-thread default stream, which that tracking
+/// does not cover, and ragkv orders threads itself (`upload::settle`). So the tracking is
+/// off: four driver calls fewer on every candle operation's output. `RAGKV_CUDA_EVENTS=on`
+/// keeps it, for comparison.
 #[cfg(feature = "cuda")]
 fn cuda_device(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal).ctx(&format!("opening CUDA device {ordinal}"))
+    let device = Device::new_cuda(ordinal).ctx(&format!("opening CUDA device {ordinal}"))?;
+    if let (Device::Cuda(dev), false) = (
+        &device,
+        std::env::var("RAGKV_CUDA_EVENTS").as_deref() == Ok("on"),
+    ) {
+        // SAFETY: no stream of this context is created with `new_stream` (candle and the
+        // loader use the per-thread default stream), so no synchronization relied on the
+        // events; a tensor made on one thread reaches another only after `upload::settle`.
+        unsafe { dev.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -413,6 +413,18 @@ impl KvCache {
     /// Writes `k`, `v` of layer `l` at the current length (does not advance it).
     fn write(&mut self, l: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let n = k.dim(2).ctx("kv dims")?;
+        self.reserve(n)?;
+        let (ck, cv) = &mut self.layers[l];
+        let dtype = ck.dtype();
+        ck.slice_set(&to_cache_rows(k, dtype)?, 2, self.len)
+            .ctx("kv write")?;
+        cv.slice_set(&to_cache_rows(v, dtype)?, 2, self.len)
+            .ctx("kv write")?;
+        Ok(())
+    }
+
+    /// Room for `n` rows past the length in every layer (the buffers doubled if need be).
+    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         if self.len + n > self.capacity {
             let new_cap = (self.len + n).max(self.capacity * 2);
             for (ck, cv) in self.layers.iter_mut() {
@@ -425,13 +437,15 @@ impl KvCache {
             }
             self.capacity = new_cap;
         }
-        let (ck, cv) = &mut self.layers[l];
-        let dtype = ck.dtype();
-        ck.slice_set(&to_cache_rows(k, dtype)?, 2, self.len)
-            .ctx("kv write")?;
-        cv.slice_set(&to_cache_rows(v, dtype)?, 2, self.len)
-            .ctx("kv write")?;
         Ok(())
+    }
+
+    /// Layer `l`'s whole key and value buffers `(1, kv_heads, capacity, width)`, for a kernel
+    /// that writes rows past the length in place ([`KvCache::reserve`] first, then
+    /// [`KvCache::advance`] once every layer has its rows).
+    pub(crate) fn buffers(&self, l: usize) -> (&Tensor, &Tensor) {
+        let (k, v) = &self.layers[l];
+        (k, v)
     }
 
     /// Appends `k`, `v` for layer `l` and returns the layer's whole cached K and V.

@@ -73,6 +73,11 @@ impl Rope {
             .collect()
     }
 
+    /// Whether pairs are neighbours (`2i`, `2i + 1`) rather than halves (`i`, `i + d / 2`).
+    pub(crate) fn interleaved(&self) -> bool {
+        self.style == RopeStyle::Interleaved
+    }
+
     /// cos and sin tables, shape `(positions.len(), head_dim / 2)`.
     pub(crate) fn tables(
         &self,

@@ -4,6 +4,7 @@ use candle_core::{DType, Tensor};
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{Error, Result};
+use crate::joined::Joined;
 use crate::linear::Proj;
 use crate::weights::Weights;
 
@@ -11,9 +12,8 @@ use crate::weights::Weights;
 #[derive(Debug)]
 pub(super) struct Layer {
     pub attn_norm: Tensor,
-    pub q: Proj,
-    pub k: Proj,
-    pub v: Proj,
+    /// The query, key and value projections (joined into one matrix on a GPU).
+    pub qkv: Joined<3>,
     pub o: Proj,
     /// Per-head RMSNorm weights of queries and keys (Qwen3, Gemma 3).
     pub q_norm: Option<Tensor>,
@@ -24,8 +24,8 @@ pub(super) struct Layer {
     pub ffn_norm: Tensor,
     /// Applied to the MLP's output before the residual sum (Gemma 3).
     pub post_ffn_norm: Option<Tensor>,
-    pub gate: Proj,
-    pub up: Proj,
+    /// The MLP's gate and up projections (joined on a GPU).
+    pub gate_up: Joined<2>,
     pub down: Proj,
 }
 
@@ -52,9 +52,11 @@ impl Layer {
         let vector = |name: &str| norm(w, &format!("{p}.{name}.weight"), true, h);
         Ok(Layer {
             attn_norm: w.get(&format!("{p}.input_layernorm.weight"))?.clone(),
-            q: lin("self_attn.q_proj", cfg.attn_bias, (q_out, h))?,
-            k: lin("self_attn.k_proj", cfg.attn_bias, (kv * hd, h))?,
-            v: lin("self_attn.v_proj", cfg.attn_bias, (kv * hd, h))?,
+            qkv: Joined::new([
+                lin("self_attn.q_proj", cfg.attn_bias, (q_out, h))?,
+                lin("self_attn.k_proj", cfg.attn_bias, (kv * hd, h))?,
+                lin("self_attn.v_proj", cfg.attn_bias, (kv * hd, h))?,
+            ])?,
             o: lin("self_attn.o_proj", false, (h, q_out))?,
             q_norm: norm(w, &format!("{p}.self_attn.q_norm.weight"), cfg.qk_norm, hd)?,
             k_norm: norm(w, &format!("{p}.self_attn.k_norm.weight"), cfg.qk_norm, hd)?,
@@ -68,8 +70,10 @@ impl Layer {
             } else {
                 None
             },
-            gate: lin("mlp.gate_proj", false, (cfg.intermediate, h))?,
-            up: lin("mlp.up_proj", false, (cfg.intermediate, h))?,
+            gate_up: Joined::new([
+                lin("mlp.gate_proj", false, (cfg.intermediate, h))?,
+                lin("mlp.up_proj", false, (cfg.intermediate, h))?,
+            ])?,
             down: lin("mlp.down_proj", false, (h, cfg.intermediate))?,
         })
     }

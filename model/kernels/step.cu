@@ -1,0 +1,74 @@
+// A decode step's small fused operations on the GPU (model/src/gpu_ops.rs launches them).
+//
+// ragkv_rope_store_*: the joined Q/K/V projection's output rows (n, (heads + 2 kv_heads) d)
+// in one launch: queries rotated into q_out (heads, n_total, d) at rows row0.., keys rotated
+// and values copied into the cache (kv_heads, capacity, d) at rows at.., converted to the
+// cache's type. Block (r, c): row r, head slot c (queries, then keys, then values); thread i
+// turns pair i (the halves i and i + d/2, or the neighbours 2i and 2i + 1).
+//
+// ragkv_swiglu: silu(gate) * up over the joined gate/up projection's rows (n, 2 w).
+
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
+
+template <typename T>
+__device__ void rope_store(const float* __restrict__ y, const float* __restrict__ cos_t,
+                           const float* __restrict__ sin_t, float* __restrict__ q_out,
+                           T* __restrict__ kc, T* __restrict__ vc, long long kv_head,
+                           long long kv_row, int n_total, int row0, int at, int heads,
+                           int kv_heads, int d, int interleaved) {
+  const int r = blockIdx.x, c = blockIdx.y, half_d = d / 2;
+  const float* src = y + (long long)r * (heads + 2 * kv_heads) * d + (long long)c * d;
+  for (int i = threadIdx.x; i < half_d; i += blockDim.x) {
+    const int i0 = interleaved ? 2 * i : i, i1 = interleaved ? 2 * i + 1 : i + half_d;
+    float a = src[i0], b = src[i1];
+    if (c < heads + kv_heads) {
+      const float co = cos_t[r * half_d + i], si = sin_t[r * half_d + i];
+      const float o0 = a * co - b * si, o1 = b * co + a * si;
+      a = o0;
+      b = o1;
+    }
+    if (c < heads) {
+      float* dst = q_out + ((long long)c * n_total + row0 + r) * d;
+      dst[i0] = a;
+      dst[i1] = b;
+    } else {
+      const bool key = c < heads + kv_heads;
+      const int g = key ? c - heads : c - heads - kv_heads;
+      T* dst = (key ? kc : vc) + g * kv_head + (long long)(at + r) * kv_row;
+      store(dst + i0, a);
+      store(dst + i1, b);
+    }
+  }
+}
+
+extern "C" __global__ void ragkv_rope_store_f16(const float* y, const float* cos_t,
+                                                const float* sin_t, float* q_out, __half* kc,
+                                                __half* vc, long long kv_head, long long kv_row,
+                                                int n_total, int row0, int at, int heads,
+                                                int kv_heads, int d, int interleaved) {
+  rope_store<__half>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
+                     kv_heads, d, interleaved);
+}
+
+extern "C" __global__ void ragkv_rope_store_f32(const float* y, const float* cos_t,
+                                                const float* sin_t, float* q_out, float* kc,
+                                                float* vc, long long kv_head, long long kv_row,
+                                                int n_total, int row0, int at, int heads,
+                                                int kv_heads, int d, int interleaved) {
+  rope_store<float>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
+                    kv_heads, d, interleaved);
+}
+
+extern "C" __global__ void ragkv_swiglu(const float* __restrict__ gu, float* __restrict__ out,
+                                        int n, int w) {
+  const long long total = (long long)n * w;
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < total;
+       x += (long long)gridDim.x * blockDim.x) {
+    const long long r = x / w, j = x % w;
+    const float g = gu[r * 2 * w + j], u = gu[r * 2 * w + w + j];
+    out[x] = g / (1.0f + __expf(-g)) * u;
+  }
+}

@@ -1,0 +1,306 @@
+//! A decode step's small fused operations on a GPU (`model/kernels/step.cu`), each one launch
+//! where candle takes several: the joined Q/K/V projection's rows rotated and stored (queries
+//! into a fresh tensor, keys and values into the sequence's cache in its own dtype), and the
+//! MLP's gate over the joined gate/up projection. Each function answers `None` (or `false`)
+//! where its kernel does not take the operands (the CPU, a build without `cuda`, other
+//! dtypes or layouts), and the caller takes candle's operations.
+//!
+//! `RAGKV_CUDA_FUSED=off` turns them off, for comparison.
+
+use candle_core::Tensor;
+
+/// Rows `row0..row0 + n` of the joined Q/K/V output `y` `(1, n, (heads + 2 kv_heads) d)`
+/// (f32, contiguous) rotated by `cos`, `sin` `(n, d / 2)`: queries into `q_out`
+/// `(1, heads, n_total, d)` at rows `row0..`, keys (rotated) and values into the cache
+/// buffers `kc`, `vc` `(1, kv_heads, capacity, d)` at rows `at..`. `false` if not taken
+/// (nothing written then).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_store(
+    y: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    q_out: &Tensor,
+    row0: usize,
+    kc: &Tensor,
+    vc: &Tensor,
+    at: usize,
+    interleaved: bool,
+) -> candle_core::Result<bool> {
+    #[cfg(feature = "cuda")]
+    return cuda::rope_store(y, cos, sin, q_out, row0, kc, vc, at, interleaved);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (y, cos, sin, q_out, row0, kc, vc, at, interleaved);
+        Ok(false)
+    }
+}
+
+/// A query tensor `(1, heads, n, d)` f32 on `like`'s device for [`rope_store`] to fill (its
+/// contents undefined until every row is stored), or `None` off the GPU.
+pub(crate) fn new_queries(
+    like: &Tensor,
+    heads: usize,
+    n: usize,
+    d: usize,
+) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return cuda::new_queries(like, heads, n, d);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (like, heads, n, d);
+        Ok(None)
+    }
+}
+
+/// `silu(g) · u` of the joined gate/up output `gu` `(…, 2 w)` (f32, contiguous): `(…, w)`.
+pub(crate) fn swiglu_joined(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return cuda::swiglu_joined(gu);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = gu;
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::sync::OnceLock;
+
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage};
+    use candle_core::{DType, Device, Layout, Storage, Tensor};
+    use half::f16;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
+    const MODULE: &str = "ragkv_step";
+
+    fn enabled() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var("RAGKV_CUDA_FUSED").as_deref() != Ok("off"))
+    }
+
+    fn wrap(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
+        candle_core::Error::wrap(e)
+    }
+
+    /// Start offset of a tensor whose elements are contiguous, unit stride.
+    fn start(l: &Layout) -> Option<usize> {
+        l.contiguous_offsets().map(|(a, _)| a)
+    }
+
+    pub(super) fn new_queries(
+        like: &Tensor,
+        heads: usize,
+        n: usize,
+        d: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(dev) = like.device() else {
+            return Ok(None);
+        };
+        if !enabled() {
+            return Ok(None);
+        }
+        // SAFETY: the caller stores every row of every head (`rope_store` over all of the
+        // step's rows) before the tensor is read.
+        let q = unsafe { dev.alloc::<f32>(heads * n * d) }?;
+        let storage = CudaStorage::wrap_cuda_slice(q, dev.clone());
+        Ok(Some(Tensor::from((
+            Storage::Cuda(storage),
+            (1, heads, n, d),
+        ))))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_store(
+        y: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        q_out: &Tensor,
+        row0: usize,
+        kc: &Tensor,
+        vc: &Tensor,
+        at: usize,
+        interleaved: bool,
+    ) -> candle_core::Result<bool> {
+        let Device::Cuda(dev) = y.device() else {
+            return Ok(false);
+        };
+        let (&[1, n, width], &[1, heads, n_total, d], &[1, kv_heads, cap, kd]) =
+            (y.dims(), q_out.dims(), kc.dims())
+        else {
+            return Ok(false);
+        };
+        let ok = enabled()
+            && [y.dtype(), cos.dtype(), sin.dtype(), q_out.dtype()] == [DType::F32; 4]
+            && kc.dtype() == vc.dtype()
+            && matches!(kc.dtype(), DType::F16 | DType::F32)
+            && kd == d
+            && d % 2 == 0
+            && width == (heads + 2 * kv_heads) * d
+            && cos.dims() == [n, d / 2]
+            && sin.dims() == [n, d / 2]
+            && vc.dims() == kc.dims()
+            && vc.stride() == kc.stride()
+            && kc.stride()[3] == 1
+            && row0 + n <= n_total
+            && at + n <= cap
+            && q_out.is_contiguous()
+            && y.is_contiguous()
+            && cos.is_contiguous()
+            && sin.is_contiguous();
+        if !ok {
+            return Ok(false);
+        }
+        let (ys, yl) = y.storage_and_layout();
+        let (cs, cl) = cos.storage_and_layout();
+        let (ss, sl) = sin.storage_and_layout();
+        let (qs, ql) = q_out.storage_and_layout();
+        let (Storage::Cuda(yc), Storage::Cuda(cc), Storage::Cuda(sc), Storage::Cuda(qc)) =
+            (&*ys, &*cs, &*ss, &*qs)
+        else {
+            return Ok(false);
+        };
+        let (Some(y0), Some(c0), Some(s0), Some(q0)) = (start(yl), start(cl), start(sl), start(ql))
+        else {
+            return Ok(false);
+        };
+        let yv = yc.as_cuda_slice::<f32>()?.slice(y0..);
+        let cv = cc.as_cuda_slice::<f32>()?.slice(c0..);
+        let sv = sc.as_cuda_slice::<f32>()?.slice(s0..);
+        let qv = qc.as_cuda_slice::<f32>()?.slice(q0..);
+        let (kv_head, kv_row) = (kc.stride()[1] as i64, kc.stride()[2] as i64);
+        let ints = [
+            n_total as i32,
+            row0 as i32,
+            at as i32,
+            heads as i32,
+            kv_heads as i32,
+            d as i32,
+            i32::from(interleaved),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, (heads + 2 * kv_heads) as u32, 1),
+            block_dim: ((d / 2).min(128) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let floats = [&yv, &cv, &sv, &qv];
+        match kc.dtype() {
+            DType::F16 => store::<f16>(
+                "ragkv_rope_store_f16",
+                dev,
+                floats,
+                kc,
+                vc,
+                kv_head,
+                kv_row,
+                ints,
+                cfg,
+            ),
+            _ => store::<f32>(
+                "ragkv_rope_store_f32",
+                dev,
+                floats,
+                kc,
+                vc,
+                kv_head,
+                kv_row,
+                ints,
+                cfg,
+            ),
+        }?;
+        Ok(true)
+    }
+
+    type View<'a> = candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>;
+
+    #[allow(clippy::too_many_arguments)]
+    fn store<T: CudaDType>(
+        name: &str,
+        dev: &candle_core::CudaDevice,
+        [y, cos, sin, q]: [&View<'_>; 4],
+        kc: &Tensor,
+        vc: &Tensor,
+        kv_head: i64,
+        kv_row: i64,
+        ints: [i32; 7],
+        cfg: LaunchConfig,
+    ) -> candle_core::Result<()> {
+        let (ks, kl) = kc.storage_and_layout();
+        let (vs, vl) = vc.storage_and_layout();
+        let (Storage::Cuda(kcs), Storage::Cuda(vcs)) = (&*ks, &*vs) else {
+            candle_core::bail!("rope_store: the cache is not on the GPU");
+        };
+        let k = kcs.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+        let v = vcs.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let [n_total, row0, at, heads, kv_heads, d, interleaved] = ints;
+        let mut b = func.builder();
+        b.arg(y)
+            .arg(cos)
+            .arg(sin)
+            .arg(q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&kv_head)
+            .arg(&kv_row)
+            .arg(&n_total)
+            .arg(&row0)
+            .arg(&at)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&d)
+            .arg(&interleaved);
+        // SAFETY: the arguments match `rope_store`'s signature in order and type. Reads: `n`
+        // rows of `y` (`(heads + 2 kv_heads) d` wide) and of the tables (`d / 2` wide);
+        // writes: rows `row0..row0 + n` of `q` (`(heads, n_total, d)`) and rows `at..at + n`
+        // of the cache's `kv_heads` heads, all inside their buffers (checked by the caller).
+        // The queries' and the cache's buffers are written through shared views: the cache
+        // is this sequence's own (`&mut KvCache` upstream), the queries fresh, and this
+        // thread's stream orders every later read after the launch.
+        unsafe { b.launch(cfg) }.map_err(wrap)?;
+        Ok(())
+    }
+
+    pub(super) fn swiglu_joined(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(dev) = gu.device() else {
+            return Ok(None);
+        };
+        let dims = gu.dims();
+        let Some(&width) = dims.last() else {
+            return Ok(None);
+        };
+        if !enabled() || gu.dtype() != DType::F32 || width % 2 != 0 {
+            return Ok(None);
+        }
+        let (gs, gl) = gu.storage_and_layout();
+        let (Storage::Cuda(gc), Some(g0)) = (&*gs, start(gl)) else {
+            return Ok(None);
+        };
+        let w = width / 2;
+        let n = gu.elem_count() / width;
+        let gv = gc.as_cuda_slice::<f32>()?.slice(g0..);
+        // SAFETY: the kernel writes every one of the `n * w` elements before it is read.
+        let mut out = unsafe { dev.alloc::<f32>(n * w) }?;
+        let func = dev.get_or_load_custom_func("ragkv_swiglu", MODULE, PTX)?;
+        let (n32, w32) = (n as i32, w as i32);
+        let threads = 256u32;
+        let blocks = ((n * w).div_ceil(threads as usize)).min(65_535) as u32;
+        let mut b = func.builder();
+        b.arg(&gv).arg(&mut out).arg(&n32).arg(&w32);
+        // SAFETY: arguments in the kernel's order and types; it reads `n * 2w` elements of
+        // `gu` and writes `n * w` of `out` (grid-stride loop).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks.max(1), 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(wrap)?;
+        let mut shape = dims.to_vec();
+        *shape.last_mut().expect("rank > 0") = w;
+        let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+        Ok(Some(Tensor::from((Storage::Cuda(storage), shape))))
+    }
+}
