@@ -22,20 +22,22 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "75".into());
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", &format!("-arch=compute_{cap}"), "-o"])
-        .arg(out.join("attention.ptx"))
-        .arg("kernels/attention.cu")
-        .status()
-        .unwrap_or_else(|e| {
-            panic!(
-                "running {}: {e} (see scripts/cuda-toolkit.sh)",
-                nvcc.display()
-            )
-        });
-    assert!(
-        status.success(),
-        "{} failed on kernels/attention.cu",
-        nvcc.display()
-    );
+    for k in KERNELS {
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", &format!("-arch=compute_{cap}"), "-o"])
+            .arg(out.join(format!("{k}.ptx")))
+            .arg(format!("kernels/{k}.cu"))
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "running {}: {e} (see scripts/cuda-toolkit.sh)",
+                    nvcc.display()
+                )
+            });
+        assert!(
+            status.success(),
+            "{} failed on kernels/{k}.cu",
+            nvcc.display()
+        );
+    }
 }

@@ -7,6 +7,8 @@
 // sum; pass 3: thread (e, part) sums part's share of the keys for output element e; the parts
 // are added at the end. Grouped-query attention: head h reads KV head h / (heads / kv_heads).
 // Scores live in shared memory, so the launcher only takes caches whose visible span fits.
+// A CUDA graph replays a decode step with the cache's length in device memory: `past`, when
+// not null, holds the rows before this step's (then t = *past + s, whatever `t` says).
 
 #include <cuda_fp16.h>
 
@@ -41,8 +43,9 @@ template <typename T>
 __device__ void attend(const float* __restrict__ q, long long q_head, long long q_row,
                        const T* __restrict__ k, const T* __restrict__ v, long long kv_head,
                        long long kv_row, float* __restrict__ out, int s, int t, int heads,
-                       int kv_heads, int d, int window, float scale) {
+                       int kv_heads, int d, int window, float scale, const int* past) {
   extern __shared__ float smem[];
+  if (past) t = *past + s;
   const int h = blockIdx.x, i = blockIdx.y;
   const int g = h / (heads / kv_heads);
   const int pos = t - s + i;
@@ -99,15 +102,17 @@ __device__ void attend(const float* __restrict__ q, long long q_head, long long 
 extern "C" __global__ void ragkv_attend_f16(const float* q, long long q_head, long long q_row,
                                             const __half* k, const __half* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
-                                            int kv_heads, int d, int window, float scale) {
+                                            int kv_heads, int d, int window, float scale,
+                                            const int* past) {
   attend<__half>(q, q_head, q_row, k, v, kv_head, kv_row, out, s, t, heads, kv_heads, d, window,
-                 scale);
+               scale, past);
 }
 
 extern "C" __global__ void ragkv_attend_f32(const float* q, long long q_head, long long q_row,
                                             const float* k, const float* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
-                                            int kv_heads, int d, int window, float scale) {
+                                            int kv_heads, int d, int window, float scale,
+                                            const int* past) {
   attend<float>(q, q_head, q_row, k, v, kv_head, kv_row, out, s, t, heads, kv_heads, d, window,
-                scale);
+                scale, past);
 }

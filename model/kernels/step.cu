@@ -6,6 +6,8 @@
 // cache's type. Block (r, c): row r, head slot c (queries, then keys, then values); thread i
 // turns pair i (the halves i and i + d/2, or the neighbours 2i and 2i + 1).
 //
+// `past`, when not null, holds `at` in device memory (a CUDA graph's replay).
+//
 // ragkv_swiglu: silu(gate) * up over the joined gate/up projection's rows (n, 2 w).
 
 #include <cuda_fp16.h>
@@ -18,7 +20,8 @@ __device__ void rope_store(const float* __restrict__ y, const float* __restrict_
                            const float* __restrict__ sin_t, float* __restrict__ q_out,
                            T* __restrict__ kc, T* __restrict__ vc, long long kv_head,
                            long long kv_row, int n_total, int row0, int at, int heads,
-                           int kv_heads, int d, int interleaved) {
+                           int kv_heads, int d, int interleaved, const int* past) {
+  if (past) at = *past;
   const int r = blockIdx.x, c = blockIdx.y, half_d = d / 2;
   const float* src = y + (long long)r * (heads + 2 * kv_heads) * d + (long long)c * d;
   for (int i = threadIdx.x; i < half_d; i += blockDim.x) {
@@ -48,18 +51,20 @@ extern "C" __global__ void ragkv_rope_store_f16(const float* y, const float* cos
                                                 const float* sin_t, float* q_out, __half* kc,
                                                 __half* vc, long long kv_head, long long kv_row,
                                                 int n_total, int row0, int at, int heads,
-                                                int kv_heads, int d, int interleaved) {
+                                                int kv_heads, int d, int interleaved,
+                                                const int* past) {
   rope_store<__half>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
-                     kv_heads, d, interleaved);
+                     kv_heads, d, interleaved, past);
 }
 
 extern "C" __global__ void ragkv_rope_store_f32(const float* y, const float* cos_t,
                                                 const float* sin_t, float* q_out, float* kc,
                                                 float* vc, long long kv_head, long long kv_row,
                                                 int n_total, int row0, int at, int heads,
-                                                int kv_heads, int d, int interleaved) {
+                                                int kv_heads, int d, int interleaved,
+                                                const int* past) {
   rope_store<float>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
-                    kv_heads, d, interleaved);
+                    kv_heads, d, interleaved, past);
 }
 
 extern "C" __global__ void ragkv_swiglu(const float* __restrict__ gu, float* __restrict__ out,

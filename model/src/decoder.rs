@@ -17,6 +17,8 @@ use crate::rope::Rope;
 use crate::weights::Weights;
 
 mod gpu;
+#[cfg(feature = "cuda")]
+mod graph;
 mod heads;
 mod layer;
 mod repair;
@@ -161,6 +163,9 @@ impl Decoder {
 
     /// Runs `tokens` through the model after what `cache` holds, appending their KV.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Tensor> {
+        if let Some(out) = self.graphed(cache, tokens)? {
+            return out.squeeze(0).ctx("logits");
+        }
         let s = tokens.len();
         let x = self.layers_over(&mut [(cache, tokens, &[])])?;
         let x = match logits {
@@ -188,6 +193,13 @@ impl Decoder {
     /// appended. A query joining a batch runs its repair and its question this way, beside
     /// the others' decoding tokens, in one read of the weights.
     pub fn step(&self, seqs: &mut [StepSeq<'_>]) -> Result<Tensor> {
+        if let [one] = seqs {
+            if one.redo.is_empty() {
+                if let Some(out) = self.graphed(one.cache, one.tokens)? {
+                    return Ok(out);
+                }
+            }
+        }
         let mut seqs: Vec<(&mut KvCache, &[u32], &[usize])> = seqs
             .iter_mut()
             .map(|s| (&mut *s.cache, s.tokens, s.redo))
@@ -202,6 +214,19 @@ impl Decoder {
         let idx = Tensor::new(last, &self.device).ctx("last rows")?;
         let x = x.index_select(&idx, 0).ctx("last rows")?;
         self.logits(&x)
+    }
+
+    /// A one-token step's logits `(1, vocab)` from the cache's CUDA graph (`graph.rs`), or
+    /// `None`: more tokens, no GPU, or a model or cache graphs do not take.
+    fn graphed(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Option<Tensor>> {
+        match tokens {
+            #[cfg(feature = "cuda")]
+            [token] => self.decode_graphed(cache, *token),
+            _ => {
+                let _ = cache;
+                Ok(None)
+            }
+        }
     }
 
     /// The final norm and the output projection of hidden rows `(n, hidden)`: f32 logits
@@ -350,8 +375,9 @@ impl Decoder {
                         .narrow(2, sp.first, sp.redo + sp.appended)
                         .ctx("sequence rows")?;
                     if sp.redo == 0 {
-                        let fused = crate::attention::attend_device(&q, ck, cv, window, scale)
-                            .ctx("attention")?;
+                        let fused =
+                            crate::attention::attend_device(&q, ck, cv, window, scale, None)
+                                .ctx("attention")?;
                         if let Some(y) = fused {
                             ys.push(y);
                             continue;

@@ -12,25 +12,25 @@ use candle_core::Tensor;
 /// Rows `row0..row0 + n` of the joined Q/K/V output `y` `(1, n, (heads + 2 kv_heads) d)`
 /// (f32, contiguous) rotated by `cos`, `sin` `(n, d / 2)`: queries into `q_out`
 /// `(1, heads, n_total, d)` at rows `row0..`, keys (rotated) and values into the cache
-/// buffers `kc`, `vc` `(1, kv_heads, capacity, d)` at rows `at..`. `false` if not taken
-/// (nothing written then).
+/// buffers `kc`, `vc` `(1, kv_heads, capacity, d)` at rows `at..` (at rows `*past..` when
+/// `past`, an i32 on the device, is given: a CUDA graph's replay; the caller then keeps them
+/// within the capacity). `false` if not taken (nothing written then).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_store(
     y: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
     q_out: &Tensor,
     row0: usize,
-    kc: &Tensor,
-    vc: &Tensor,
+    (kc, vc): (&Tensor, &Tensor),
     at: usize,
     interleaved: bool,
+    past: Option<&Tensor>,
 ) -> candle_core::Result<bool> {
     #[cfg(feature = "cuda")]
-    return cuda::rope_store(y, cos, sin, q_out, row0, kc, vc, at, interleaved);
+    return cuda::rope_store(y, cos, sin, q_out, row0, kc, vc, at, interleaved, past);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (y, cos, sin, q_out, row0, kc, vc, at, interleaved);
+        let _ = (y, cos, sin, q_out, row0, kc, vc, at, interleaved, past);
         Ok(false)
     }
 }
@@ -122,6 +122,7 @@ mod cuda {
         vc: &Tensor,
         at: usize,
         interleaved: bool,
+        past: Option<&Tensor>,
     ) -> candle_core::Result<bool> {
         let Device::Cuda(dev) = y.device() else {
             return Ok(false);
@@ -185,29 +186,18 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         let floats = [&yv, &cv, &sv, &qv];
+        let past = match past {
+            Some(p) => crate::gpu_graph::device_ptr_i32(p)?,
+            None => 0,
+        };
+        let strides = (kv_head, kv_row, past);
+        let name = match kc.dtype() {
+            DType::F16 => "ragkv_rope_store_f16",
+            _ => "ragkv_rope_store_f32",
+        };
         match kc.dtype() {
-            DType::F16 => store::<f16>(
-                "ragkv_rope_store_f16",
-                dev,
-                floats,
-                kc,
-                vc,
-                kv_head,
-                kv_row,
-                ints,
-                cfg,
-            ),
-            _ => store::<f32>(
-                "ragkv_rope_store_f32",
-                dev,
-                floats,
-                kc,
-                vc,
-                kv_head,
-                kv_row,
-                ints,
-                cfg,
-            ),
+            DType::F16 => store::<f16>(name, dev, floats, (kc, vc), strides, ints, cfg),
+            _ => store::<f32>(name, dev, floats, (kc, vc), strides, ints, cfg),
         }?;
         Ok(true)
     }
@@ -219,10 +209,8 @@ mod cuda {
         name: &str,
         dev: &candle_core::CudaDevice,
         [y, cos, sin, q]: [&View<'_>; 4],
-        kc: &Tensor,
-        vc: &Tensor,
-        kv_head: i64,
-        kv_row: i64,
+        (kc, vc): (&Tensor, &Tensor),
+        (kv_head, kv_row, past): (i64, i64, u64),
         ints: [i32; 7],
         cfg: LaunchConfig,
     ) -> candle_core::Result<()> {
@@ -250,11 +238,13 @@ mod cuda {
             .arg(&heads)
             .arg(&kv_heads)
             .arg(&d)
-            .arg(&interleaved);
+            .arg(&interleaved)
+            .arg(&past);
         // SAFETY: the arguments match `rope_store`'s signature in order and type. Reads: `n`
         // rows of `y` (`(heads + 2 kv_heads) d` wide) and of the tables (`d / 2` wide);
         // writes: rows `row0..row0 + n` of `q` (`(heads, n_total, d)`) and rows `at..at + n`
-        // of the cache's `kv_heads` heads, all inside their buffers (checked by the caller).
+        // (or `*past..`) of the cache's `kv_heads` heads, all inside their buffers (checked
+        // by the caller; with `past`, the graph's caller checks it before each replay).
         // The queries' and the cache's buffers are written through shared views: the cache
         // is this sequence's own (`&mut KvCache` upstream), the queries fresh, and this
         // thread's stream orders every later read after the launch.

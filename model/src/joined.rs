@@ -48,6 +48,12 @@ impl<const N: usize> Joined<N> {
         Ok(Joined::Apart(projs))
     }
 
+    /// Whether the projections are one matrix.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_joined(&self) -> bool {
+        matches!(self, Joined::Joined { .. })
+    }
+
     /// The joined product of `x` (`(…, in)`): `(…, Σ out_i)`, the projections' outputs side
     /// by side; `None` when the projections are apart.
     pub(crate) fn joined(&self, x: &Tensor) -> Result<Option<Tensor>> {

@@ -28,6 +28,7 @@ mod device;
 mod error;
 mod generate;
 mod gguf;
+mod gpu_graph;
 mod gpu_ops;
 pub mod hub;
 mod joined;

@@ -33,14 +33,17 @@ fn wrap(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error
 
 /// Attention of `q` `(1, heads, s, d)` (f32, unit stride along `d`) over keys and values
 /// `(1, kv_heads, t, d)` (f16 or f32 cache rows, unit stride along `d`), query row `i` at
-/// cache index `t - s + i`, within `window` if set: `(1, s, heads * d)` f32. `None` when the
-/// operands are not CUDA tensors of that form, or the visible span does not fit the kernel.
+/// cache index `t - s + i`, within `window` if set: `(1, s, heads * d)` f32. With `past` (an
+/// i32 on the device: a CUDA graph's replay), `k` and `v` are the whole buffers and the rows
+/// before this step's are `*past` (`t - s` otherwise). `None` when the operands are not CUDA
+/// tensors of that form, or the visible span does not fit the kernel.
 pub(crate) fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     window: Option<usize>,
     scale: f32,
+    past: Option<&Tensor>,
 ) -> candle_core::Result<Option<Tensor>> {
     let Device::Cuda(dev) = q.device() else {
         return Ok(None);
@@ -88,47 +91,26 @@ pub(crate) fn attend(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
+    let past = match past {
+        Some(p) => crate::gpu_graph::device_ptr_i32(p)?,
+        None => 0,
+    };
+    let args = Args {
+        q: &q_view,
+        q_head,
+        q_row,
+        kv_head,
+        kv_row,
+        out,
+        dims,
+        window,
+        scale,
+        past,
+        cfg,
+    };
     let out = match k.dtype() {
-        DType::F16 => launch::<f16>(
-            "ragkv_attend_f16",
-            dev,
-            kc,
-            kl,
-            vc,
-            vl,
-            Args {
-                q: &q_view,
-                q_head,
-                q_row,
-                kv_head,
-                kv_row,
-                out,
-                dims,
-                window,
-                scale,
-                cfg,
-            },
-        )?,
-        _ => launch::<f32>(
-            "ragkv_attend_f32",
-            dev,
-            kc,
-            kl,
-            vc,
-            vl,
-            Args {
-                q: &q_view,
-                q_head,
-                q_row,
-                kv_head,
-                kv_row,
-                out,
-                dims,
-                window,
-                scale,
-                cfg,
-            },
-        )?,
+        DType::F16 => launch::<f16>("ragkv_attend_f16", dev, (kc, kl), (vc, vl), args)?,
+        _ => launch::<f32>("ragkv_attend_f32", dev, (kc, kl), (vc, vl), args)?,
     };
     let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(out, dev.clone());
     Ok(Some(Tensor::from((
@@ -147,17 +129,22 @@ struct Args<'a> {
     dims: [i32; 5],
     window: i32,
     scale: f32,
+    /// Device address of the i32 row count before this step, or 0.
+    past: u64,
     cfg: LaunchConfig,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn launch<T: CudaDType>(
     name: &str,
     dev: &candle_core::CudaDevice,
-    kc: &candle_core::cuda_backend::CudaStorage,
-    kl: &candle_core::Layout,
-    vc: &candle_core::cuda_backend::CudaStorage,
-    vl: &candle_core::Layout,
+    (kc, kl): (
+        &candle_core::cuda_backend::CudaStorage,
+        &candle_core::Layout,
+    ),
+    (vc, vl): (
+        &candle_core::cuda_backend::CudaStorage,
+        &candle_core::Layout,
+    ),
     a: Args<'_>,
 ) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>> {
     let k = kc.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
@@ -180,11 +167,13 @@ fn launch<T: CudaDType>(
         .arg(&kv_heads)
         .arg(&d)
         .arg(&a.window)
-        .arg(&a.scale);
+        .arg(&a.scale)
+        .arg(&a.past);
     // SAFETY: the arguments match the kernel's signature in order and type (pointers to f32
     // queries, `T` keys and values, f32 output; i64 strides; i32 sizes; f32 scale); every read
     // is inside the views (rows below `t`, elements below `d` at the given strides, checked by
-    // the caller's shape test) and every write inside `out` (`s * heads * d` elements).
+    // the caller's shape test; with `past`, the caller keeps `*past + s` within the buffers)
+    // and every write inside `out` (`s * heads * d` elements).
     unsafe { b.launch(a.cfg) }.map_err(wrap)?;
     Ok(out)
 }

@@ -55,14 +55,16 @@ impl Decoder {
             let (kc, vc) = cache.buffers(i);
             let stored = crate::gpu_ops::rope_store(
                 &rows(&y, 1).ctx("qkv rows")?,
-                &rows(cos, 0).ctx("rope rows")?,
-                &rows(sin, 0).ctx("rope rows")?,
+                (
+                    &rows(cos, 0).ctx("rope rows")?,
+                    &rows(sin, 0).ctx("rope rows")?,
+                ),
                 &q,
                 sp.first,
-                kc,
-                vc,
+                (kc, vc),
                 at,
                 interleaved,
+                None,
             )
             .ctx("rope and store")?;
             if !stored {
