@@ -99,7 +99,7 @@ __device__ void attend(const float* __restrict__ q, long long q_head, long long 
   }
 }
 
-extern "C" __global__ void ragkv_attend_f16(const float* q, long long q_head, long long q_row,
+extern "C" __global__ void __launch_bounds__(1024) ragkv_attend_f16(const float* q, long long q_head, long long q_row,
                                             const __half* k, const __half* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
                                             int kv_heads, int d, int window, float scale,
@@ -108,7 +108,7 @@ extern "C" __global__ void ragkv_attend_f16(const float* q, long long q_head, lo
                scale, past);
 }
 
-extern "C" __global__ void ragkv_attend_f32(const float* q, long long q_head, long long q_row,
+extern "C" __global__ void __launch_bounds__(1024) ragkv_attend_f32(const float* q, long long q_head, long long q_row,
                                             const float* k, const float* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
                                             int kv_heads, int d, int window, float scale,

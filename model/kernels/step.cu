@@ -8,6 +8,9 @@
 //
 // `past`, when not null, holds `at` in device memory (a CUDA graph's replay).
 //
+// ragkv_rmsnorm: rows (n, dim) normed by their root mean square and scaled by w, one block
+// per row (candle's spends 32 threads on a row: 12 µs per call at SmolLM2's width on an H100).
+//
 // ragkv_swiglu: silu(gate) * up over the joined gate/up projection's rows (n, 2 w).
 
 #include <cuda_fp16.h>
@@ -76,4 +79,21 @@ extern "C" __global__ void ragkv_swiglu(const float* __restrict__ gu, float* __r
     const float g = gu[r * 2 * w + j], u = gu[r * 2 * w + w + j];
     out[x] = g / (1.0f + __expf(-g)) * u;
   }
+}
+
+extern "C" __global__ void ragkv_rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
+                                         float* __restrict__ out, int dim, float eps) {
+  __shared__ float red[32];
+  const float* xr = x + (long long)blockIdx.x * dim;
+  float* yr = out + (long long)blockIdx.x * dim;
+  float ss = 0.0f;
+  for (int e = threadIdx.x; e < dim; e += blockDim.x) ss += xr[e] * xr[e];
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  ss = lane < warps ? red[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rsqrtf(ss / dim + eps);
+  for (int e = threadIdx.x; e < dim; e += blockDim.x) yr[e] = xr[e] * inv * w[e];
 }

@@ -429,7 +429,11 @@ impl Decoder {
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32).ctx("rms norm")
+        let eps = self.cfg.rms_eps as f32;
+        if let Some(y) = crate::gpu_ops::rms_norm(x, w, eps).ctx("rms norm")? {
+            return Ok(y);
+        }
+        candle_nn::ops::rms_norm(x, w, eps).ctx("rms norm")
     }
 
     /// Token embeddings `(1, n, hidden)` of `ids`, scaled if the model scales them.

@@ -1,7 +1,7 @@
 //! A decode step's small fused operations on a GPU (`model/kernels/step.cu`), each one launch
 //! where candle takes several: the joined Q/K/V projection's rows rotated and stored (queries
 //! into a fresh tensor, keys and values into the sequence's cache in its own dtype), and the
-//! MLP's gate over the joined gate/up projection. Each function answers `None` (or `false`)
+//! MLP's gate over the joined gate/up projection, and RMSNorm with a block per row. Each function answers `None` (or `false`)
 //! where its kernel does not take the operands (the CPU, a build without `cuda`, other
 //! dtypes or layouts), and the caller takes candle's operations.
 //!
@@ -48,6 +48,18 @@ pub(crate) fn new_queries(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (like, heads, n, d);
+        Ok(None)
+    }
+}
+
+/// `x` `(…, dim)` (f32, contiguous) divided by each row's root mean square (plus `eps`) and
+/// scaled by `w` `(dim)`, one block per row.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    return cuda::rms_norm(x, w, eps);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, w, eps);
         Ok(None)
     }
 }
@@ -250,6 +262,54 @@ mod cuda {
         // thread's stream orders every later read after the launch.
         unsafe { b.launch(cfg) }.map_err(wrap)?;
         Ok(())
+    }
+
+    pub(super) fn rms_norm(
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let Some(&dim) = x.dims().last() else {
+            return Ok(None);
+        };
+        if !enabled() || x.dtype() != DType::F32 || w.dtype() != DType::F32 || w.dims() != [dim] {
+            return Ok(None);
+        }
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (Storage::Cuda(xc), Storage::Cuda(wc), Some(x0), Some(w0)) =
+            (&*xs, &*ws, start(xl), start(wl))
+        else {
+            return Ok(None);
+        };
+        let rows = x.elem_count() / dim.max(1);
+        if rows == 0 {
+            return Ok(None);
+        }
+        let xv = xc.as_cuda_slice::<f32>()?.slice(x0..);
+        let wv = wc.as_cuda_slice::<f32>()?.slice(w0..);
+        // SAFETY: every element is written by the kernel (a block per row, its threads over
+        // the row) before the tensor is read.
+        let mut out = unsafe { dev.alloc::<f32>(rows * dim) }?;
+        let func = dev.get_or_load_custom_func("ragkv_rmsnorm", MODULE, PTX)?;
+        let dim32 = dim as i32;
+        let mut b = func.builder();
+        b.arg(&xv).arg(&wv).arg(&mut out).arg(&dim32).arg(&eps);
+        // SAFETY: arguments in the kernel's order and types; block `r` reads row `r` of `x`
+        // (`dim` elements from the view's start) and `w`, and writes row `r` of `out`.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(wrap)?;
+        let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+        Ok(Some(Tensor::from((Storage::Cuda(storage), x.dims()))))
     }
 
     pub(super) fn swiglu_joined(gu: &Tensor) -> candle_core::Result<Option<Tensor>> {
