@@ -99,7 +99,8 @@ __device__ void attend(const float* __restrict__ q, long long q_head, long long 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) ragkv_attend_f16(const float* q, long long q_head, long long q_row,
+extern "C" __global__ void __launch_bounds__(1024)
+ragkv_attend_f16(const float* q, long long q_head, long long q_row,
                                             const __half* k, const __half* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
                                             int kv_heads, int d, int window, float scale,
@@ -108,7 +109,8 @@ extern "C" __global__ void __launch_bounds__(1024) ragkv_attend_f16(const float*
                scale, past);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) ragkv_attend_f32(const float* q, long long q_head, long long q_row,
+extern "C" __global__ void __launch_bounds__(1024)
+ragkv_attend_f32(const float* q, long long q_head, long long q_row,
                                             const float* k, const float* v, long long kv_head,
                                             long long kv_row, float* out, int s, int t, int heads,
                                             int kv_heads, int d, int window, float scale,

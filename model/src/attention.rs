@@ -95,9 +95,9 @@ fn raw<'a>(data: Elems<'a>, l: &Layout) -> Raw<'a> {
 /// On a GPU, attention of `q` `(1, heads, s, d)` over one sequence's cache rows `k`, `v`
 /// `(1, kv_heads, t, d)` in one launch (`cuda.rs`), query row `i` at cache index `t - s + i`,
 /// within `window` if set: `(1, s, heads * d)`; with `past` (a CUDA graph's replay: the rows
-/// before the step's, in device memory) `k`, `v` are the whole buffers. `None` where that kernel does not take the
-/// operands (the CPU, other dtypes, spans too long for it, a build without `cuda`): the caller
-/// then takes candle's operations.
+/// before the step's, in device memory) `k`, `v` are the whole buffers. `None` where that
+/// kernel does not take the operands (the CPU, other dtypes, spans too long for it, a build
+/// without `cuda`): the caller then takes candle's operations.
 pub(crate) fn attend_device(
     q: &Tensor,
     k: &Tensor,

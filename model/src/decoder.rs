@@ -332,8 +332,8 @@ impl Decoder {
                     let (q, k, v) = self.qkv(layer, &h)?;
                     let q = rope.apply(&q, cos, sin)?;
                     let k = rope.apply(&k, cos, sin)?;
-                    // Every sequence's fresh keys and values go into its cache (recomputed rows in
-                    // place, the others appended); its live rows come back.
+                    // Every sequence's fresh keys and values go into its cache (recomputed
+                    // rows in place, the others appended); its live rows come back.
                     let mut views = Vec::with_capacity(spans.len());
                     for ((cache, _, _), sp) in seqs.iter_mut().zip(&spans) {
                         let rows = |t: &Tensor, from: usize, n: usize| {

@@ -1,9 +1,9 @@
 //! A decode step's small fused operations on a GPU (`model/kernels/step.cu`), each one launch
 //! where candle takes several: the joined Q/K/V projection's rows rotated and stored (queries
-//! into a fresh tensor, keys and values into the sequence's cache in its own dtype), and the
-//! MLP's gate over the joined gate/up projection, and RMSNorm with a block per row. Each function answers `None` (or `false`)
-//! where its kernel does not take the operands (the CPU, a build without `cuda`, other
-//! dtypes or layouts), and the caller takes candle's operations.
+//! into a fresh tensor, keys and values into the sequence's cache in its own dtype), the MLP's
+//! gate over the joined gate/up projection, and RMSNorm with a block per row. Each function
+//! answers `None` (or `false`) where its kernel does not take the operands (the CPU, a build
+//! without `cuda`, other dtypes or layouts), and the caller takes candle's operations.
 //!
 //! `RAGKV_CUDA_FUSED=off` turns them off, for comparison.
 
