@@ -99,22 +99,15 @@ __device__ void attend(const float* __restrict__ q, long long q_head, long long 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-ragkv_attend_f16(const float* q, long long q_head, long long q_row,
-                                            const __half* k, const __half* v, long long kv_head,
-                                            long long kv_row, float* out, int s, int t, int heads,
-                                            int kv_heads, int d, int window, float scale,
-                                            const int* past) {
-  attend<__half>(q, q_head, q_row, k, v, kv_head, kv_row, out, s, t, heads, kv_heads, d, window,
-               scale, past);
-}
+// The kernel for each cache type, by its C name.
+#define RAGKV_ATTEND(NAME, T)                                                                 \
+  extern "C" __global__ void __launch_bounds__(1024)                                          \
+      NAME(const float* q, long long q_head, long long q_row, const T* k, const T* v,         \
+           long long kv_head, long long kv_row, float* out, int s, int t, int heads,          \
+           int kv_heads, int d, int window, float scale, const int* past) {                   \
+    attend<T>(q, q_head, q_row, k, v, kv_head, kv_row, out, s, t, heads, kv_heads, d, window, \
+              scale, past);                                                                   \
+  }
 
-extern "C" __global__ void __launch_bounds__(1024)
-ragkv_attend_f32(const float* q, long long q_head, long long q_row,
-                                            const float* k, const float* v, long long kv_head,
-                                            long long kv_row, float* out, int s, int t, int heads,
-                                            int kv_heads, int d, int window, float scale,
-                                            const int* past) {
-  attend<float>(q, q_head, q_row, k, v, kv_head, kv_row, out, s, t, heads, kv_heads, d, window,
-                scale, past);
-}
+RAGKV_ATTEND(ragkv_attend_f16, __half)
+RAGKV_ATTEND(ragkv_attend_f32, float)

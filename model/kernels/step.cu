@@ -50,25 +50,18 @@ __device__ void rope_store(const float* __restrict__ y, const float* __restrict_
   }
 }
 
-extern "C" __global__ void ragkv_rope_store_f16(const float* y, const float* cos_t,
-                                                const float* sin_t, float* q_out, __half* kc,
-                                                __half* vc, long long kv_head, long long kv_row,
-                                                int n_total, int row0, int at, int heads,
-                                                int kv_heads, int d, int interleaved,
-                                                const int* past) {
-  rope_store<__half>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
-                     kv_heads, d, interleaved, past);
-}
+// The kernel for each cache type, by its C name.
+#define RAGKV_ROPE_STORE(NAME, T)                                                               \
+  extern "C" __global__ void NAME(const float* y, const float* cos_t, const float* sin_t,      \
+                                  float* q_out, T* kc, T* vc, long long kv_head,               \
+                                  long long kv_row, int n_total, int row0, int at, int heads,  \
+                                  int kv_heads, int d, int interleaved, const int* past) {     \
+    rope_store<T>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,  \
+                  kv_heads, d, interleaved, past);                                             \
+  }
 
-extern "C" __global__ void ragkv_rope_store_f32(const float* y, const float* cos_t,
-                                                const float* sin_t, float* q_out, float* kc,
-                                                float* vc, long long kv_head, long long kv_row,
-                                                int n_total, int row0, int at, int heads,
-                                                int kv_heads, int d, int interleaved,
-                                                const int* past) {
-  rope_store<float>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,
-                    kv_heads, d, interleaved, past);
-}
+RAGKV_ROPE_STORE(ragkv_rope_store_f16, __half)
+RAGKV_ROPE_STORE(ragkv_rope_store_f32, float)
 
 extern "C" __global__ void ragkv_swiglu(const float* __restrict__ gu, float* __restrict__ out,
                                         int n, int w) {

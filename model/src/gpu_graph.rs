@@ -11,7 +11,7 @@
 //! `RAGKV_CUDA_GRAPH=off` decodes without graphs, for comparison.
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{device_ptr_i32, enabled, param_cache, Capture, Graph, StepGraph};
+pub(crate) use cuda::{enabled, param_cache, Capture, Graph, StepGraph};
 
 /// A decode step's CUDA graph (none without the `cuda` feature).
 #[cfg(not(feature = "cuda"))]
@@ -37,22 +37,6 @@ mod cuda {
         *ON.get_or_init(|| std::env::var("RAGKV_CUDA_GRAPH").as_deref() != Ok("off"))
     }
 
-    fn wrap(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
-        candle_core::Error::wrap(e)
-    }
-
-    /// The device address of an i32 tensor's first element.
-    pub(crate) fn device_ptr_i32(t: &Tensor) -> candle_core::Result<u64> {
-        let (s, l) = t.storage_and_layout();
-        let Storage::Cuda(c) = &*s else {
-            candle_core::bail!("not a CUDA tensor");
-        };
-        let slice = c.as_cuda_slice::<i32>()?;
-        let view = slice.slice(l.start_offset()..);
-        let (ptr, _sync) = view.device_ptr(slice.stream());
-        Ok(ptr)
-    }
-
     /// Copies `vals` into the (contiguous) device tensor `t`'s first elements, on this
     /// thread's stream.
     fn write<T: CudaDType + DeviceRepr>(t: &Tensor, vals: &[T]) -> candle_core::Result<()> {
@@ -73,7 +57,8 @@ mod cuda {
         // SAFETY: `ptr` holds at least `vals.len()` elements of `T` (checked above); the copy
         // is queued on this thread's stream, ordered before the replay that reads it, and
         // the pageable source is staged by the driver before the call returns.
-        unsafe { result::memcpy_htod_async(ptr, vals, stream.cu_stream()) }.map_err(wrap)
+        unsafe { result::memcpy_htod_async(ptr, vals, stream.cu_stream()) }
+            .map_err(candle_core::Error::wrap)
     }
 
     /// A stream capture in progress on this thread's stream (relaxed mode: other threads
@@ -95,7 +80,7 @@ mod cuda {
             let params = dev.enable_cuda_graph_htod_cache();
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .map_err(wrap)?;
+                .map_err(candle_core::Error::wrap)?;
             Ok(Capture {
                 stream,
                 _params: Box::new(params),
@@ -107,7 +92,7 @@ mod cuda {
             let graph = self
                 .stream
                 .end_capture(CUgraphInstantiate_flags(0))
-                .map_err(wrap)?;
+                .map_err(candle_core::Error::wrap)?;
             graph
                 .map(Graph)
                 .ok_or_else(|| candle_core::Error::Msg("the capture recorded nothing".into()))
@@ -196,7 +181,7 @@ mod cuda {
         /// Replays the captured step (after [`StepGraph::set`]).
         pub(crate) fn launch(&self) -> candle_core::Result<()> {
             match &self.graph {
-                Some(g) => g.0.launch().map_err(wrap),
+                Some(g) => g.0.launch().map_err(candle_core::Error::wrap),
                 None => candle_core::bail!("no graph captured"),
             }
         }

@@ -76,10 +76,13 @@ pub(crate) fn swiglu_joined(gu: &Tensor) -> candle_core::Result<Option<Tensor>> 
 }
 
 #[cfg(feature = "cuda")]
+pub(crate) use cuda::device_ptr_i32;
+
+#[cfg(feature = "cuda")]
 mod cuda {
     use std::sync::OnceLock;
 
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{DType, Device, Layout, Storage, Tensor};
     use half::f16;
@@ -87,13 +90,21 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
     const MODULE: &str = "ragkv_step";
 
+    /// The device address of an i32 tensor's first element.
+    pub(crate) fn device_ptr_i32(t: &Tensor) -> candle_core::Result<u64> {
+        let (s, l) = t.storage_and_layout();
+        let Storage::Cuda(c) = &*s else {
+            candle_core::bail!("not a CUDA tensor");
+        };
+        let slice = c.as_cuda_slice::<i32>()?;
+        let view = slice.slice(l.start_offset()..);
+        let (ptr, _sync) = view.device_ptr(slice.stream());
+        Ok(ptr)
+    }
+
     fn enabled() -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
         *ON.get_or_init(|| std::env::var("RAGKV_CUDA_FUSED").as_deref() != Ok("off"))
-    }
-
-    fn wrap(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
-        candle_core::Error::wrap(e)
     }
 
     /// Start offset of a tensor whose elements are contiguous, unit stride.
@@ -199,7 +210,7 @@ mod cuda {
         };
         let floats = [&yv, &cv, &sv, &qv];
         let past = match past {
-            Some(p) => crate::gpu_graph::device_ptr_i32(p)?,
+            Some(p) => device_ptr_i32(p)?,
             None => 0,
         };
         let strides = (kv_head, kv_row, past);
@@ -260,7 +271,7 @@ mod cuda {
         // The queries' and the cache's buffers are written through shared views: the cache
         // is this sequence's own (`&mut KvCache` upstream), the queries fresh, and this
         // thread's stream orders every later read after the launch.
-        unsafe { b.launch(cfg) }.map_err(wrap)?;
+        unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
         Ok(())
     }
 
@@ -307,7 +318,7 @@ mod cuda {
                 shared_mem_bytes: 0,
             })
         }
-        .map_err(wrap)?;
+        .map_err(candle_core::Error::wrap)?;
         let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
         Ok(Some(Tensor::from((Storage::Cuda(storage), x.dims()))))
     }
@@ -347,7 +358,7 @@ mod cuda {
                 shared_mem_bytes: 0,
             })
         }
-        .map_err(wrap)?;
+        .map_err(candle_core::Error::wrap)?;
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("rank > 0") = w;
         let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());

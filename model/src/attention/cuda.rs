@@ -30,10 +30,6 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("RAGKV_CUDA_ATTENTION").as_deref() != Ok("candle"))
 }
 
-fn wrap(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
-    candle_core::Error::wrap(e)
-}
-
 /// Attention of `q` `(1, heads, s, d)` (f32, unit stride along `d`) over keys and values
 /// `(1, kv_heads, t, d)` (f16 or f32 cache rows, unit stride along `d`), query row `i` at
 /// cache index `t - s + i`, within `window` if set: `(1, s, heads * d)` f32. With `past` (an
@@ -95,7 +91,7 @@ pub(crate) fn attend(
         shared_mem_bytes: shared as u32,
     };
     let past = match past {
-        Some(p) => crate::gpu_graph::device_ptr_i32(p)?,
+        Some(p) => crate::gpu_ops::device_ptr_i32(p)?,
         None => 0,
     };
     let args = Args {
@@ -177,6 +173,6 @@ fn launch<T: CudaDType>(
     // is inside the views (rows below `t`, elements below `d` at the given strides, checked by
     // the caller's shape test; with `past`, the caller keeps `*past + s` within the buffers)
     // and every write inside `out` (`s * heads * d` elements).
-    unsafe { b.launch(a.cfg) }.map_err(wrap)?;
+    unsafe { b.launch(a.cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(out)
 }

@@ -51,23 +51,23 @@ impl Decoder {
             g.launch().ctx("graph replay")?;
             g.out.copy().ctx("logits")?
         } else {
-            // This step eagerly (candle's parameter cache on, as during the capture).
-            {
+            // This step eagerly (candle's parameter cache on, as during the capture), then
+            // captured for the next ones.
+            let body = {
                 let _params = crate::gpu_graph::param_cache(&self.device);
-                if let Err(e) = self.step_body(cache, &g) {
-                    tracing::warn!("decoding without CUDA graphs for this sequence: {e}");
-                    cache.graph = Some(g); // without a graph: the sequence decodes eagerly
-                    return Ok(None);
-                }
+                self.step_body(cache, &g)
+            };
+            if let Err(e) = body {
+                tracing::warn!("decoding without CUDA graphs for this sequence: {e}");
+                cache.graph = Some(g); // without a graph: the sequence decodes eagerly
+                return Ok(None);
             }
             let out = g.out.copy().ctx("logits")?;
             match self.capture(cache, &g) {
                 Ok(graph) => g.graph = Some(graph),
                 Err(e) => tracing::warn!("decoding without CUDA graphs for this sequence: {e}"),
             }
-            cache.graph = Some(g);
-            cache.advance(1);
-            return Ok(Some(out));
+            out
         };
         cache.graph = Some(g);
         cache.advance(1);
@@ -105,6 +105,7 @@ impl Decoder {
         let refused = |what: &str| Error::Input {
             why: format!("graphed step: {what} not taken by the fused GPU operations"),
         };
+        let interleaved = self.rope.interleaved();
         let mut x = self.embed(&g.ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &layer.attn_norm)?;
@@ -118,7 +119,6 @@ impl Decoder {
                 .ctx("queries")?
                 .ok_or_else(|| refused("queries"))?;
             let (kc, vc) = cache.buffers(i);
-            let interleaved = self.rope.interleaved();
             let stored = crate::gpu_ops::rope_store(
                 &y,
                 (&g.cos, &g.sin),
