@@ -25,6 +25,14 @@ status=0
 # --no-fail-fast: every test binary runs even after one fails, so one failure never hides
 # another; the exit status still reports it.
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
+# The Qwen2 suites need the benchmark model (RAGKV_MODELS=bench scripts/setup.sh); they run
+# when it has been fetched into the model cache, and are reported as skipped otherwise.
+models="${RAGKV_CACHE:-$HOME/.cache/ragkv}/models"
+if [ -f "$models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" ]; then
+  cargo test --workspace --locked --no-fail-fast --test qwen2 --test tokenizer -- --ignored 2>&1 | tee -a "$remote_log" || status=$?
+else
+  echo "Qwen2 suites skipped: no benchmark model (RAGKV_MODELS=bench scripts/setup.sh fetches it)"
+fi
 # The remote vector-index suite needs a Qdrant server; it is skipped (reported as ignored, with
 # the reason) unless QDRANT_URL names one.
 if [ -n "${QDRANT_URL:-}" ]; then

@@ -222,30 +222,3 @@ fn constant_groups_decode_exactly_at_4_bits() {
     let enc = encode(&l, 3, &raw, 4).unwrap();
     assert_eq!(decode_all(&l, 3, &enc), raw);
 }
-
-/// Decode speed of each plane mode into f16 on this CPU (one thread):
-/// `cargo test --workspace --lib quant_decode_speed -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn quant_decode_speed() {
-    let l = layout(DType::F16, 3, 64);
-    let n = 64;
-    let raw = kv(&l, n, 9);
-    let c = 192;
-    for bits in [8u8, 4] {
-        let enc = encode(&l, n, &raw, bits).unwrap();
-        for (mode, body) in planes(&l, n, &enc).unwrap().into_iter().take(2) {
-            let mut dst = vec![0u8; n * c * 2];
-            let t = std::time::Instant::now();
-            let mut reps = 0;
-            while t.elapsed().as_secs_f64() < 0.5 {
-                for _ in 0..100 {
-                    decode_plane(mode, body, n, c, DType::F16, &mut dst);
-                }
-                reps += 100;
-            }
-            let gbps = (reps * dst.len()) as f64 / t.elapsed().as_secs_f64() / 1e9;
-            eprintln!("{mode:?}: {gbps:.2} GB/s of f16");
-        }
-    }
-}

@@ -329,8 +329,6 @@ pub(crate) mod packed;
 mod tile_pool;
 pub(crate) use tile_pool::{quantize_rows, tiled_matmul};
 #[cfg(test)]
-mod bandwidth_test;
-#[cfg(test)]
 mod test_util;
 
 #[cfg(target_arch = "x86_64")]

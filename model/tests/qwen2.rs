@@ -1,6 +1,7 @@
 //! The Qwen2 path (attention biases, untied output, half-split RoPE) with
 //! Qwen2.5-Coder-0.5B-Instruct. Not in CI, which fetches only SmolLM2: run with
-//! `RAGKV_MODELS=bench scripts/setup.sh && cargo test -p ragkv-model --test qwen2 -- --ignored`.
+//! `RAGKV_MODELS=bench scripts/setup.sh && cargo test --workspace --test qwen2 -- --ignored`
+//! (`scripts/test.sh` runs it whenever the model has been fetched).
 
 mod common;
 

@@ -159,12 +159,6 @@ impl Packed {
         (self.n, self.k)
     }
 
-    /// The tiles (measurements).
-    #[cfg(test)]
-    pub(crate) fn tiles(&self) -> &[u8] {
-        &self.tiles
-    }
-
     /// Bytes held in memory.
     pub(crate) fn bytes(&self) -> usize {
         self.tiles.len()

@@ -36,7 +36,7 @@ const PREFETCH: usize = 4;
 /// each): a few lines per sub-block, spread over the tile's work. Prefetching a whole tile at
 /// once (37-53 lines in a burst) held the core's miss buffers ahead of the demand loads:
 /// the decode-shaped Q4_K product from memory ran at 23 GB/s with the burst, 33 without any
-/// prefetch, on a VM whose plain reads reach 34 (`quant::bandwidth_test`).
+/// prefetch, on a VM whose plain multi-threaded reads of the same bytes reach 34.
 #[inline(always)]
 fn prefetch_part(t: *const u8, tb: usize, j: usize) {
     let lines = tb.div_ceil(64);
