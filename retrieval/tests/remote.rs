@@ -2,7 +2,7 @@
 //! (gRPC port, e.g. `QDRANT_URL=http://localhost:6334`; `QDRANT_API_KEY` if it needs a key):
 //!
 //! ```text
-//! QDRANT_URL=http://localhost:6334 cargo test -p ragkv-retrieval --test remote -- --ignored
+//! QDRANT_URL=http://localhost:6334 cargo test --workspace --test remote -- --ignored
 //! ```
 //!
 //! `scripts/test.sh` does that by itself when `QDRANT_URL` is set.
@@ -23,13 +23,19 @@ fn remote_backend_suite() {
     };
     let dir = tempfile::tempdir().unwrap();
     common::suite(&|dim| VectorIndex::open(dir.path(), dim, &config));
-    // Leave the server as we found it.
+    // Leave the server as we found it, through the index's own call.
+    let index = VectorIndex::open(dir.path(), common::DIM, &config).unwrap();
+    index.delete_collection().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
+    let exists = rt.block_on(async {
         let client = qdrant_client::Qdrant::from_url(&url)
             .api_key(std::env::var("QDRANT_API_KEY").ok())
             .build()
             .unwrap();
-        client.delete_collection(collection).await.unwrap();
+        client.collection_exists(collection).await.unwrap()
     });
+    assert!(
+        !exists,
+        "the collection is still there after delete_collection"
+    );
 }

@@ -244,6 +244,18 @@ impl VectorIndex {
         }
     }
 
+    /// Deletes a server's collection with every point in it (a benchmark's scratch
+    /// collection). The embedded index is a directory: an [`Error::Invalid`]; remove that.
+    pub fn delete_collection(self) -> Result<()> {
+        match self {
+            VectorIndex::Embedded(_) => Err(Error::Invalid {
+                what: "delete_collection",
+                reason: "the embedded index is a directory: remove it instead".into(),
+            }),
+            VectorIndex::Remote(i) => i.delete_collection(),
+        }
+    }
+
     /// Counts describing the index.
     pub fn info(&self) -> Result<IndexInfo> {
         match self {

@@ -349,6 +349,16 @@ impl RemoteIndex {
         Ok(res.result.map_or(0, |r| r.count as usize))
     }
 
+    /// Deletes the collection and every point in it.
+    pub fn delete_collection(self) -> Result<()> {
+        let n = self.collection.clone();
+        self.call("delete_collection", move |c| {
+            let n = n.clone();
+            async move { c.delete_collection(n).await }
+        })?;
+        Ok(())
+    }
+
     /// Counts describing the index.
     pub fn info(&self) -> Result<IndexInfo> {
         let n = self.collection.clone();
