@@ -59,6 +59,43 @@ fn transient(e: &QdrantError) -> Option<Duration> {
     }
 }
 
+/// The qdrant-client release this crate is built with (Cargo.lock). Its own compatibility
+/// check (a REST call, skipped here: the gRPC port is all we are given) warns beyond one
+/// minor version apart; server 1.18.3 passed the whole suite with this client
+/// (docs/TESTING.md), so ragkv warns beyond two.
+const CLIENT_VERSION: (u64, u64) = (1, 20);
+
+/// A warning for a server version far from the client's; `None` when close enough.
+fn version_warning(server: &str) -> Option<String> {
+    let mut parts = server
+        .trim_start_matches('v')
+        .split('.')
+        .map(str::parse::<u64>);
+    let (Some(Ok(major)), Some(Ok(minor))) = (parts.next(), parts.next()) else {
+        return Some(format!(
+            "the Qdrant server reports version {server:?}, not major.minor"
+        ));
+    };
+    let (cm, cn) = CLIENT_VERSION;
+    (major != cm || minor.abs_diff(cn) > 2).then(|| {
+        format!(
+            "Qdrant server {server} is more than two minor versions from the client ({cm}.{cn}); \
+             requests may fail or be misread"
+        )
+    })
+}
+
+/// What a failure's text suggests about the URL, appended to the error.
+fn hint(reason: &str) -> &'static str {
+    if reason.contains("h2 protocol error") || reason.contains("http2 error") {
+        " (not a gRPC server: index.url must name Qdrant's gRPC port, 6334 by default; 6333 is its REST API)"
+    } else if reason.contains("Connection refused") {
+        " (nothing listens there: is the Qdrant server running?)"
+    } else {
+        ""
+    }
+}
+
 impl RemoteIndex {
     /// Connects, creating the collection (cosine, `dim`) and its payload index if absent.
     pub fn open(dim: usize, config: &IndexConfig) -> Result<RemoteIndex> {
@@ -103,6 +140,11 @@ impl RemoteIndex {
             upsert_batch: config.upsert_batch,
             hnsw_ef: config.hnsw_ef,
         };
+        let health = index.call("health_check", |c| async move { c.health_check().await })?;
+        tracing::info!(url = %index.url, version = %health.version, "connected to a Qdrant server");
+        if let Some(w) = version_warning(&health.version) {
+            tracing::warn!(url = %index.url, "{w}");
+        }
         index.ensure_collection()?;
         Ok(index)
     }
@@ -143,6 +185,7 @@ impl RemoteIndex {
     }
 
     fn err(&self, op: &'static str, reason: String) -> Error {
+        let reason = format!("{reason}{}", hint(&reason));
         Error::Remote {
             url: self.url.clone(),
             collection: self.collection.clone(),
@@ -408,5 +451,27 @@ fn uuid_of(id: Option<&PointId>) -> Result<Uuid> {
             id: "?".into(),
             reason: "point without id".into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_far_from_the_clients_are_warned_about() {
+        for near in ["1.20.0", "1.18.3", "1.22.1", "v1.19.0"] {
+            assert_eq!(version_warning(near), None, "{near}");
+        }
+        for far in ["1.17.0", "1.23.0", "2.20.0", "dev", ""] {
+            assert!(version_warning(far).is_some(), "{far}");
+        }
+    }
+
+    #[test]
+    fn a_rest_port_or_a_dead_one_is_named_in_the_error() {
+        assert!(hint("Internal error h2 protocol error: http2 error").contains("6334"));
+        assert!(hint("tcp connect error ... Connection refused").contains("running"));
+        assert_eq!(hint("collection not found"), "");
     }
 }
