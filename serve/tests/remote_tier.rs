@@ -179,6 +179,100 @@ fn a_second_node_serves_what_the_first_stored_in_an_s3_bucket() {
     );
 }
 
+/// With a lossy codec the tier holds a chunk's KV as computed and each node's store holds it
+/// encoded: a node that fetches a chunk must answer from it exactly as it will from its kept
+/// copy, and as the ingesting node does from its own (same logits, bit for bit).
+#[test]
+fn a_fetched_chunk_answers_as_the_stored_copies_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = RemoteConfig {
+        url: format!("file://{}", dir.path().join("tier").display()),
+        ..RemoteConfig::default()
+    };
+    let q8 = kvstore::StoreOptions {
+        default_codec: kvstore::Codec::Q8,
+        ..Default::default()
+    };
+    let a = Arc::new(ingest::Engine::new(
+        common::open_corpus(
+            &dir.path().join("a"),
+            Default::default(),
+            model::DType::F16,
+            common::model(),
+            q8.clone(),
+        )
+        .with_remote(tier(&base, "ragkv", WriteMode::Through)),
+    ));
+    let (id, text) = DOCS[0];
+    let doc = ingest::Doc {
+        id: id.into(),
+        text: text.into(),
+        metadata: Default::default(),
+        origin: id.into(),
+    };
+    common::ingest_eager(&a, ingest::Source::Docs(vec![doc]));
+    let b_store = kvstore::Store::open(dir.path().join("b/kv"), q8).unwrap();
+    let b = Arc::new(ingest::Engine::new(
+        ingest::Corpus::new(
+            Arc::new(b_store),
+            a.corpus().index().clone(),
+            a.corpus().embedder().clone(),
+            a.corpus().model().clone(),
+            Default::default(),
+            model::DType::F16,
+        )
+        .unwrap()
+        .with_remote(tier(&base, "ragkv", WriteMode::Off)),
+    ));
+    let (rag_a, rag_b) = (
+        Rag::start(a.clone(), ServeConfig::default()).unwrap(),
+        Rag::start(b.clone(), ServeConfig::default()).unwrap(),
+    );
+    let q = query("What is the access code for the Orion vault?");
+    let hits = rag_b.retrieve(&q).unwrap();
+    let answer = a
+        .corpus()
+        .model()
+        .tokenizer()
+        .encode("The code is 4817.")
+        .unwrap();
+    let logits = |rag: &Rag| -> Vec<Vec<f32>> {
+        rag.forced(&q, hits.clone(), &answer)
+            .unwrap()
+            .to_dtype(model::DType::F32)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
+    };
+    let differ = |x: &[Vec<f32>], y: &[Vec<f32>]| {
+        x.iter()
+            .flatten()
+            .zip(y.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    };
+    let fetched = logits(&rag_b);
+    assert_eq!(rag_b.metrics.remote_hits.load(Ordering::Relaxed), 1);
+    let kept = logits(&rag_b);
+    assert_eq!(
+        rag_b.metrics.remote_hits.load(Ordering::Relaxed),
+        1,
+        "read locally"
+    );
+    assert_eq!(
+        differ(&fetched, &kept),
+        0.0,
+        "the fetched chunk answers as its kept copy"
+    );
+    let ingesting = logits(&rag_a);
+    assert_eq!(
+        differ(&fetched, &ingesting),
+        0.0,
+        "and as the ingesting node's copy"
+    );
+    assert_eq!(fetched.len(), answer.len());
+}
+
 /// N shard workers (`--shard I/N`), each taking its own documents, into one index and one
 /// shared tier: the same points and the same KV objects as one worker over everything.
 #[test]

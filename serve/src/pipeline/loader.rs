@@ -233,7 +233,7 @@ pub(crate) fn read_chunks(
         pos += chunks.last().map_or(0, |(_, c)| c.tokens.len());
     }
     if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-        fetch_remote(corpus, m, query.assembly, dtype, &mut chunks);
+        fetch_remote(corpus, m, query.assembly, dtype, &mut chunks, buf);
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
 }
@@ -242,12 +242,18 @@ pub(crate) fn read_chunks(
 /// flight at once: each one found is verified, kept in the local store (a cache of the tier,
 /// under its quota) and placed at its prompt position `pos`. Whatever the tier misses or
 /// fails to give stays missing, to be recomputed: a remote failure is never a query's error.
+///
+/// The tier holds a chunk's KV as computed; with a lossy codec the local store holds it
+/// encoded. A fetched chunk is used as the local store gives it back (read again after it is
+/// kept, into `buf`), so that a chunk answers alike on every node and every later query,
+/// whichever path brought it (measured before: 7 of 16 greedy answers differed between two nodes).
 fn fetch_remote(
     corpus: &Corpus,
     m: &Metrics,
     assembly: Assembly,
     dtype: DType,
     chunks: &mut [(usize, Loaded)],
+    buf: &mut Vec<u8>,
 ) {
     let Some(tier) = corpus.remote().filter(|r| r.reads()) else {
         return;
@@ -286,15 +292,6 @@ fn fetch_remote(
         m.remote_fetch.observe(f.ms / 1e3);
         m.remote_bytes
             .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
-        let kv = match import(corpus, &f.kv, assembly, *pos, dtype) {
-            Ok(kv) => kv,
-            Err(e) => {
-                tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
-                m.remote_errors.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        m.remote_hits.fetch_add(1, Ordering::Relaxed);
         // Kept locally under the document version's KV id, as ingest would have stored it
         // (a failure here costs only the next fetch).
         let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
@@ -307,9 +304,30 @@ fn fetch_remote(
                 doc: Some(&kv_doc),
             }],
         );
-        if let Err(e) = put {
+        if let Err(e) = &put {
             tracing::warn!(error = %e, %doc, "keeping shared-tier KV locally failed");
         }
+        // With a lossy codec, the local store's copy, as every later query will read it.
+        let lossy = corpus.lossless_source().is_some();
+        let bytes: &[u8] = match put {
+            Ok(_) if lossy => match read_stored(corpus, &c.tokens, buf) {
+                Ok(()) => buf,
+                Err(e) => {
+                    tracing::warn!(error = %e, %doc, "reading back the kept copy failed; using the fetched KV");
+                    &f.kv
+                }
+            },
+            _ => &f.kv,
+        };
+        let kv = match import(corpus, bytes, assembly, *pos, dtype) {
+            Ok(kv) => kv,
+            Err(e) => {
+                tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
+                m.remote_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        m.remote_hits.fetch_add(1, Ordering::Relaxed);
         c.kv = Some(kv);
         c.corrupt = false;
     }
