@@ -138,6 +138,11 @@ enum BenchCommand {
     Ttft(bench::ttft::Args),
     /// The shared KV tier: chunk gets vs the local store and recompute; remote-only TTFT.
     Remote(bench::remote_tier::Args),
+    /// Scale-out with real processes: two sharded ingest workers (one killed and restarted),
+    /// two serving nodes over one Qdrant server and one bucket, a delete through one node.
+    Scaleout(bench::scaleout::Args),
+    /// The corpus's chunks in the embedded index and on a Qdrant server: recall@10, latency.
+    Index(bench::index_server::Args),
     /// Concurrent clients against one server (status codes, latency, memory).
     Load(bench::load::Args),
     /// ragkv vs llama.cpp's llama-server on the same GGUF and prompts: TTFT, queries/s.
@@ -271,6 +276,8 @@ fn run(cli: Cli) -> Result<()> {
                 BenchCommand::Ingest(args) => bench::ingest::run(&args)?,
                 BenchCommand::Ttft(args) => bench::ttft::run(&args)?,
                 BenchCommand::Remote(args) => bench::remote_tier::run(&args)?,
+                BenchCommand::Scaleout(args) => bench::scaleout::run(&args)?,
+                BenchCommand::Index(args) => bench::index_server::run(&args)?,
                 BenchCommand::Load(args) => bench::load::run(&args)?,
                 BenchCommand::Peer(args) => bench::peer::run(&args)?,
                 BenchCommand::Compaction(args) => bench::compaction::run(&args)?,

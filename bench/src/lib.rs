@@ -10,6 +10,7 @@ pub mod dataset;
 pub mod engine;
 pub mod eviction;
 pub mod fuzz;
+pub mod index_server;
 pub mod ingest;
 pub mod kvstore;
 pub mod llama;
@@ -20,6 +21,7 @@ mod progress;
 pub mod qa;
 pub mod remote_tier;
 pub mod retrieval;
+pub mod scaleout;
 pub mod score;
 mod sse;
 pub mod ttft;
@@ -83,6 +85,12 @@ impl Line {
             meets_bar: None,
             detail: None,
         }
+    }
+
+    /// Attaches supporting figures.
+    pub fn detail(mut self, detail: serde_json::Value) -> Line {
+        self.detail = Some(detail);
+        self
     }
 
     /// Records the bar on `ratio` and whether it is met.

@@ -57,7 +57,7 @@ pub struct Args {
     pub dir: Option<PathBuf>,
 }
 
-fn rerr(e: retrieval::Error) -> Error {
+pub(crate) fn rerr(e: retrieval::Error) -> Error {
     Error::Check(format!("retrieval: {e}"))
 }
 
@@ -79,7 +79,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Exact top-k ids by brute force.
-fn exact_top(vectors: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
+pub(crate) fn exact_top(vectors: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
     let mut scored: Vec<(f32, usize)> = vectors
         .iter()
         .enumerate()
@@ -92,7 +92,8 @@ fn exact_top(vectors: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
     top.into_iter().map(|(_, i)| i).collect()
 }
 
-fn payload(doc: String, ordinal: u32, text: String, tokens: u32) -> ChunkPayload {
+/// A chunk's payload without KV or document facts (the benchmarks' indexes).
+pub(crate) fn payload(doc: String, ordinal: u32, text: String, tokens: u32) -> ChunkPayload {
     ChunkPayload {
         doc_id: doc,
         ordinal,
@@ -103,6 +104,31 @@ fn payload(doc: String, ordinal: u32, text: String, tokens: u32) -> ChunkPayload
         doc_chunks: 0,
         metadata: Default::default(),
     }
+}
+
+/// The first `docs` documents of the dataset cut into chunks of `chunk_tokens` SmolLM2
+/// tokens, as ingest cuts them: (document id, ordinal, text, tokens).
+pub(crate) fn corpus_chunks(
+    ds: &std::path::Path,
+    docs: usize,
+    chunk_tokens: usize,
+) -> Result<Vec<(String, u32, String, u32)>, Error> {
+    let tok_path = model::models_dir().join(model::SMOLLM2_FILE);
+    let source = model::ModelSource::from_path(&tok_path)
+        .map_err(|e| Error::Check(format!("tokenizer: {e}")))?;
+    let tokenizer =
+        model::Tokenizer::load(&source).map_err(|e| Error::Check(format!("tokenizer: {e}")))?;
+    let chunker = ingest::ChunkerConfig {
+        chunk_tokens,
+        overlap_tokens: 0,
+    };
+    let mut chunks = Vec::new();
+    for d in &dataset::documents(ds, docs)? {
+        for c in ingest::chunk_text(&d.text, &tokenizer, &chunker) {
+            chunks.push((d.id.clone(), c.ordinal, c.text, c.tokens.len() as u32));
+        }
+    }
+    Ok(chunks)
 }
 
 fn time_searches(index: &VectorIndex, queries: &[Vec<f32>], k: usize) -> Result<(f64, f64), Error> {
@@ -267,27 +293,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     // 2. Embedding throughput and answer recall on the corpus.
     if args.docs > 0 {
         let ds = dataset::resolve(args.dataset.as_deref())?;
-        let tok_path = model::models_dir().join(model::SMOLLM2_FILE);
-        let source = model::ModelSource::from_path(&tok_path)
-            .map_err(|e| Error::Check(format!("tokenizer: {e}")))?;
-        let tokenizer =
-            model::Tokenizer::load(&source).map_err(|e| Error::Check(format!("tokenizer: {e}")))?;
-        let docs = dataset::documents(&ds, args.docs)?;
-        let chunker = ingest::ChunkerConfig {
-            chunk_tokens: args.chunk_tokens,
-            overlap_tokens: 0,
-        };
-        let mut chunks: Vec<(String, u32, String, u32)> = Vec::new();
-        for d in &docs {
-            for c in ingest::chunk_text(&d.text, &tokenizer, &chunker) {
-                chunks.push((d.id.clone(), c.ordinal, c.text, c.tokens.len() as u32));
-            }
-        }
+        let chunks = corpus_chunks(&ds, args.docs, args.chunk_tokens)?;
         let mean_tokens =
             chunks.iter().map(|c| c.3 as f64).sum::<f64>() / chunks.len().max(1) as f64;
         eprintln!(
-            "[retrieval] {} documents -> {} chunks of {} tokens max (mean {mean_tokens:.0})",
-            docs.len(),
+            "[retrieval] {} chunks of {} tokens max (mean {mean_tokens:.0})",
             chunks.len(),
             args.chunk_tokens
         );
