@@ -18,6 +18,11 @@
 //!   distributions. Hundreds of decisions per run instead of one per question: what the
 //!   strategies are steered by.
 //!
+//! `naive` (stored KV as it is: the gap to close) and the serve default (`link:2`) run whatever
+//! strategies are named; every line reports `gap_closed`, the share of naive's gap to full
+//! prefill in teacher-forced agreement the strategy closes ((agreement − naive's) /
+//! (1 − naive's)), and the default's line carries `"default": true`.
+//!
 //! The first line of each answer is scored against the gold answer with the SQuAD/HotpotQA
 //! normalization. Each strategy's F1 difference from full comes with a 95 % bootstrap interval
 //! over questions (paired), and its token agreement with one resampling whole questions (an
@@ -52,7 +57,7 @@ const SYSTEM: &str = "Answer the question based on the given passages. Only give
                       and do not output any other words.";
 
 /// The strategies compared when none is named: every one, links and query-aware at three
-/// settings.
+/// settings (`naive` and the default strategy run whatever is named).
 const DEFAULT_STRATEGIES: &[&str] = &[
     "naive",
     "reposition",
@@ -79,7 +84,8 @@ pub struct Args {
     pub top_k: usize,
     /// Strategies to compare with full prefill, with their parameter if any (`link:8`,
     /// `query-aware:0.1`; repeat the flag); default: naive, reposition,
-    /// reposition+recompute, link:2/8/32, query-aware:0.05/0.1/0.2.
+    /// reposition+recompute, link:2/8/32, query-aware:0.05/0.1/0.2. `naive` (the gap's
+    /// baseline) and the serve default (`link:2`) run whatever is named.
     #[arg(long = "strategy")]
     pub strategies: Vec<Assembly>,
     /// Share of chunk tokens `reposition+recompute` (and `query-aware` without a share)
@@ -144,6 +150,13 @@ pub struct QaLine {
     pub forced_tokens: usize,
     /// Mean KL(full ‖ strategy) per token, nats.
     pub kl_mean: f64,
+    /// Share of the gap between `naive` and full prefill this strategy closes in teacher-forced
+    /// token agreement: (agreement − naive's) / (1 − naive's); `None` when naive agrees on
+    /// every token (no gap to close).
+    pub gap_closed: Option<f64>,
+    /// The strategy `ragkv serve` answers with by default ([`default_strategy`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub default: bool,
     /// Mean time to first token, ms.
     pub ttft_ms_mean: f64,
     /// Mean chunk tokens recomputed per question.
@@ -232,7 +245,15 @@ pub(crate) struct Logged {
     answers: Vec<Answer>,
 }
 
-/// The strategies to run, each once, `full` left out (it is the reference).
+/// The strategy `ragkv serve` answers with by default, its parameter resolved from the serve
+/// defaults (`link:2`): every evaluation runs it and marks its line `"default": true`.
+pub(crate) fn default_strategy() -> Assembly {
+    let c = ServeConfig::default();
+    c.assembly.resolved(&c.repair())
+}
+
+/// The strategies to run, each once, `full` left out (it is the reference): `naive` first
+/// (the gap every `gap_closed` is measured on), the default strategy, then those asked for.
 fn strategies(args: &Args) -> Vec<Assembly> {
     let requested: Vec<Assembly> = if args.strategies.is_empty() {
         DEFAULT_STRATEGIES
@@ -243,7 +264,10 @@ fn strategies(args: &Args) -> Vec<Assembly> {
         args.strategies.clone()
     };
     let mut out: Vec<Assembly> = Vec::new();
-    for s in requested {
+    for s in [Assembly::Naive, default_strategy()]
+        .into_iter()
+        .chain(requested)
+    {
         if s != Assembly::Full && !out.contains(&s) {
             out.push(s);
         }
@@ -475,7 +499,8 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
     };
     let full = of(Assembly::Full.name());
     let full_f1 = full.iter().map(|a| a.f1).sum::<f64>() / n;
-    names
+    let default_name = default_strategy().to_string();
+    let mut lines: Vec<QaLine> = names
         .iter()
         .map(|name| {
             let xs = of(name);
@@ -501,6 +526,8 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 agreement_tokens_ci95: score::bootstrap_ratio_ci95(&per_question, 10_000),
                 forced_tokens: tokens,
                 kl_mean: sum(&|a| a.kl_sum) / tokens.max(1) as f64,
+                gap_closed: None,
+                default: *name == default_name,
                 ttft_ms_mean: sum(&|a| a.ttft_ms) / n,
                 recomputed_tokens_mean: sum(&|a| a.recomputed as f64) / n,
                 top_k: header.top_k,
@@ -516,7 +543,17 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
             codec::vs_uncompressed(&mut line, &xs, header);
             line
         })
-        .collect()
+        .collect();
+    let naive = lines
+        .iter()
+        .find(|l| l.strategy == Assembly::Naive.name())
+        .map(|l| l.agreement_tokens);
+    for l in &mut lines {
+        l.gap_closed = naive
+            .filter(|&g| g < 1.0)
+            .map(|g| (l.agreement_tokens - g) / (1.0 - g));
+    }
+    lines
 }
 
 #[cfg(test)]

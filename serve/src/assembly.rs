@@ -136,6 +136,18 @@ impl Assembly {
         }
     }
 
+    /// The strategy with its parameter filled in from `repair` where its name leaves it out
+    /// (`link` with `serve.link_tokens` 2 is `link:2`): the strategy a query actually runs.
+    pub fn resolved(self, repair: &Repair) -> Assembly {
+        let share = || Share::new(repair.recompute_share).ok();
+        match self {
+            Assembly::Link(None) => Assembly::Link(u32::try_from(repair.link_tokens).ok()),
+            Assembly::Recompute(None) => Assembly::Recompute(share()),
+            Assembly::QueryAware(None) => Assembly::QueryAware(share()),
+            a => a,
+        }
+    }
+
     /// The same strategy, whatever its parameter.
     pub fn same_kind(self, other: Assembly) -> bool {
         self.name() == other.name()
@@ -448,5 +460,27 @@ mod tests {
         assert!(serde_json::from_str::<Assembly>("\"link:0\"").is_err());
         assert_eq!(Assembly::default(), Assembly::Link(None));
         assert_eq!(Share::new(0.0004).unwrap().get(), 0.001);
+    }
+
+    #[test]
+    fn a_strategy_without_its_parameter_resolves_to_the_configured_one() {
+        let repair = Repair {
+            recompute_share: 0.2,
+            link_tokens: 2,
+        };
+        assert_eq!(Assembly::Link(None).resolved(&repair).to_string(), "link:2");
+        assert_eq!(
+            Assembly::Link(Some(8)).resolved(&repair).to_string(),
+            "link:8"
+        );
+        assert_eq!(
+            Assembly::QueryAware(None).resolved(&repair).to_string(),
+            "query-aware:0.2"
+        );
+        assert_eq!(
+            Assembly::Recompute(None).resolved(&repair).to_string(),
+            "reposition+recompute:0.2"
+        );
+        assert_eq!(Assembly::Naive.resolved(&repair), Assembly::Naive);
     }
 }

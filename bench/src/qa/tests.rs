@@ -101,3 +101,57 @@ fn the_summary_pairs_each_strategy_with_full() {
     assert_eq!((lines[1].f1, lines[1].em), (1.0, 1.0));
     assert_eq!(lines[2].agreement_answers, 1.0);
 }
+
+#[test]
+fn every_line_says_how_much_of_naives_gap_it_closes_and_the_default_is_marked() {
+    let line = |q: usize| {
+        let mut l = logged(q);
+        l.answers[1].strategy = "naive".into();
+        l.answers[1].forced_agree = 2;
+        l
+    };
+    let done: Vec<Logged> = (0..3).map(line).collect();
+    let h = RunHeader {
+        strategies: vec!["naive".into(), "link:2".into()],
+        ..header()
+    };
+    let lines = summarize(&done, &h);
+    let gap: Vec<(&str, Option<f64>, bool)> = lines
+        .iter()
+        .map(|l| (l.strategy.as_str(), l.gap_closed, l.default))
+        .collect();
+    // naive agrees on 2 of 4 tokens, link:2 on 3: half the gap closed.
+    assert_eq!(
+        gap,
+        [
+            ("naive", Some(0.0), false),
+            ("link:2", Some(0.5), true),
+            ("full", Some(1.0), false)
+        ]
+    );
+    let j = serde_json::to_value(&lines[1]).unwrap();
+    assert_eq!(
+        (j["default"].clone(), j["gap_closed"].clone()),
+        (true.into(), 0.5.into())
+    );
+    assert!(serde_json::to_value(&lines[0])
+        .unwrap()
+        .get("default")
+        .is_none());
+    // Named strategies come after naive and the default, each once.
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+    let args = <Cli as clap::Parser>::parse_from([
+        "qa",
+        "--strategy",
+        "reposition",
+        "--strategy",
+        "link:2",
+    ])
+    .args;
+    let names: Vec<String> = strategies(&args).iter().map(|a| a.to_string()).collect();
+    assert_eq!(names, ["naive", "link:2", "reposition"]);
+}
