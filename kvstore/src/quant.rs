@@ -1,8 +1,12 @@
 //! The lossy KV codecs `q8` and `q4`: block payloads quantized to 8 or 4 bits in groups with
 //! f16 scales, decoded straight into their layer-major place in the reader's buffer.
 //!
-//! - `q8`: every `(layer, K/V)` plane per token, in groups of [`q8_group`] elements along the
-//!   token's row (`kv_heads × head_dim`), symmetric: `x = q × scale`, `q` in `-127..=127`.
+//! - `q8`: value planes per token, in groups of [`q8_group`] elements along the token's row
+//!   (`kv_heads × head_dim`), symmetric: `x = q × scale`, `q` in `-127..=127`. Key planes of
+//!   at least [`MIN_CHANNEL_TOKENS`] tokens are also encoded per **channel** (as `q4`'s keys,
+//!   asymmetric, `q` in `0..=255`), and whichever of the two measures the smaller error
+//!   channel by channel is kept: a key channel carrying a large offset (Qwen2's key biases)
+//!   sets the scale of its whole per-token group, and crushes the other channels' codes.
 //! - `q4` (KIVI's split): key planes per **channel** (blocks of at least [`MIN_CHANNEL_TOKENS`]
 //!   tokens), each channel's values over a group of up to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
 //!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
@@ -17,14 +21,15 @@
 //! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
 //! tames the outlier channels a Hadamard rotation would otherwise be needed for.
 //!
-//! Payload of a `q8` or `q4` record, version 1 (little-endian; `P` planes, `n` tokens,
-//! `C = kv_heads × head_dim` elements per token and plane):
+//! Payload of a `q8` or `q4` record, version 2 (little-endian; `P` planes, `n` tokens,
+//! `C = kv_heads × head_dim` elements per token and plane). Version 1 is the same without
+//! mode `3`; readers take both.
 //!
 //! | offset | size | field                                                                  |
 //! |-------:|-----:|------------------------------------------------------------------------|
 //! | 0      | 1    | quantized payload version (`1`)                                        |
 //! | 1      | 1    | reserved, zero                                                         |
-//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token |
+//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel |
 //! | 2 + P  | …    | the planes' bodies, back to back in plane order                        |
 //!
 //! Plane bodies (`G8 = q8_group(C)`, `G4 = q4_group(C)`, `T = KEY_TOKEN_GROUP`):
@@ -34,6 +39,7 @@
 //! | 0    | `n × C/G8` f16 scales (token-major), then `n × C` i8 codes                             |
 //! | 1    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C/2` bytes    |
 //! | 2    | `n × C/G4` f16 scales, `n × C/G4` f16 minimums, then `n × C/2` bytes                   |
+//! | 3    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C` bytes      |
 //!
 //! 4-bit codes are packed two per byte along the row: element `2i` in the low nibble, `2i+1`
 //! in the high one. Decoding into f16 (the layout the store holds by default) runs in AVX2 +
@@ -46,12 +52,14 @@ use schema::{DType, KvLayout};
 // AVX2 + F16C decoding, beside the portable loop below.
 mod x86;
 
-/// Version of the quantized payload format.
-const VERSION: u8 = 1;
-/// Tokens per key group of a `q4` key plane.
+/// Version of the quantized payload format written; [`VERSION_1`] is still read.
+const VERSION: u8 = 2;
+/// The first version: no plane in [`Mode::Q8Channel`].
+const VERSION_1: u8 = 1;
+/// Tokens per key group of a per-channel key plane (`q4`, and `q8` where it measures better).
 pub(crate) const KEY_TOKEN_GROUP: usize = 64;
-/// Fewest tokens a `q4` key plane is quantized per channel at; shorter blocks' keys go per
-/// token (the tail block of a chunk can hold a single token).
+/// Fewest tokens a key plane is quantized per channel at; shorter blocks' keys go per token
+/// (the tail block of a chunk can hold a single token).
 pub(crate) const MIN_CHANNEL_TOKENS: usize = 8;
 /// A `q4` plane whose [`channel_rel_error`] exceeds this is written at 8 bits.
 pub(crate) const Q4_MAX_REL_ERROR: f32 = 0.25;
@@ -62,13 +70,19 @@ pub(crate) enum Mode {
     Q8Token = 0,
     Q4Channel = 1,
     Q4Token = 2,
+    Q8Channel = 3,
 }
 
 impl Mode {
     fn from_byte(b: u8) -> Option<Mode> {
-        [Mode::Q8Token, Mode::Q4Channel, Mode::Q4Token]
-            .get(b as usize)
-            .copied()
+        [
+            Mode::Q8Token,
+            Mode::Q4Channel,
+            Mode::Q4Token,
+            Mode::Q8Channel,
+        ]
+        .get(b as usize)
+        .copied()
     }
 }
 
@@ -96,6 +110,7 @@ fn body_len(mode: Mode, n: usize, c: usize) -> usize {
         Mode::Q8Token => n * (c / q8_group(c)) * 2 + n * c,
         Mode::Q4Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c / 2,
         Mode::Q4Token => n * (c / q4_group(c)) * 4 + n * c / 2,
+        Mode::Q8Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c,
     }
 }
 
@@ -188,6 +203,22 @@ pub(crate) fn encode(
         }
         let start = out.len();
         let mode = if bits == 8 {
+            if p % 2 == 0 && tokens >= MIN_CHANNEL_TOKENS {
+                // Keys: per channel where that measures finer than per token.
+                encode_plane(Mode::Q8Channel, &x, c, &mut out);
+                let channel = channel_rel_error(Mode::Q8Channel, &x, tokens, c, &out[start..]);
+                let mid = out.len();
+                encode_plane(Mode::Q8Token, &x, c, &mut out);
+                let token = channel_rel_error(Mode::Q8Token, &x, tokens, c, &out[mid..]);
+                if channel <= token {
+                    out.truncate(mid);
+                    out[2 + p] = Mode::Q8Channel as u8;
+                } else {
+                    out.drain(start..mid);
+                    out[2 + p] = Mode::Q8Token as u8;
+                }
+                continue;
+            }
             Mode::Q8Token
         } else {
             // A key group's scales and minimums cost 4 bytes per channel: below
@@ -265,7 +296,8 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                 }
             }
         }
-        Mode::Q4Channel => {
+        Mode::Q4Channel | Mode::Q8Channel => {
+            let levels = if mode == Mode::Q8Channel { 255.0 } else { 15.0 };
             for rows in x.chunks(KEY_TOKEN_GROUP * c) {
                 let t = rows.len() / c;
                 let (mut lo, mut hi) = (vec![f32::INFINITY; c], vec![f32::NEG_INFINITY; c]);
@@ -276,14 +308,19 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                     }
                 }
                 let (scales, mins): (Vec<f16>, Vec<f16>) =
-                    (0..c).map(|j| scale_min(lo[j], hi[j])).unzip();
+                    (0..c).map(|j| scale_min(lo[j], hi[j], levels)).unzip();
                 scales
                     .iter()
                     .chain(&mins)
                     .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
+                let sm = |j: usize| (scales[j].to_f32(), mins[j].to_f32());
                 for i in 0..t {
                     let row = &rows[i * c..(i + 1) * c];
-                    pack4(row, |j| (scales[j].to_f32(), mins[j].to_f32()), out);
+                    if mode == Mode::Q8Channel {
+                        out.extend((0..c).map(|j| code(row[j], sm(j), levels)));
+                    } else {
+                        pack4(row, sm, out);
+                    }
                 }
             }
         }
@@ -294,7 +331,7 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                 .map(|grp| {
                     let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
                     let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    scale_min(lo, hi)
+                    scale_min(lo, hi, 15.0)
                 })
                 .unzip();
             scales
@@ -313,32 +350,34 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
     }
 }
 
-/// A 4-bit group's f16 scale (rounded up) and minimum (rounded down) for values in
-/// `lo..=hi`: `min + 15 × scale` reaches `hi`.
-fn scale_min(lo: f32, hi: f32) -> (f16, f16) {
+/// An asymmetric group's f16 scale (rounded up) and minimum (rounded down) for values in
+/// `lo..=hi` with codes `0..=levels`: `min + levels × scale` reaches `hi`.
+fn scale_min(lo: f32, hi: f32, levels: f32) -> (f16, f16) {
     let min = f16_down(lo);
     let range = hi - min.to_f32();
-    let mut scale = f16_up(range / 15.0);
-    // f32 rounding of `15 × scale` may still fall short of `hi` by an ulp.
-    while min.to_f32() + 15.0 * scale.to_f32() < hi {
+    let mut scale = f16_up(range / levels);
+    // f32 rounding of `levels × scale` may still fall short of `hi` by an ulp.
+    while min.to_f32() + levels * scale.to_f32() < hi {
         scale = next_toward(scale, f32::INFINITY);
     }
     (scale, min)
 }
 
+/// The code of `x` in a group of (scale, min) with codes `0..=levels`.
+fn code(x: f32, (s, m): (f32, f32), levels: f32) -> u8 {
+    if s > 0.0 {
+        ((x - m) / s).round().clamp(0.0, levels) as u8
+    } else {
+        0
+    }
+}
+
 /// Packs a row's 4-bit codes, element `2i` in the low nibble; `sm(j)` is element `j`'s
 /// (scale, min).
 fn pack4(row: &[f32], sm: impl Fn(usize) -> (f32, f32), out: &mut Vec<u8>) {
-    let code = |j: usize| {
-        let (s, m) = sm(j);
-        if s > 0.0 {
-            ((row[j] - m) / s).round().clamp(0.0, 15.0) as u8
-        } else {
-            0
-        }
-    };
+    let q = |j: usize| code(row[j], sm(j), 15.0);
     for j in (0..row.len()).step_by(2) {
-        out.push(code(j) | (code(j + 1) << 4));
+        out.push(q(j) | (q(j + 1) << 4));
     }
 }
 
@@ -350,17 +389,19 @@ fn planes<'a>(
 ) -> Result<Vec<(Mode, &'a [u8])>, String> {
     let c = layout.kv_heads as usize * layout.head_dim as usize;
     let n = layout.planes();
-    if enc.len() < 2 + n || enc[0] != VERSION {
+    let known = |v: u8| v == VERSION || v == VERSION_1;
+    if enc.len() < 2 + n || !known(enc[0]) {
         return Err(match enc.first() {
-            Some(&v) if v != VERSION => format!("quantized payload version {v} is not known"),
+            Some(&v) if !known(v) => format!("quantized payload version {v} is not known"),
             _ => format!("quantized payload of {} bytes is truncated", enc.len()),
         });
     }
     let mut at = 2 + n;
     let mut out = Vec::with_capacity(n);
     for p in 0..n {
-        let mode =
-            Mode::from_byte(enc[2 + p]).ok_or_else(|| format!("plane {p}: mode {}", enc[2 + p]))?;
+        let mode = Mode::from_byte(enc[2 + p])
+            .filter(|&m| enc[0] != VERSION_1 || m != Mode::Q8Channel)
+            .ok_or_else(|| format!("plane {p}: mode {} in version {}", enc[2 + p], enc[0]))?;
         let len = body_len(mode, tokens, c);
         let body = enc
             .get(at..at + len)
@@ -439,17 +480,24 @@ fn decode_plane_f32(mode: Mode, body: &[u8], n: usize, c: usize, y: &mut [f32]) 
                 *v = f32::from(q[i] as i8) * h(scales, i / g);
             }
         }
-        Mode::Q4Channel => {
+        Mode::Q4Channel | Mode::Q8Channel => {
+            let wide = mode == Mode::Q8Channel;
             let mut at = 0;
             for rows in y.chunks_mut(KEY_TOKEN_GROUP * c) {
                 let t = rows.len() / c;
+                let len = if wide { t * c } else { t * c / 2 };
                 let sm = &body[at..at + 4 * c];
-                let codes = &body[at + 4 * c..at + 4 * c + t * c / 2];
+                let codes = &body[at + 4 * c..at + 4 * c + len];
                 for (i, v) in rows.iter_mut().enumerate() {
                     let j = i % c;
-                    *v = nib(codes, i).mul_add(h(sm, j), h(sm, c + j));
+                    let q = if wide {
+                        f32::from(codes[i])
+                    } else {
+                        nib(codes, i)
+                    };
+                    *v = q.mul_add(h(sm, j), h(sm, c + j));
                 }
-                at += 4 * c + t * c / 2;
+                at += 4 * c + len;
             }
         }
         Mode::Q4Token => {

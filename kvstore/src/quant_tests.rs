@@ -44,16 +44,21 @@ fn decode_all(l: &KvLayout, tokens: usize, enc: &[u8]) -> Vec<u8> {
 fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
     let groups = match mode {
         Mode::Q8Token => n * c / q8_group(c),
-        Mode::Q4Channel => 0,
+        Mode::Q4Channel | Mode::Q8Channel => 0,
         Mode::Q4Token => n * c / q4_group(c),
     };
-    if mode == Mode::Q4Channel {
+    if matches!(mode, Mode::Q4Channel | Mode::Q8Channel) {
         let mut at = 0;
         let mut m = 0f32;
         for start in (0..n).step_by(KEY_TOKEN_GROUP) {
             let t = KEY_TOKEN_GROUP.min(n - start);
             m = (0..c).map(|j| h(&body[at..], j)).fold(m, f32::max);
-            at += 4 * c + t * c / 2;
+            at += 4 * c
+                + if mode == Mode::Q8Channel {
+                    t * c
+                } else {
+                    t * c / 2
+                };
         }
         m
     } else {
@@ -79,7 +84,7 @@ proptest! {
         let parts = planes(&l, tokens, &enc).unwrap();
         for (p, (mode, body)) in parts.iter().enumerate() {
             if bits == 8 {
-                prop_assert_eq!(*mode, Mode::Q8Token);
+                prop_assert!(matches!(mode, Mode::Q8Token | Mode::Q8Channel), "{:?}", mode);
             }
             let bound = max_step(*mode, body, tokens, c) / 2.0;
             for e in 0..tokens * c {
@@ -169,7 +174,11 @@ fn sizes_are_what_the_format_table_says() {
     let q8 = encode(&l, 64, &raw, 8).unwrap();
     let q4 = encode(&l, 64, &raw, 4).unwrap();
     let c = 192;
-    assert_eq!(q8.len(), 2 + 4 + 4 * (64 * 3 * 2 + 64 * c));
+    // Keys per channel (their offsets measure finer so), values per token.
+    assert_eq!(
+        q8.len(),
+        2 + 4 + 2 * (c * 4 + 64 * c) + 2 * (64 * 3 * 2 + 64 * c)
+    );
     assert_eq!(
         q4.len(),
         2 + 4 + 2 * (c * 4 + 64 * c / 2) + 2 * (64 * 2 * 4 + 64 * c / 2)
@@ -221,4 +230,65 @@ fn constant_groups_decode_exactly_at_4_bits() {
     }
     let enc = encode(&l, 3, &raw, 4).unwrap();
     assert_eq!(decode_all(&l, 3, &enc), raw);
+}
+
+/// Qwen2-like keys: one channel of every head carries a large offset. Per token, that channel
+/// sets its head's 8-bit scale and the others keep a few codes; per channel, each keeps 255.
+#[test]
+fn q8_keys_with_an_offset_channel_go_per_channel_and_stay_fine() {
+    use rand::{Rng, SeedableRng};
+    let l = layout(DType::F16, 2, 64);
+    let (n, c) = (64, 128);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+    let mut raw = vec![0u8; l.bytes_for(n)];
+    for (i, e) in raw.chunks_exact_mut(2).enumerate() {
+        let (plane, j) = (i / (n * c), i % c);
+        let offset = if plane % 2 == 0 && j % 64 == 0 {
+            300.0
+        } else {
+            0.0
+        };
+        let v: f32 = offset + rng.gen_range(-1.0..1.0);
+        e.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    }
+    let enc = encode(&l, n, &raw, 8).unwrap();
+    let modes: Vec<Mode> = planes(&l, n, &enc).unwrap().iter().map(|p| p.0).collect();
+    assert_eq!(
+        modes,
+        [
+            Mode::Q8Channel,
+            Mode::Q8Token,
+            Mode::Q8Channel,
+            Mode::Q8Token
+        ]
+    );
+    let out = decode_all(&l, n, &enc);
+    let worst = raw
+        .chunks_exact(2)
+        .zip(out.chunks_exact(2))
+        .take(n * c)
+        .map(|(a, b)| (read_elem(DType::F16, a) - read_elem(DType::F16, b)).abs())
+        .fold(0f32, f32::max);
+    // Per token the step would be 301 / 127 ≈ 2.4 (half of it: 1.2, more than the noise).
+    assert!(worst < 0.25, "worst key error {worst}");
+}
+
+/// Stores written before mode 3 existed (payload version 1) decode as they did; a version 1
+/// payload naming mode 3 is refused.
+#[test]
+fn version_1_payloads_still_decode() {
+    let l = layout(DType::F16, 3, 64);
+    let n = MIN_CHANNEL_TOKENS - 1; // keys per token: a payload version 1 could hold
+    let raw = kv(&l, n, 4);
+    let mut enc = encode(&l, n, &raw, 8).unwrap();
+    assert_eq!(enc[0], VERSION);
+    let v2 = decode_all(&l, n, &enc);
+    enc[0] = VERSION_1;
+    assert_eq!(decode_all(&l, n, &enc), v2);
+    let mut wide = encode(&l, 64, &kv(&l, 64, 4), 8).unwrap();
+    assert_eq!(wide[2], Mode::Q8Channel as u8);
+    wide[0] = VERSION_1;
+    let mut out = vec![0u8; l.bytes_for(64)];
+    let e = decode_into_place(&l, 64, &wide, &mut out, 64, 0).unwrap_err();
+    assert!(e.contains("mode 3"), "{e}");
 }

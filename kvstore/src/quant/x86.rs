@@ -53,27 +53,33 @@ mod avx2 {
                     }
                 }
             }
-            Mode::Q4Channel => {
+            Mode::Q4Channel | Mode::Q8Channel => {
+                let wide = mode == Mode::Q8Channel;
                 let mut at = 0;
                 let mut row0 = 0;
                 while row0 < n {
                     let t = KEY_TOKEN_GROUP.min(n - row0);
+                    let len = if wide { t * c } else { t * c / 2 };
                     widen(&body[at..at + 4 * c], &mut sm);
                     let (s, m) = sm.split_at(c);
-                    let codes = &body[at + 4 * c..at + 4 * c + t * c / 2];
+                    let codes = &body[at + 4 * c..at + 4 * c + len];
                     // Channel-outer: a channel block's scales and minimums stay in registers
                     // over the group's rows.
                     for j in (0..c).step_by(16) {
                         let (s0, s1) = (load8(s, j), load8(s, j + 8));
                         let (m0, m1) = (load8(m, j), load8(m, j + 8));
                         for r in 0..t {
-                            let (q0, q1) = nibbles16(codes, (r * c + j) / 2);
+                            let (q0, q1) = if wide {
+                                bytes16(codes, r * c + j)
+                            } else {
+                                nibbles16(codes, (r * c + j) / 2)
+                            };
                             let (y0, y1) =
                                 (_mm256_fmadd_ps(q0, s0, m0), _mm256_fmadd_ps(q1, s1, m1));
                             store16(dst, (row0 + r) * c + j, y0, y1);
                         }
                     }
-                    at += 4 * c + t * c / 2;
+                    at += 4 * c + len;
                     row0 += t;
                 }
             }
@@ -121,6 +127,19 @@ mod avx2 {
         assert!(j + 8 <= v.len());
         // SAFETY: `j + 8 <= v.len()` (asserted).
         unsafe { _mm256_loadu_ps(v.as_ptr().add(j)) }
+    }
+
+    /// The 16 8-bit codes in `codes[at..at + 16]`, as two vectors of f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bytes16(codes: &[u8], at: usize) -> (__m256, __m256) {
+        assert!(at + 16 <= codes.len());
+        // SAFETY: 16 bytes from `at` are in bounds (asserted).
+        let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(at).cast()) };
+        (
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(b))),
+        )
     }
 
     /// The 16 4-bit codes in `codes[at..at + 8]`, in element order, as two vectors of f32.
