@@ -19,6 +19,9 @@
 //! 4. **Deletion through one node**: the document of B's first citation is deleted through
 //!    A; it must be gone from both nodes' searches, B's local copy detached by B's GC, and its
 //!    objects gone from the bucket after A's GC.
+//!
+//! The run's collections and bucket prefixes are left in place for inspection (named by the
+//! run's timestamp; the last line of its log names them).
 
 mod node;
 
@@ -463,6 +466,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     eprintln!("[scaleout] deletion: {deleted}");
     a.stop();
     b.stop();
+    eprintln!(
+        "[scaleout] left for inspection: Qdrant collections {0} and {0}-solo, bucket prefixes \
+         {1} and {1}-solo (delete them with Qdrant's API and your S3 tool)",
+        cluster.collection, cluster.prefix,
+    );
 
     let both = (r0["tokens_prefilled"].as_f64().unwrap_or(0.0)
         + r1["tokens_prefilled"].as_f64().unwrap_or(0.0))
