@@ -64,6 +64,29 @@ fn query(question: &str) -> Query {
     }
 }
 
+/// A node with its own empty KV store in `dir` (`store` options) beside `a`: the same index,
+/// embedder and model, and `tier` behind its store.
+fn second_node(
+    dir: &std::path::Path,
+    a: &ingest::Engine,
+    store: kvstore::StoreOptions,
+    tier: Arc<Remote>,
+) -> Arc<ingest::Engine> {
+    let b_store = kvstore::Store::open(dir.join("kv"), store).unwrap();
+    Arc::new(ingest::Engine::new(
+        ingest::Corpus::new(
+            Arc::new(b_store),
+            a.corpus().index().clone(),
+            a.corpus().embedder().clone(),
+            a.corpus().model().clone(),
+            Default::default(),
+            model::DType::F16,
+        )
+        .unwrap()
+        .with_remote(tier),
+    ))
+}
+
 /// Retrieves, then answers through the pipeline.
 fn answer(rag: &Rag, q: Query) -> Box<serve::Final> {
     let hits = rag.retrieve(&q).unwrap();
@@ -95,19 +118,12 @@ fn two_nodes(base: RemoteConfig, prefix: &str) {
     assert_eq!(stored[&ns.to_hex()].0, report.chunks, "{stored:?}");
 
     // Node B: its own empty KV store, the same index and model; reads through, writes nothing.
-    let b_store = kvstore::Store::open(dir.path().join("b/kv"), Default::default()).unwrap();
-    let b = Arc::new(ingest::Engine::new(
-        ingest::Corpus::new(
-            Arc::new(b_store),
-            a.corpus().index().clone(),
-            a.corpus().embedder().clone(),
-            a.corpus().model().clone(),
-            Default::default(),
-            model::DType::F16,
-        )
-        .unwrap()
-        .with_remote(tier(&base, prefix, WriteMode::Off)),
-    ));
+    let b = second_node(
+        &dir.path().join("b"),
+        &a,
+        Default::default(),
+        tier(&base, prefix, WriteMode::Off),
+    );
     assert_eq!(b.corpus().namespace(), ns);
     let rag = Rag::start(b.clone(), ServeConfig::default()).unwrap();
     let q = "What is the access code for the Orion vault?";
@@ -211,19 +227,12 @@ fn a_fetched_chunk_answers_as_the_stored_copies_do() {
         origin: id.into(),
     };
     common::ingest_eager(&a, ingest::Source::Docs(vec![doc]));
-    let b_store = kvstore::Store::open(dir.path().join("b/kv"), q8).unwrap();
-    let b = Arc::new(ingest::Engine::new(
-        ingest::Corpus::new(
-            Arc::new(b_store),
-            a.corpus().index().clone(),
-            a.corpus().embedder().clone(),
-            a.corpus().model().clone(),
-            Default::default(),
-            model::DType::F16,
-        )
-        .unwrap()
-        .with_remote(tier(&base, "ragkv", WriteMode::Off)),
-    ));
+    let b = second_node(
+        &dir.path().join("b"),
+        &a,
+        q8,
+        tier(&base, "ragkv", WriteMode::Off),
+    );
     let (rag_a, rag_b) = (
         Rag::start(a.clone(), ServeConfig::default()).unwrap(),
         Rag::start(b.clone(), ServeConfig::default()).unwrap(),
