@@ -26,14 +26,13 @@
 mod node;
 
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::peer::{Peer, Ragkv};
 use crate::{dataset, percentile, Error, Line};
-use node::{Cluster, Node, Server};
+use node::{Cluster, Node, Running, Server};
 
 /// Arguments of `ragkv bench scaleout`.
 #[derive(Debug, Clone, clap::Args)]
@@ -126,8 +125,9 @@ fn corpus(ds: &Path, range: std::ops::Range<usize>, path: &Path) -> Result<usize
 }
 
 /// The ingest report `ragkv ingest --json` printed as `what`, after checking it succeeded.
-fn report(node: &Node, what: &str, child: &mut Child) -> Result<Value, Error> {
+fn report(node: &Node, what: &str, child: &mut Running) -> Result<Value, Error> {
     let st = child
+        .0
         .wait()
         .map_err(crate::io("waiting for ragkv ingest"))?;
     if !st.success() {
@@ -152,15 +152,17 @@ fn report(node: &Node, what: &str, child: &mut Child) -> Result<Value, Error> {
     Ok(r)
 }
 
-fn ingest(node: &Node, what: &str, corpus: &Path, shard: Option<&str>) -> Result<Child, Error> {
+fn ingest(node: &Node, what: &str, corpus: &Path, shard: Option<&str>) -> Result<Running, Error> {
     let path = corpus.to_string_lossy();
     let mut args = vec!["ingest", &path, "--progress", "lines", "--json"];
     if let Some(s) = shard {
         args.extend(["--shard", s]);
     }
-    node.command(what, &args)?
+    let child = node
+        .command(what, &args)?
         .spawn()
-        .map_err(crate::io("starting ragkv ingest"))
+        .map_err(crate::io("starting ragkv ingest"))?;
+    Ok(Running(child))
 }
 
 fn rate(r: &Value) -> f64 {
@@ -184,14 +186,14 @@ fn baseline(cluster: &Cluster, work: &Path, ds: &Path, args: &Args) -> Result<Va
 }
 
 /// Phase 2: the two workers, worker 1 killed and restarted. Returns their reports (worker
-/// 1's restarted run), the wall time, and when worker 1 was killed.
+/// 1's restarted run) and the wall time.
 fn sharded(work: &Path, nodes: &[Node; 2], args: &Args) -> Result<(Value, Value, f64), Error> {
     let path = work.join("corpus.jsonl");
     let t = Instant::now();
     let mut w0 = ingest(&nodes[0], "ingest", &path, Some("0/2"))?;
     let mut w1 = ingest(&nodes[1], "ingest-killed", &path, Some("1/2"))?;
     while t.elapsed().as_secs_f64() < args.kill_after {
-        if !matches!(w1.try_wait(), Ok(None)) {
+        if !matches!(w1.0.try_wait(), Ok(None)) {
             return Err(check(format!(
                 "worker 1 ended before the kill at {} s ({}): lower --kill-after or raise --docs",
                 args.kill_after,
@@ -200,8 +202,8 @@ fn sharded(work: &Path, nodes: &[Node; 2], args: &Args) -> Result<(Value, Value,
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    w1.kill().map_err(crate::io("SIGKILL to worker 1"))?;
-    let st = w1.wait().map_err(crate::io("waiting for worker 1"))?;
+    w1.0.kill().map_err(crate::io("SIGKILL to worker 1"))?;
+    let st = w1.0.wait().map_err(crate::io("waiting for worker 1"))?;
     eprintln!(
         "[scaleout] worker 1 killed at {:.1} s ({st}); restarting it",
         t.elapsed().as_secs_f64()

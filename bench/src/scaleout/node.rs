@@ -151,6 +151,19 @@ impl Node {
     }
 }
 
+/// A child process killed (SIGKILL) if still running when dropped: a benchmark that fails
+/// half-way leaves no ingest worker behind.
+pub(crate) struct Running(pub Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// A running `ragkv serve`; killed when dropped.
 pub(crate) struct Server {
     child: Child,
