@@ -27,7 +27,7 @@
 //!
 //! | offset | size | field                                                                  |
 //! |-------:|-----:|------------------------------------------------------------------------|
-//! | 0      | 1    | quantized payload version (`1`)                                        |
+//! | 0      | 1    | quantized payload version (`2`; `1` still read)                        |
 //! | 1      | 1    | reserved, zero                                                         |
 //! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel |
 //! | 2 + P  | …    | the planes' bodies, back to back in plane order                        |
