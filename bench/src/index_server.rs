@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use retrieval::{ChunkPoint, Embedder, EmbedderConfig, IndexConfig, SearchFilter, VectorIndex};
 
-use crate::retrieval::{corpus_chunks, exact_top, payload, rerr};
+use crate::retrieval::{corpus_chunks, payload, recall_at, rerr};
 use crate::{dataset, percentile, Error, Line};
 
 /// Arguments of `ragkv bench index`.
@@ -47,22 +47,6 @@ struct Side {
     recall: f64,
     p50_us: f64,
     p99_us: f64,
-}
-
-/// Recall@10 of `index` against exact search for every query.
-fn recall(
-    index: &VectorIndex,
-    exact: &[Vec<uuid::Uuid>],
-    queries: &[Vec<f32>],
-) -> Result<f64, Error> {
-    let mut found = 0;
-    for (q, want) in queries.iter().zip(exact) {
-        let got = index
-            .search(q, 10, &SearchFilter::default())
-            .map_err(rerr)?;
-        found += got.iter().filter(|h| want.contains(&h.id)).count();
-    }
-    Ok(found as f64 / (queries.len() * 10) as f64)
 }
 
 /// Waits until every point is counted and the count of HNSW-indexed points has not moved
@@ -119,15 +103,6 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         .map(|q| embedder.embed_one(&q.question))
         .collect::<Result<_, _>>()
         .map_err(rerr)?;
-    let exact: Vec<Vec<uuid::Uuid>> = queries
-        .iter()
-        .map(|q| {
-            exact_top(&vectors, q, 10)
-                .into_iter()
-                .map(|i| ids[i])
-                .collect()
-        })
-        .collect();
 
     let embedded = VectorIndex::open(
         &work_dir.path().join("vectors"),
@@ -135,9 +110,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         &IndexConfig::default(),
     )
     .map_err(rerr)?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let stamp = crate::unix_secs();
     let server_config = IndexConfig {
         url: args.qdrant_url.clone(),
         collection: format!("ragkv-bench-index-{stamp}"),
@@ -188,7 +161,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     for (b, index) in backends.iter().enumerate() {
         lat[b].sort_by(f64::total_cmp);
         sides.push(Side {
-            recall: recall(index, &exact, &queries)?,
+            recall: recall_at(index, &vectors, &ids, &queries, 10)?,
             p50_us: percentile(&lat[b], 0.5),
             p99_us: percentile(&lat[b], 0.99),
         });

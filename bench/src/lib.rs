@@ -172,6 +172,14 @@ impl WorkDir {
     }
 }
 
+/// Seconds since the Unix epoch: names a run's scratch collections and bucket prefixes on
+/// shared servers.
+pub(crate) fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// Percentile of sorted samples.
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -183,9 +183,10 @@ impl Peer for Ragkv<'_> {
 }
 
 /// `clients` threads, each sending `rounds` queries (client `c`'s round `r` asks question
-/// `(c + r * clients) % n`): the outcomes and the wall time, or the first failure.
-fn phase(
-    peer: &dyn Peer,
+/// `(c + r * clients) % n`), client `c` to `peers[c % peers.len()]`: the outcomes and the
+/// wall time, or the first failure.
+pub(crate) fn phase(
+    peers: &[&dyn Peer],
     n: usize,
     clients: usize,
     rounds: usize,
@@ -194,6 +195,7 @@ fn phase(
     let results: Vec<Result<Vec<Outcome>, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..clients)
             .map(|c| {
+                let peer = peers[c % peers.len()];
                 s.spawn(move || {
                     (0..rounds)
                         .map(|r| peer.ask((c + r * clients) % n))
@@ -264,7 +266,7 @@ pub(crate) fn measure(
     }
     side.ttft.sort_by(f64::total_cmp);
     for &c in &args.clients {
-        let (outcomes, wall) = phase(peer, n, c, args.rounds).map_err(fail)?;
+        let (outcomes, wall) = phase(&[peer], n, c, args.rounds).map_err(fail)?;
         let qps = outcomes.len() as f64 / wall;
         let mean = outcomes.iter().map(|o| o.total_ms).sum::<f64>() / outcomes.len() as f64;
         eprintln!(

@@ -152,7 +152,8 @@ fn time_searches(index: &VectorIndex, queries: &[Vec<f32>], k: usize) -> Result<
     Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
 }
 
-fn recall_at(
+/// Recall@`k` of `index` against exact search over `vectors` (point ids `ids`) per query.
+pub(crate) fn recall_at(
     index: &VectorIndex,
     vectors: &[Vec<f32>],
     ids: &[uuid::Uuid],

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::peer::{Peer, Ragkv};
+use crate::peer::{phase, Peer, Ragkv};
 use crate::{dataset, percentile, Error, Line};
 use node::{Cluster, Node, Running, Server};
 
@@ -263,27 +263,9 @@ fn ttft(peer: &Ragkv<'_>) -> Result<(Vec<f64>, Vec<String>), Error> {
 }
 
 /// `clients` clients spread over `peers`, `rounds` queries each: queries/s.
-fn throughput(peers: &[&Ragkv<'_>], clients: usize, rounds: usize) -> Result<f64, Error> {
-    let t = Instant::now();
-    let n = peers[0].questions.len();
-    let done = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..clients)
-            .map(|c| {
-                let peer = peers[c % peers.len()];
-                s.spawn(move || {
-                    (0..rounds)
-                        .map(|r| peer.ask((c + r * clients) % n).map(|_| ()))
-                        .collect::<Result<Vec<_>, String>>()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("client panicked".into())))
-            .collect::<Result<Vec<_>, String>>()
-    })
-    .map_err(check)?;
-    Ok(done.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64())
+fn throughput(peers: &[&dyn Peer], n: usize, clients: usize, rounds: usize) -> Result<f64, Error> {
+    let (done, wall) = phase(peers, n, clients, rounds).map_err(check)?;
+    Ok(done.len() as f64 / wall)
 }
 
 /// The documents a query cites.
@@ -369,9 +351,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
     let work = work_dir.path().to_path_buf();
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let stamp = crate::unix_secs();
     let cluster = Cluster {
         qdrant_url: args.qdrant_url.clone(),
         collection: format!("ragkv-scaleout-{stamp}"),
@@ -463,8 +443,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         "[scaleout] nodes A and B gave the same answer to {same} of {} questions",
         asked.len()
     );
-    let one = throughput(&[&pa], 2 * args.clients, args.rounds)?;
-    let two = throughput(&[&pa, &pb], 2 * args.clients, args.rounds)?;
+    let one = throughput(&[&pa], asked.len(), 2 * args.clients, args.rounds)?;
+    let two = throughput(&[&pa, &pb], asked.len(), 2 * args.clients, args.rounds)?;
     eprintln!("[scaleout] q/s: one node {one:.3}, two nodes {two:.3}");
     let deleted = deletion(&a, &b, &cluster, &asked[0], args.top_k)?;
     eprintln!("[scaleout] deletion: {deleted}");
