@@ -211,8 +211,10 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
         if corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len() {
             continue;
         }
-        let bytes = corpus
-            .prefill_bytes(&tokens)
+        // Under `ingest.context`, after the chunk's neighbours, its note recorded first.
+        let kv = corpus
+            .chunk_kv_of_text(&tokens, &h.payload.text)
+            .and_then(|kv| corpus.put_note(&tokens, &kv).map(|()| kv))
             .map_err(|x| e("prefill")(x.to_string()))?;
         let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
         corpus.store().put_batch(
@@ -220,7 +222,7 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
             corpus.layout(),
             &[kvstore::PutItem {
                 tokens: &tokens,
-                kv: &bytes,
+                kv: &kv.bytes,
                 doc: Some(&doc),
             }],
         )?;

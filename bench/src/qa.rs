@@ -18,6 +18,10 @@
 //!   distributions. Hundreds of decisions per run instead of one per question: what the
 //!   strategies are steered by.
 //!
+//! With `--context neighbours:N`, every strategy answers from chunk KV materialized after the
+//! chunk's neighbours (`ingest.context`; [`context`]), and `naive` on KV materialized alone
+//! (`naive@context:none`) is the gap's baseline.
+//!
 //! `naive` (stored KV as it is: the gap to close) and the serve default (`link:2`) run whatever
 //! strategies are named; every line reports `gap_closed`, the share of naive's gap to full
 //! prefill in teacher-forced agreement the strategy closes ((agreement − naive's) /
@@ -44,10 +48,13 @@ use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 use crate::score::{self, exact_match, f1, first_line};
 use crate::{dataset, Error};
 use codec::Coded;
+use context::{Contexted, PLAIN_NAIVE};
 use log::Log;
 
-// `--codec` runs (a second engine reading lossy KV) and the resumable question log.
+// `--codec` runs (a second engine reading lossy KV), `--context` runs (a second namespace
+// materialized after neighbours) and the resumable question log.
 pub(crate) mod codec;
+mod context;
 mod log;
 
 pub(crate) use codec::parse_codec;
@@ -120,6 +127,10 @@ pub struct Args {
     /// strategy by strategy, with the same stored KV in f16 (`*_vs_uncompressed` fields).
     #[arg(long, value_parser = codec::parse_codec)]
     pub codec: Option<kvstore::Codec>,
+    /// Materialize chunk KV after each chunk's neighbours (`ingest.context`: `none` or
+    /// `neighbours:N`); the strategies answer from it, `naive` from plain KV is the baseline.
+    #[arg(long, default_value = "none")]
+    pub context: ingest::Context,
 }
 
 /// One strategy's result: the JSON line `ragkv eval qa` prints.
@@ -167,6 +178,8 @@ pub struct QaLine {
     pub model: String,
     /// `ingest.chunk_preamble` of the run.
     pub chunk_preamble: String,
+    /// `ingest.context` of the KV this line's answers came from (`none`, `neighbours:N`).
+    pub context: String,
     /// With `--codec`: the codec the strategy's answers were read through (its F1, agreement
     /// and TTFT above are those answers'), and against the same strategy on f16 stored KV:
     /// the F1 difference in points with its paired 95 % interval, the share of the f16
@@ -206,6 +219,9 @@ pub(crate) struct RunHeader {
     /// Codec of the quantized store compared with the f16 one (`--codec`); empty: none.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub(crate) codec: String,
+    /// `ingest.context` of the strategies' KV (`--context`); empty: none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub(crate) context: String,
 }
 
 /// One answer's scores.
@@ -310,6 +326,10 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         link_tokens: args.link_tokens,
         strategies: strategies.iter().map(Assembly::to_string).collect(),
         codec: args.codec.map(|c| c.to_string()).unwrap_or_default(),
+        context: match args.context {
+            ingest::Context::None => String::new(),
+            c => c.to_string(),
+        },
     };
     let mut log = Log::open(args.dir.as_deref(), &header)?;
     let questions = dataset::questions(&ds, args.questions)?;
@@ -333,15 +353,23 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             ..ServeConfig::default()
         };
         let rag = Rag::start(engine.clone(), config.clone()).map_err(check("server pipeline"))?;
+        let ctx = match args.context {
+            ingest::Context::None => None,
+            c => Some(Contexted::open(&engine, c, config.clone())?),
+        };
+        let sides = Sides {
+            plain: (&engine, &rag),
+            ctx: ctx.as_ref(),
+        };
         let coded = match args.codec {
-            Some(c) => Some(Coded::open(&engine, &work, c, config)?),
+            Some(c) => Some(Coded::open(sides.strategies().0, &work, c, config)?),
             None => None,
         };
         let progress = crate::progress::bar(questions.len() as u64, "qa");
         progress.set_position(log.done.len() as u64);
         let t0 = Instant::now();
         for (i, q) in questions.iter().enumerate().skip(log.done.len()) {
-            let line = question(&engine, &rag, coded.as_ref(), args, &strategies, i, q)?;
+            let line = question(&sides, coded.as_ref(), args, &strategies, i, q)?;
             progress.println(format!(
                 "[qa] {}/{} ({:.0} s) gold {:?} | {}",
                 i + 1,
@@ -361,16 +389,35 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         if let Some(c) = coded {
             c.close();
         }
+        if let Some(c) = ctx {
+            c.close();
+        }
         drop(rag);
         crate::engine::close(engine);
     }
     Ok(summarize(&log.done[..questions.len()], &header))
 }
 
+/// The engines and pipelines of a run: plain chunk KV, and with `--context` the namespace
+/// materialized after neighbours.
+struct Sides<'a> {
+    plain: (&'a Arc<ingest::Engine>, &'a Rag),
+    ctx: Option<&'a Contexted>,
+}
+
+impl Sides<'_> {
+    /// The engine and pipeline the strategies answer from.
+    fn strategies(&self) -> (&Arc<ingest::Engine>, &Rag) {
+        match self.ctx {
+            Some(c) => (&c.engine, &c.rag),
+            None => self.plain,
+        }
+    }
+}
+
 /// One question: the reference, then every strategy through the pipeline and teacher-forced.
 fn question(
-    engine: &Arc<ingest::Engine>,
-    rag: &Rag,
+    sides: &Sides<'_>,
     coded: Option<&Coded>,
     args: &Args,
     strategies: &[Assembly],
@@ -388,10 +435,14 @@ fn question(
         kv: KvMode::On,
         assembly,
     };
+    let (engine, rag) = sides.strategies();
     let hits = rag
         .retrieve(&query(Assembly::Full))
         .map_err(check("retrieve"))?;
-    crate::engine::materialize(engine, &hits)?;
+    crate::engine::materialize(sides.plain.0, &hits)?;
+    if sides.ctx.is_some() {
+        crate::engine::materialize(engine, &hits)?;
+    }
     if let Some(c) = coded {
         c.copy(engine, &hits)?;
     }
@@ -428,7 +479,17 @@ fn question(
             kl_sum: 0.0,
         },
     )];
-    for &a in strategies {
+    // With `--context`, `naive` on plain KV first: the gap's baseline.
+    let plain_naive = sides.ctx.map(|_| (PLAIN_NAIVE, Assembly::Naive));
+    let runs = plain_naive
+        .into_iter()
+        .chain(strategies.iter().map(|&a| ("", a)));
+    for (name, a) in runs {
+        let (rag, coded) = if name.is_empty() {
+            (rag, coded)
+        } else {
+            (sides.plain.1, None)
+        };
         // With a codec, the strategy's answers come from the quantized store, and the same
         // strategy on the f16 store is their reference.
         let (pipeline, unc) = match coded {
@@ -458,7 +519,11 @@ fn question(
             score::forced(&full_rows, &rows(&logits)?, &reference.targets)
         };
         let mut answer = scored(
-            a.to_string(),
+            if name.is_empty() {
+                a.to_string()
+            } else {
+                name.to_string()
+            },
             f.answer,
             f.timings.first_token_ms,
             f.recomputed_tokens,
@@ -486,10 +551,10 @@ fn question(
 /// The figures of each strategy over `done` (one line per question); `full` last.
 fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
     let n = done.len().max(1) as f64;
-    let names: Vec<String> = header
-        .strategies
-        .iter()
-        .cloned()
+    let plain_naive = (!header.context.is_empty()).then(|| PLAIN_NAIVE.to_string());
+    let names: Vec<String> = plain_naive
+        .into_iter()
+        .chain(header.strategies.iter().cloned())
         .chain([Assembly::Full.to_string()])
         .collect();
     let of = |name: &str| -> Vec<&Answer> {
@@ -533,6 +598,11 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 top_k: header.top_k,
                 model: header.model.clone(),
                 chunk_preamble: header.chunk_preamble.clone(),
+                context: match header.context.as_str() {
+                    _ if name == PLAIN_NAIVE => "none".into(),
+                    "" => "none".into(),
+                    c => c.into(),
+                },
                 codec: None,
                 f1_points_vs_uncompressed: None,
                 f1_points_vs_uncompressed_ci95: None,
@@ -544,9 +614,11 @@ fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
             line
         })
         .collect();
+    // The gap is naive's on plain KV (with `--context`, its own line).
     let naive = lines
         .iter()
-        .find(|l| l.strategy == Assembly::Naive.name())
+        .find(|l| l.strategy == PLAIN_NAIVE)
+        .or_else(|| lines.iter().find(|l| l.strategy == Assembly::Naive.name()))
         .map(|l| l.agreement_tokens);
     for l in &mut lines {
         l.gap_closed = naive

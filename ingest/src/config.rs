@@ -29,6 +29,72 @@ impl std::str::FromStr for Materialize {
     }
 }
 
+/// What each chunk is prefilled after (`ingest.context`); only the chunk's own rows are stored.
+///
+/// A chunk prefilled alone never attends to anything before it: its first tokens become an
+/// attention sink, and every later token lacks the context it is usually retrieved with.
+/// `neighbours:N` (FusionRAG's offline step) prefills a chunk after the `N` chunks of the
+/// corpus most similar to it (the vector index's nearest, itself excluded; the nearest one
+/// last, next to the chunk), stores the chunk's rows with their keys rotated back to
+/// positions `0..n`, and records the neighbours' keys: a neighbour deleted or changed makes
+/// the chunk stale for `ragkv rematerialize`. Costs `N + 1` times the plain prefill at
+/// ingest; nothing at query time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Context {
+    /// Each chunk alone at positions `0..n`.
+    #[default]
+    None,
+    /// After its `N` most similar chunks (`1..=8`).
+    Neighbours(u8),
+}
+
+impl Context {
+    /// Neighbours each chunk is prefilled after (0 for `none`).
+    pub fn neighbours(self) -> usize {
+        match self {
+            Context::None => 0,
+            Context::Neighbours(n) => usize::from(n),
+        }
+    }
+}
+
+impl std::fmt::Display for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Context::None => f.write_str("none"),
+            Context::Neighbours(n) => write!(f, "neighbours:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Context {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("{s:?} (expected none or neighbours:N with N in 1..=8)");
+        match s.split_once(':') {
+            None if s == "none" => Ok(Context::None),
+            Some(("neighbours" | "neighbors", n)) => match n.parse::<u8>() {
+                Ok(n @ 1..=8) => Ok(Context::Neighbours(n)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl Serialize for Context {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Context {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// `[ingest]` configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -54,6 +120,9 @@ pub struct IngestConfig {
     /// tokens add up to at most this many (a chunk longer than this runs alone; 1: one chunk
     /// per pass). Short chunks then share the weights' reads.
     pub prefill_batch_tokens: usize,
+    /// What each chunk is prefilled after: `none` (alone) or `neighbours:N` ([`Context`]).
+    /// Part of the KV namespace.
+    pub context: Context,
 }
 
 impl Default for IngestConfig {
@@ -67,6 +136,7 @@ impl Default for IngestConfig {
             chunk_preamble: String::new(),
             namespace_grace_hours: 168.0,
             prefill_batch_tokens: 512,
+            context: Context::None,
         }
     }
 }

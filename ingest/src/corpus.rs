@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::source::CONTENT_HASH_LEN;
 
 /// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
-/// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble.
+/// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble; with
+/// `ingest.context = "neighbours:N"`, `+neighbours:N` follows.
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -85,6 +86,11 @@ impl Corpus {
         } else {
             let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
             format!("chunk-preamble-v1:{}", &h[..16])
+        };
+        // Neighbour materialization changes every chunk's KV: a namespace of its own.
+        let template = match config.context {
+            crate::config::Context::None => template,
+            c => format!("{template}+{c}"),
         };
         let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
         fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;

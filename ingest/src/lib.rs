@@ -10,6 +10,7 @@ mod check;
 mod chunk;
 mod claims;
 mod config;
+mod context;
 mod corpus;
 mod error;
 mod pipeline;
@@ -20,7 +21,8 @@ mod source;
 
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
-pub use config::{IngestConfig, Materialize, RunOptions, Shard};
+pub use config::{Context, IngestConfig, Materialize, RunOptions, Shard};
+pub use context::{decode_note, encode_note, ChunkKv};
 pub use corpus::{kv_doc, kv_key, split_kv_doc, Corpus, CHUNK_TEMPLATE};
 pub use error::{Error, Result};
 pub use pipeline::{prefill_groups, Engine};

@@ -11,6 +11,8 @@
 //! | corrupt   | stored but fails verification (or a block inside it is gone)            |
 //! | stale     | missing here, but its document version has KV under another namespace   |
 //! |           | (a model or lossy-codec change: migrate it)                              |
+//! | neighbours| stored, but under `ingest.context = "neighbours:N"` a neighbour it was  |
+//! |           | prefilled after is no longer indexed, or it has fewer than N (stale too) |
 //!
 //! Chunks to redo are ordered hottest first (reads recorded by the store, under this namespace
 //! or the one being migrated from), then cut to the limit. Corrupt ones are deleted first;
@@ -83,6 +85,8 @@ pub enum Reason {
     Corrupt,
     /// Stored under another model's namespace only.
     Stale,
+    /// Prefilled after neighbours that changed (`ingest.context`).
+    Neighbours,
 }
 
 /// One chunk a run redoes (or would, with `dry_run`).
@@ -115,6 +119,9 @@ pub struct RematReport {
     pub corrupt: usize,
     /// Stored under another model's namespace only.
     pub stale: usize,
+    /// Stored, but prefilled after neighbours that are no longer indexed (or too few).
+    #[serde(default)]
+    pub neighbours_changed: usize,
     /// Chunks selected by scope and limit.
     pub planned: usize,
     /// Chunks prefilled and stored.
@@ -170,6 +177,7 @@ struct Candidate {
     kv_doc: String,
     chunk: u32,
     tokens: Vec<u32>,
+    text: String,
     reason: Reason,
     reads: u32,
 }
@@ -243,6 +251,16 @@ impl Engine {
             .docs_seen
             .store(docs.len() as u64, Ordering::Relaxed);
         drop(docs);
+        // Under neighbour materialization: every indexed chunk, to check what each stored
+        // chunk was prefilled after.
+        let live: HashSet<schema::TokenDigest> = if self.corpus.config.context.neighbours() > 0 {
+            points
+                .iter()
+                .map(|(_, p)| Ok(schema::TokenDigest::of(&self.corpus.chunk_tokens(&p.text)?)))
+                .collect::<Result<_>>()?
+        } else {
+            HashSet::new()
+        };
         let mut last_doc = String::new();
         for (_, p) in points {
             if stop() {
@@ -274,6 +292,10 @@ impl Engine {
             } else {
                 (self.corpus.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)
             };
+            let state = match state {
+                None if self.corpus.context_changed(&tokens, &live)? => Some(Reason::Neighbours),
+                s => s,
+            };
             let Some(mut reason) = state else {
                 report.present += 1;
                 continue;
@@ -293,6 +315,7 @@ impl Engine {
                 Reason::Missing => report.missing += 1,
                 Reason::Corrupt => report.corrupt += 1,
                 Reason::Stale => report.stale += 1,
+                Reason::Neighbours => report.neighbours_changed += 1,
             }
             let reads = std::iter::once(ns)
                 .chain(others)
@@ -302,7 +325,7 @@ impl Engine {
                 .unwrap_or(0);
             let wanted = match opts.scope {
                 Scope::All => true,
-                Scope::Stale => reason == Reason::Stale,
+                Scope::Stale => matches!(reason, Reason::Stale | Reason::Neighbours),
                 Scope::Hot { min_reads } => reads >= min_reads,
             };
             if wanted {
@@ -311,6 +334,7 @@ impl Engine {
                     kv_doc,
                     chunk: p.ordinal,
                     tokens,
+                    text: p.text,
                     reason,
                     reads,
                 });
@@ -341,8 +365,12 @@ impl Engine {
             return Ok(report);
         }
 
-        // Redo: corrupt ones are deleted first, so their blocks are written again.
-        for c in cands.iter().filter(|c| c.reason == Reason::Corrupt) {
+        // Redo: corrupt ones and those with changed neighbours are deleted first, so their
+        // blocks are written again.
+        for c in cands
+            .iter()
+            .filter(|c| matches!(c.reason, Reason::Corrupt | Reason::Neighbours))
+        {
             self.corpus.store.delete(ns, &c.tokens, 0)?;
         }
         counters
@@ -376,8 +404,12 @@ impl Engine {
                 reencoded = true;
                 Some(b)
             } else {
-                match self.corpus.prefill_bytes(&c.tokens) {
-                    Ok(b) => Some(b),
+                let kv = self
+                    .corpus
+                    .chunk_kv_of_text(&c.tokens, &c.text)
+                    .and_then(|kv| self.corpus.put_note(&c.tokens, &kv).map(|()| kv));
+                match kv {
+                    Ok(kv) => Some(kv.bytes),
                     Err(e) => {
                         report
                             .failures
@@ -428,10 +460,17 @@ impl Engine {
 
     /// The chunk's KV from the lossless namespace of the same model, when this namespace is
     /// lossy and that one holds all of it verified; `None`: prefill it.
+    /// Its neighbour note (`ingest.context`) is copied with it; without one there, `None`.
     fn lossless_copy(&self, tokens: &[u32], buf: &mut Vec<u8>) -> Result<Option<Vec<u8>>> {
         let Some(src) = self.corpus.lossless_source() else {
             return Ok(None);
         };
+        if self.corpus.config.context.neighbours() > 0 {
+            match self.corpus.store.note(src, tokens)? {
+                Some(note) => self.corpus.store.put_note(self.corpus.ns, tokens, &note)?,
+                None => return Ok(None),
+            }
+        }
         match self
             .corpus
             .store

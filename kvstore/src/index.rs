@@ -9,6 +9,7 @@
 //! | `seqs`     | seq key (key of a sequence's last block) | number of documents attaching it, u32 LE |
 //! | `segments` | segment id u64 BE                        | `SegmentMeta` (see `segment.rs`)         |
 //! | `meta`     | `ns/` + namespace id                     | namespace record (below)                 |
+//! | `meta`     | `note/` + namespace id + token digest    | a chunk's note, the caller's bytes        |
 //! | `access`   | sequence key                             | access statistics (`capacity.rs`)        |
 //!
 //! Namespace record, version 2 (version 1 is bytes 0..10 alone, read as group `default`):
@@ -419,6 +420,20 @@ pub(crate) const NS_META_PREFIX: &[u8] = b"ns/";
 pub(crate) fn ns_meta_key(ns: &NamespaceId) -> Vec<u8> {
     let mut k = NS_META_PREFIX.to_vec();
     k.extend_from_slice(&ns.0);
+    k
+}
+
+/// Prefix of the chunk notes in the `meta` family.
+pub(crate) const NOTE_PREFIX: &[u8] = b"note/";
+
+/// Key of the note on the sequence `digest` of `ns` in the `meta` family (`ns` alone: the
+/// prefix of all of the namespace's notes).
+pub(crate) fn note_key(ns: &NamespaceId, digest: Option<&[u8; 16]>) -> Vec<u8> {
+    let mut k = NOTE_PREFIX.to_vec();
+    k.extend_from_slice(&ns.0);
+    if let Some(d) = digest {
+        k.extend_from_slice(d);
+    }
     k
 }
 

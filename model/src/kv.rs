@@ -190,13 +190,27 @@ impl Kv {
 
     /// The first `n` tokens.
     pub fn prefix(&self, n: usize) -> Result<Kv> {
+        self.narrow(0, n)
+    }
+
+    /// Tokens `start..start + n` (contiguous copies).
+    pub fn narrow(&self, start: usize, n: usize) -> Result<Kv> {
+        if start + n > self.len {
+            return Err(Error::Kv {
+                why: format!("rows {start}..{} of a KV of {}", start + n, self.len),
+            });
+        }
         let layers = self
             .layers
             .iter()
             .map(|(k, v)| {
                 Ok((
-                    k.narrow(2, 0, n).ctx("kv prefix")?,
-                    v.narrow(2, 0, n).ctx("kv prefix")?,
+                    k.narrow(2, start, n)
+                        .and_then(|t| t.contiguous())
+                        .ctx("kv rows")?,
+                    v.narrow(2, start, n)
+                        .and_then(|t| t.contiguous())
+                        .ctx("kv rows")?,
                 ))
             })
             .collect::<Result<_>>()?;

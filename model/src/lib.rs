@@ -11,7 +11,8 @@
 //!   stored keys to new positions; [`Decoder::recompute`] repairs an assembled context by
 //!   recomputing chosen tokens with full attention, chosen by [`Decoder::blend`] (layer-1
 //!   deviation), [`link_positions`] (every chunk's first tokens) or
-//!   [`Decoder::question_attention`] ([`top_share`] of what the question attends to);
+//!   [`Decoder::question_attention`] ([`top_share`] of what the question attends to, or
+//!   [`window_positions`]: contiguous windows at the chunk boundaries and around it);
 //!   [`KvCache::from_kv`] resumes decoding from stored KV.
 //! - [`generate`] decodes with greedy / temperature / top-k / top-p sampling, stop tokens and
 //!   stop strings, streaming text incrementally. For many sequences at once,
@@ -53,7 +54,9 @@ mod weights;
 
 pub use candle_core::{DType, Device, Error as TensorError, Tensor, D};
 pub use config::{Activation, Arch, LayerPattern, ModelConfig, RopeScaling, RopeStyle};
-pub use decoder::{link_positions, top_share, Decoder, Logits, Repaired, StepSeq};
+pub use decoder::{
+    link_positions, top_share, window_positions, Decoder, Logits, Repaired, StepSeq,
+};
 pub use device::{device, pin_thread_count, DeviceSpec};
 pub use error::{Error, Result};
 pub use generate::{

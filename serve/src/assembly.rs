@@ -11,7 +11,8 @@
 //! | `reposition` | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
 //! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Decoder::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
 //! | `link[:k]` (EPIC; the default, `k` = 2) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
-//! | `query-aware[:share]` (ProphetKV, QCFuse) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most, summed over heads on the first quarter of the layers (at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
+//! | `query-aware[:share]` (ProphetKV's stage I, QCFuse; also named `prophet[:share]`) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most (its attention to the *stored* keys, summed over heads on the first quarter of the layers, at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
+//! | `window[:k]` (arXiv 2609.17983, MEPIC) | consecutive | contiguous windows of `k` tokens (32 by default) are recomputed: the first `k` of every chunk, then one around each position the question attends to most (scored as `query-aware` does), until `serve.recompute_share` of the chunk tokens is covered | as `query-aware`, with at least `k` × chunks tokens |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
 //!
 //! Measured (`ragkv eval qa`, Qwen2.5-Coder-0.5B Q4_K_M quantized, all 100 LongBench-HotpotQA
@@ -99,8 +100,12 @@ pub enum Assembly {
     Recompute(Option<Share>),
     /// `link[:k]`: the first `k` tokens of every chunk recomputed.
     Link(Option<u32>),
-    /// `query-aware[:share]`: the tokens the question attends to most recomputed.
+    /// `query-aware[:share]` (or `prophet[:share]`): the tokens the question attends to most
+    /// recomputed.
     QueryAware(Option<Share>),
+    /// `window[:k]`: contiguous `k`-token windows at the chunk boundaries and around the
+    /// tokens the question attends to most recomputed.
+    Window(Option<u32>),
     /// `full`: the chunks prefilled with the question, nothing stored used.
     Full,
 }
@@ -115,12 +120,13 @@ impl Default for Assembly {
 
 impl Assembly {
     /// Every strategy, with its configured parameter.
-    pub const ALL: [Assembly; 6] = [
+    pub const ALL: [Assembly; 7] = [
         Assembly::Naive,
         Assembly::Reposition,
         Assembly::Recompute(None),
         Assembly::Link(None),
         Assembly::QueryAware(None),
+        Assembly::Window(None),
         Assembly::Full,
     ];
 
@@ -132,6 +138,7 @@ impl Assembly {
             Assembly::Recompute(_) => "reposition+recompute",
             Assembly::Link(_) => "link",
             Assembly::QueryAware(_) => "query-aware",
+            Assembly::Window(_) => "window",
             Assembly::Full => "full",
         }
     }
@@ -144,6 +151,7 @@ impl Assembly {
             Assembly::Link(None) => Assembly::Link(u32::try_from(repair.link_tokens).ok()),
             Assembly::Recompute(None) => Assembly::Recompute(share()),
             Assembly::QueryAware(None) => Assembly::QueryAware(share()),
+            Assembly::Window(None) => Assembly::Window(Some(WINDOW_TOKENS)),
             a => a,
         }
     }
@@ -160,7 +168,10 @@ impl Assembly {
     pub fn chunk_dtype(self, compute: DType, cache: DType) -> DType {
         match self {
             Assembly::Naive | Assembly::Reposition | Assembly::Link(_) => cache,
-            Assembly::Recompute(_) | Assembly::QueryAware(_) | Assembly::Full => compute,
+            Assembly::Recompute(_)
+            | Assembly::QueryAware(_)
+            | Assembly::Window(_)
+            | Assembly::Full => compute,
         }
     }
 
@@ -190,6 +201,12 @@ impl std::str::FromStr for Assembly {
             Some((n, p)) => (n, Some(p)),
             None => (text.as_str(), None),
         };
+        // ProphetKV's stage I is what `query-aware` does.
+        let name = if name == "prophet" {
+            "query-aware"
+        } else {
+            name
+        };
         let base = Assembly::ALL
             .into_iter()
             .find(|a| a.name() == name)
@@ -210,10 +227,11 @@ impl std::str::FromStr for Assembly {
         match base {
             Assembly::Recompute(_) => Ok(Assembly::Recompute(share()?)),
             Assembly::QueryAware(_) => Ok(Assembly::QueryAware(share()?)),
-            Assembly::Link(_) => match p.parse::<u32>() {
-                Ok(k) if k > 0 => Ok(Assembly::Link(Some(k))),
+            Assembly::Link(_) | Assembly::Window(_) => match p.parse::<u32>() {
+                Ok(k) if k > 0 && base == Assembly::Link(None) => Ok(Assembly::Link(Some(k))),
+                Ok(k) if k > 0 => Ok(Assembly::Window(Some(k))),
                 _ => Err(format!(
-                    "assembly: {s:?}: the tokens per chunk {p:?} must be a positive integer"
+                    "assembly: {s:?}: the tokens {p:?} must be a positive integer"
                 )),
             },
             _ => Err(format!("assembly: {name} takes no parameter ({s:?})")),
@@ -228,7 +246,7 @@ impl std::fmt::Display for Assembly {
             Assembly::Recompute(Some(s)) | Assembly::QueryAware(Some(s)) => {
                 write!(f, ":{}", s.get())
             }
-            Assembly::Link(Some(k)) => write!(f, ":{k}"),
+            Assembly::Link(Some(k)) | Assembly::Window(Some(k)) => write!(f, ":{k}"),
             _ => Ok(()),
         }
     }
@@ -247,6 +265,9 @@ impl<'de> Deserialize<'de> for Assembly {
             .map_err(serde::de::Error::custom)
     }
 }
+
+/// Tokens per window of `window` without a parameter (the window arXiv 2609.17983 measured).
+pub const WINDOW_TOKENS: u32 = 32;
 
 /// Layers on which `query-aware` measures the question's attention: the first quarter (at
 /// least 2).
@@ -393,6 +414,14 @@ pub fn assemble_into(
                 .question_attention(&all, question, score_layers(model))?;
             model::top_share(&scores[exact..], exact, share(s))
         }
+        Assembly::Window(k) => {
+            let all = Kv::concat(&parts)?;
+            let scores = model
+                .decoder()
+                .question_attention(&all, question, score_layers(model))?;
+            let k = k.unwrap_or(WINDOW_TOKENS) as usize;
+            model::window_positions(exact, &lens, &scores[exact..], k, share(None))
+        }
     };
     let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;
     let deferred = link == LinkTiming::Deferred
@@ -423,6 +452,7 @@ mod tests {
             Assembly::Recompute(Some(Share::new(0.15).unwrap())),
             Assembly::Link(Some(8)),
             Assembly::QueryAware(Some(Share::new(0.2).unwrap())),
+            Assembly::Window(Some(16)),
         ];
         for a in Assembly::ALL.into_iter().chain(with) {
             let text = a.to_string();
@@ -433,7 +463,16 @@ mod tests {
         }
         assert_eq!(
             with.map(|a| a.to_string()),
-            ["reposition+recompute:0.15", "link:8", "query-aware:0.2"]
+            [
+                "reposition+recompute:0.15",
+                "link:8",
+                "query-aware:0.2",
+                "window:16"
+            ]
+        );
+        assert_eq!(
+            "prophet:0.1".parse::<Assembly>().unwrap(),
+            Assembly::QueryAware(Some(Share::new(0.1).unwrap()))
         );
         assert_eq!(
             "reposition recompute".parse::<Assembly>().unwrap(),
@@ -454,6 +493,8 @@ mod tests {
             "reposition:2",
             "full:1",
             "reposition+recompute:nan",
+            "window:0",
+            "prophet:2",
         ] {
             assert!(bad.parse::<Assembly>().is_err(), "{bad}");
         }

@@ -152,7 +152,7 @@ fn naive_and_reposition_put_chunks_where_they_claim() {
 }
 
 /// The repairs that recompute every chunk token (`link` with k past the longest chunk,
-/// `query-aware` and `reposition+recompute` at share 1) give full prefill's next-token
+/// `query-aware` (`prophet`), `window` and `reposition+recompute` at share 1) give full prefill's next-token
 /// logits after the question; the partial ones recompute what they say, and land between
 /// plain assembly and full prefill.
 #[test]
@@ -208,6 +208,36 @@ fn whole_repairs_reproduce_full_prefill() {
         assert_eq!(n, every, "{asm}");
         assert!(d < 1e-3, "{asm}: {d} vs plain {plain}");
     }
+    // `prophet` is `query-aware`; `window` at a share of 1 covers every chunk token too.
+    let (d, n) = run("prophet:1".parse().unwrap());
+    assert!(n == every && d < 1e-3, "prophet:1: {n} tokens, {d}");
+    let every_window = |asm: Assembly, share: f64| {
+        let chunks = c.placed(&m, asm);
+        let repair = Repair {
+            recompute_share: share,
+            ..REPAIR
+        };
+        let r = assemble(
+            &m,
+            asm,
+            &repair,
+            prompt(&c.pkv, chunks, &c.tokens, &question),
+        )
+        .unwrap();
+        (
+            max_abs_diff(r.logits.as_ref().unwrap(), &full),
+            r.positions.len(),
+        )
+    };
+    let (d, n) = every_window(Assembly::Window(Some(4)), 1.0);
+    eprintln!("window:4 at share 1: logits vs full {d:e}");
+    assert!(n == every && d < 1e-3, "window:4: {n} tokens, {d}");
+    let (d_window, n) = every_window(Assembly::Window(Some(4)), 0.25);
+    assert!(
+        n >= (every as f64 * 0.25).ceil() as usize && n < every,
+        "{n}"
+    );
+    assert!(d_window < plain, "window:4 at 0.25: {d_window} vs {plain}");
     // Partial repairs: k tokens of each chunk; the share of the chunk tokens.
     let (d_link, n) = run(Assembly::Link(Some(2)));
     assert_eq!(n, 4);
@@ -315,7 +345,10 @@ fn every_strategy_answers_planted_questions() {
             }
             let repairs = matches!(
                 asm,
-                Assembly::Recompute(_) | Assembly::Link(_) | Assembly::QueryAware(_)
+                Assembly::Recompute(_)
+                    | Assembly::Link(_)
+                    | Assembly::QueryAware(_)
+                    | Assembly::Window(_)
             );
             assert_eq!(f.recomputed_tokens > 0, repairs, "{f:?}");
             assert!(

@@ -1,5 +1,5 @@
-//! The question log of `ragkv eval qa` (`<dir>/qa-log.jsonl`, `qa-log-<codec>.jsonl` with
-//! `--codec`): a header line naming the run's
+//! The question log of `ragkv eval qa` (`<dir>/qa-log.jsonl`; `qa-log-<context>-<codec>.jsonl`
+//! with `--context` and/or `--codec`, `:` written `-`): a header line naming the run's
 //! settings, then one line per finished question, each synced before the next question starts.
 
 use std::io::{BufRead, Write};
@@ -31,10 +31,15 @@ impl Log {
         std::fs::create_dir_all(dir).map_err(io)?;
         // A codec comparison logs apart, so that runs with and without one (and with several
         // codecs, one after the other) share the directory's index and f16 KV.
-        let path = match header.codec.as_str() {
-            "" => dir.join("qa-log.jsonl"),
-            c => dir.join(format!("qa-log-{c}.jsonl")),
-        };
+        // So does a run materialized after neighbours (`--context`).
+        let mut name = String::from("qa-log");
+        for part in [&header.context, &header.codec] {
+            if !part.is_empty() {
+                name.push('-');
+                name.push_str(&part.replace(':', "-"));
+            }
+        }
+        let path = dir.join(format!("{name}.jsonl"));
         let mut done = Vec::new();
         let mut keep = 0u64;
         if path.exists() {

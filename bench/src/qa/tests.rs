@@ -16,6 +16,7 @@ fn header() -> RunHeader {
         link_tokens: 16,
         strategies: vec!["reposition".into(), "link:2".into()],
         codec: String::new(),
+        context: String::new(),
     }
 }
 
@@ -154,4 +155,50 @@ fn every_line_says_how_much_of_naives_gap_it_closes_and_the_default_is_marked() 
     .args;
     let names: Vec<String> = strategies(&args).iter().map(|a| a.to_string()).collect();
     assert_eq!(names, ["naive", "link:2", "reposition"]);
+}
+
+#[test]
+fn a_context_run_measures_the_gap_from_naive_on_plain_kv_and_logs_apart() {
+    // naive on plain KV agrees on 2 of 4 tokens, naive after neighbours on 3, link:2 on 4.
+    let line = |q: usize| {
+        let mut l = logged(q);
+        l.answers[1].strategy = "naive".into();
+        l.answers[2].forced_agree = 4;
+        let mut plain = l.answers[1].clone();
+        plain.strategy = PLAIN_NAIVE.into();
+        plain.forced_agree = 2;
+        l.answers.push(plain);
+        l
+    };
+    let done: Vec<Logged> = (0..3).map(line).collect();
+    let h = RunHeader {
+        strategies: vec!["naive".into(), "link:2".into()],
+        context: "neighbours:1".into(),
+        ..header()
+    };
+    let lines = summarize(&done, &h);
+    let got: Vec<(&str, &str, Option<f64>)> = lines
+        .iter()
+        .map(|l| (l.strategy.as_str(), l.context.as_str(), l.gap_closed))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (PLAIN_NAIVE, "none", Some(0.0)),
+            ("naive", "neighbours:1", Some(0.5)),
+            ("link:2", "neighbours:1", Some(1.0)),
+            ("full", "neighbours:1", Some(1.0)),
+        ]
+    );
+    // Its log is its own, beside the plain run's.
+    let dir = tempfile::tempdir().unwrap();
+    Log::open(Some(dir.path()), &h)
+        .unwrap()
+        .append(line(0))
+        .unwrap();
+    assert!(dir.path().join("qa-log-neighbours-1.jsonl").exists());
+    assert!(Log::open(Some(dir.path()), &header())
+        .unwrap()
+        .done
+        .is_empty());
 }

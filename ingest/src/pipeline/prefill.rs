@@ -63,7 +63,14 @@ impl Engine {
                         }
                     }
                 }
-                for group in prefill_groups(&needs, self.corpus.config.prefill_batch_tokens) {
+                // Prefilled after their neighbours: one chunk per pass, each with its own
+                // context (the neighbours the index holds now; see `context.rs`).
+                let batch = if self.corpus.config.context.neighbours() > 0 {
+                    1
+                } else {
+                    self.corpus.config.prefill_batch_tokens
+                };
+                for group in prefill_groups(&needs, batch) {
                     if shared.stopped() {
                         break 'docs;
                     }
@@ -73,7 +80,12 @@ impl Engine {
                         .filter(|&i| needs[i].1)
                         .map(|i| chunks[i].tokens.as_slice())
                         .collect();
-                    let mut kvs = match self.corpus.prefill_many_bytes(&todo) {
+                    let computed = if batch == 1 {
+                        self.in_context(group.clone().filter(|&i| needs[i].1), &e)
+                    } else {
+                        self.corpus.prefill_many_bytes(&todo)
+                    };
+                    let mut kvs = match computed {
                         Ok(kvs) => kvs.into_iter(),
                         Err(err) => {
                             shared.fail(e.planned.doc.id.clone(), format!("prefill failed: {err}"));
@@ -99,6 +111,24 @@ impl Engine {
             }
         }
         secs(busy)
+    }
+}
+
+impl Engine {
+    /// KV of the chunks `idx` of `e` under `ingest.context`, each note recorded before its
+    /// bytes go to the writer.
+    fn in_context(
+        &self,
+        idx: impl Iterator<Item = usize>,
+        e: &Embedded<'_>,
+    ) -> crate::error::Result<Vec<Vec<u8>>> {
+        idx.map(|i| {
+            let tokens = &e.planned.chunks[i].tokens;
+            let kv = self.corpus.chunk_kv(tokens, &e.vectors[i])?;
+            self.corpus.put_note(tokens, &kv)?;
+            Ok(kv.bytes)
+        })
+        .collect()
     }
 }
 

@@ -156,6 +156,15 @@ impl Inner {
             }
             Ok(true)
         })?;
+        self.index.scan_prefix(
+            Family::Meta,
+            &index::note_key(&ns, None),
+            "notes scan",
+            |k, _| {
+                batch.delete(&self.index, Family::Meta, k);
+                Ok(())
+            },
+        )?;
         batch.delete(&self.index, Family::Meta, &index::ns_meta_key(&ns));
         w.ns_bytes.remove(&ns);
         w.ns_tokens.remove(&ns);

@@ -107,6 +107,36 @@ impl Store {
         self.inner.register_namespace(ns, layout, codec, group)
     }
 
+    /// Records `note` (the caller's bytes, at most 64 KiB) with the token sequence `tokens`
+    /// of `ns`, replacing an earlier one: what a stored chunk's KV was computed from beyond
+    /// its own tokens (ingest records a chunk's neighbours). Kept until replaced or the
+    /// namespace is dropped; deleting the sequence leaves it (a later put of the same tokens
+    /// writes its own).
+    pub fn put_note(&self, ns: NamespaceId, tokens: &[u32], note: &[u8]) -> Result<()> {
+        if note.len() > 64 << 10 {
+            return Err(Error::Invalid {
+                what: "note",
+                why: format!("{} bytes (at most 65536)", note.len()),
+            });
+        }
+        let d = schema::TokenDigest::of(tokens);
+        self.inner.index.put(
+            crate::index::Family::Meta,
+            &crate::index::note_key(&ns, Some(&d.0)),
+            note,
+            "put note",
+        )
+    }
+
+    /// The note recorded with `tokens` of `ns` ([`Store::put_note`]), if any.
+    pub fn note(&self, ns: NamespaceId, tokens: &[u32]) -> Result<Option<Vec<u8>>> {
+        let d = schema::TokenDigest::of(tokens);
+        self.inner.index.get(
+            crate::index::Family::Meta,
+            &crate::index::note_key(&ns, Some(&d.0)),
+        )
+    }
+
     /// Every namespace with its group, lifetime and bytes, oldest first.
     pub fn namespaces(&self) -> Vec<NamespaceStats> {
         self.inner.namespace_stats()

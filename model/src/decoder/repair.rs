@@ -46,6 +46,59 @@ pub fn top_share(scores: &[f32], exact: usize, share: f64) -> Vec<usize> {
     sel
 }
 
+/// Contiguous windows of `k` tokens, for chunks of `lens` tokens that follow each other from
+/// position `exact` (`scores`: one per chunk token): the first `k` tokens of every chunk (its
+/// boundary), then a window around each highest-scored position not yet covered (centred on
+/// it, cut at its chunk's edges), until at least the `share` of the chunk tokens is covered
+/// (or every boundary, if that is more). Ascending.
+pub fn window_positions(
+    exact: usize,
+    lens: &[usize],
+    scores: &[f32],
+    k: usize,
+    share: f64,
+) -> Vec<usize> {
+    let m: usize = lens.iter().sum();
+    if m == 0 || k == 0 {
+        return Vec::new();
+    }
+    let budget = ((m as f64 * share.clamp(0.0, 1.0)).ceil() as usize).min(m);
+    let mut chosen = vec![false; m];
+    // The chunk of every token: `(start, end)` in chunk-token offsets.
+    let mut bounds = Vec::with_capacity(m);
+    let mut start = 0;
+    for &n in lens {
+        bounds.extend(std::iter::repeat_n((start, start + n), n));
+        chosen[start..start + k.min(n)].fill(true);
+        start += n;
+    }
+    let mut count = chosen.iter().filter(|&&c| c).count();
+    let mut order: Vec<usize> = (0..m.min(scores.len())).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    for p in order {
+        if count >= budget {
+            break;
+        }
+        if chosen[p] {
+            continue;
+        }
+        let (lo, hi) = bounds[p];
+        let from = p.saturating_sub(k / 2).max(lo);
+        let to = (from + k).min(hi);
+        let from = to.saturating_sub(k).max(lo);
+        for c in &mut chosen[from..to] {
+            count += usize::from(!*c);
+            *c = true;
+        }
+    }
+    chosen
+        .iter()
+        .enumerate()
+        .filter(|(_, &c)| c)
+        .map(|(i, _)| exact + i)
+        .collect()
+}
+
 /// A repaired context, with the question run after it in the same pass.
 #[derive(Debug, Clone)]
 pub struct Repaired {
@@ -260,5 +313,34 @@ mod tests {
         assert!(top_share(&s, 0, 0.0).is_empty());
         assert_eq!(top_share(&s, 0, 1.0), vec![0, 1, 2, 3, 4]);
         assert!(top_share(&[], 0, 0.5).is_empty());
+    }
+
+    #[test]
+    fn windows_cover_the_boundaries_then_the_highest_scores() {
+        // Chunks of 6 and 6 tokens after 2 exact ones; k = 2: boundaries 2,3 and 8,9.
+        let scores = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0];
+        assert_eq!(
+            window_positions(2, &[6, 6], &scores, 2, 0.0),
+            vec![2, 3, 8, 9]
+        );
+        // Budget ceil(12 * 0.5) = 6: one more window, centred on offset 9 (position 11).
+        assert_eq!(
+            window_positions(2, &[6, 6], &scores, 2, 0.5),
+            vec![2, 3, 8, 9, 10, 11]
+        );
+        // A window at a chunk's end is cut to the chunk: offset 5 with k = 4 takes 2..6.
+        let mut s = [0.0; 12];
+        s[5] = 1.0;
+        assert_eq!(
+            window_positions(0, &[6, 6], &s, 4, 0.7),
+            vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        );
+        // Share 1 covers every chunk token; k = 0 or no chunks: nothing.
+        assert_eq!(
+            window_positions(1, &[3, 4], &[0.5; 7], 2, 1.0),
+            (1..8).collect::<Vec<_>>()
+        );
+        assert!(window_positions(0, &[3], &[0.1; 3], 0, 1.0).is_empty());
+        assert!(window_positions(0, &[], &[], 4, 1.0).is_empty());
     }
 }

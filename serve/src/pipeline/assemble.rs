@@ -92,8 +92,14 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                 (kv, KvSource::Stored)
             }
             None => {
-                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype.
-                let bytes = corpus.prefill_bytes(&c.tokens)?;
+                // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype,
+                // computed after the chunk's neighbours under `ingest.context` (its note is
+                // recorded now, before the write-back stores the bytes).
+                let computed = corpus.chunk_kv_of_text(&c.tokens, &c.hit.payload.text)?;
+                if query.kv == KvMode::On {
+                    corpus.put_note(&c.tokens, &computed)?;
+                }
+                let bytes = computed.bytes;
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
                 let kv = import(corpus, &bytes, query.assembly, pos, chunk_dtype)?;
                 if query.kv == KvMode::On {

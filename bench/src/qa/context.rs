@@ -1,0 +1,60 @@
+//! `ragkv eval qa --context neighbours:N`: the strategies answer from chunk KV materialized
+//! after each chunk's neighbours (`ingest.context`), and `naive` from KV materialized alone is
+//! the gap's baseline.
+//!
+//! A second engine shares the first one's store, index, embedder and model; its
+//! `ingest.context` gives it a namespace of its own in the same store. Every chunk a question
+//! retrieves is materialized in both namespaces (lazily: only retrieved chunks are ever
+//! prefilled; the neighbours are searched in the whole corpus's index). The plain engine's
+//! pipeline answers `naive` (logged as [`PLAIN_NAIVE`]); every strategy runs on the
+//! neighbour-materialized one.
+
+use std::sync::Arc;
+
+use serve::{Rag, ServeConfig};
+
+use crate::Error;
+
+/// The strategy name `naive` on plainly materialized KV has in a `--context` run's log and
+/// lines: the baseline of `gap_closed`.
+pub(crate) const PLAIN_NAIVE: &str = "naive@context:none";
+
+/// The neighbour-materialized side of a run: its engine and pipeline.
+pub(crate) struct Contexted {
+    pub engine: Arc<ingest::Engine>,
+    pub rag: Arc<Rag>,
+}
+
+impl Contexted {
+    /// An engine over `base`'s store, index, embedder and model with `ingest.context =
+    /// context`, and a pipeline on it with `config`.
+    pub fn open(
+        base: &ingest::Engine,
+        context: ingest::Context,
+        config: ServeConfig,
+    ) -> Result<Contexted, Error> {
+        let base = base.corpus();
+        let corpus = ingest::Corpus::new(
+            base.store().clone(),
+            base.index().clone(),
+            base.embedder().clone(),
+            base.model().clone(),
+            ingest::IngestConfig {
+                context,
+                ..base.config().clone()
+            },
+            model::DType::F16,
+        )
+        .map_err(|e| Error::Check(format!("{context} engine: {e}")))?;
+        let engine = Arc::new(ingest::Engine::new(corpus));
+        let rag = Rag::start(engine.clone(), config)
+            .map_err(|e| Error::Check(format!("{context} pipeline: {e}")))?;
+        Ok(Contexted { engine, rag })
+    }
+
+    /// Stops the pipeline and closes the engine.
+    pub fn close(self) {
+        drop(self.rag);
+        crate::engine::close(self.engine);
+    }
+}

@@ -1,0 +1,203 @@
+//! Neighbour materialization (`ingest.context = "neighbours:1"`) with SmolLM2-135M and MiniLM:
+//! a chunk's stored KV holds only its own rows, computed after its nearest chunk and moved back
+//! to positions `0..n`; a neighbour that changes makes it stale, and `rematerialize` redoes it.
+
+mod common;
+
+use model::{Kv, Tensor};
+
+const DOCS: &[(&str, &str)] = &[
+    (
+        "vault",
+        "The Harrowgate archive keeps its oldest survey maps in the Orion vault. The access \
+         code for the Orion vault is 4817.",
+    ),
+    (
+        "vault-ledger",
+        "Every visit to the Orion vault of the Harrowgate archive is written in the vault \
+         ledger, which the head archivist signs each evening.",
+    ),
+    (
+        "ship",
+        "The research ship Calder Wren studies plankton in the North Atlantic. Its captain \
+         is Ines Valbuena.",
+    ),
+];
+
+fn docs(texts: &[(&str, &str)]) -> ingest::Source {
+    ingest::Source::Docs(
+        texts
+            .iter()
+            .map(|(id, text)| ingest::Doc {
+                id: id.to_string(),
+                text: text.to_string(),
+                metadata: Default::default(),
+                origin: id.to_string(),
+            })
+            .collect(),
+    )
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let f = |t: &Tensor| t.to_dtype(model::DType::F32).unwrap();
+    (f(a) - f(b))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// The stored KV of `tokens`.
+fn stored(corpus: &ingest::Corpus, tokens: &[u32]) -> Kv {
+    let data = corpus
+        .store()
+        .get_batch(corpus.namespace(), tokens, tokens.len())
+        .unwrap();
+    Kv::from_bytes(&data.bytes, &corpus.layout(), &model::Device::Cpu).unwrap()
+}
+
+fn remat(engine: &ingest::Engine) -> ingest::RematReport {
+    engine
+        .rematerialize(
+            &ingest::RematOptions::default(),
+            &ingest::Counters::default(),
+        )
+        .unwrap()
+}
+
+#[test]
+fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ingest::IngestConfig {
+        context: "neighbours:1".parse().unwrap(),
+        ..ingest::IngestConfig::default()
+    };
+    let engine = common::engine(dir.path(), config, docs(DOCS), DOCS.len());
+    let corpus = engine.corpus();
+    let plain = common::open_corpus(
+        &dir.path().join("plain"),
+        ingest::IngestConfig::default(),
+        model::DType::F16,
+        common::model(),
+        kvstore::StoreOptions::default(),
+    );
+    assert_ne!(
+        corpus.namespace(),
+        plain.namespace(),
+        "the mode names the namespace"
+    );
+
+    // The first document found no neighbour in the index when it was ingested: stale, and
+    // redone after the whole corpus is indexed; a second run finds nothing to do.
+    let r = remat(&engine);
+    eprintln!("first rematerialize: {r:?}");
+    assert!(
+        r.neighbours_changed >= 1 && r.prefilled == r.neighbours_changed,
+        "{r:?}"
+    );
+    let r = remat(&engine);
+    assert_eq!((r.planned, r.neighbours_changed), (0, 0), "{r:?}");
+
+    let tokens = corpus.chunk_tokens(DOCS[0].1).unwrap();
+    let vector = corpus.embedder().embed_one(DOCS[0].1).unwrap();
+    let context = corpus.neighbours(&tokens, &vector).unwrap();
+    assert_eq!(context.len(), 1);
+    assert_eq!(
+        context[0],
+        corpus.chunk_tokens(DOCS[1].1).unwrap(),
+        "the ledger is the vault's nearest chunk"
+    );
+    let note = ingest::decode_note(
+        &corpus
+            .store()
+            .note(corpus.namespace(), &tokens)
+            .unwrap()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(note, [schema::TokenDigest::of(&context[0])]);
+
+    // Only the chunk's rows are stored, at positions 0..n: rotated forward by the context's
+    // length they are the joint prefill's rows (keys within f16 rounding, values as they are).
+    let kv = stored(corpus, &tokens);
+    assert_eq!(kv.len(), tokens.len());
+    let m = corpus.model();
+    let offset = context[0].len();
+    let joint = m
+        .decoder()
+        .prefill(&[&context[0][..], &tokens].concat(), 0)
+        .unwrap()
+        .0
+        .narrow(offset, tokens.len())
+        .unwrap();
+    let moved = m.decoder().reposition(&kv, offset as i64).unwrap();
+    // Largest difference relative to the largest magnitude, over layers.
+    let rel = |a: &Tensor, b: &Tensor| {
+        let top: f32 = b
+            .to_dtype(model::DType::F32)
+            .and_then(|t| t.abs())
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.max(0))
+            .and_then(|t| t.to_scalar())
+            .unwrap();
+        max_abs_diff(a, b) / top.max(1e-6)
+    };
+    let (mut dk, mut dv) = (0f32, 0f32);
+    for ((k, v), (jk, jv)) in moved.layers.iter().zip(&joint.layers) {
+        dk = dk.max(rel(k, jk));
+        dv = dv.max(rel(v, jv));
+    }
+    // ... and not what the chunk computes alone.
+    let alone = m.decoder().prefill(&tokens, 0).unwrap().0;
+    let d_alone = kv
+        .layers
+        .iter()
+        .zip(&alone.layers)
+        .map(|((_, v), (_, av))| max_abs_diff(v, av))
+        .fold(0f32, f32::max);
+    eprintln!(
+        "stored vs joint prefill (relative): keys {dk:e}, values {dv:e}; values vs alone {d_alone:e}"
+    );
+    assert!(dk < 5e-3 && dv < 2e-3, "{dk} {dv}");
+    assert!(d_alone > 0.05, "{d_alone}");
+
+    // The neighbour changes: the vault's chunk is stale and prefilled again after the new
+    // ledger; the ship's chunk (whose neighbour is unchanged or the new ledger) follows suit.
+    let changed = [(
+        "vault-ledger",
+        "Every visit to the Orion vault is written in the ledger of the Harrowgate archive; \
+         the head archivist signs it each evening and locks it in the map room.",
+    )];
+    let rep = common::ingest_eager(&engine, docs(&changed));
+    assert_eq!(rep.docs_replaced, 1, "{rep:?}");
+    let dry = engine
+        .rematerialize(
+            &ingest::RematOptions {
+                scope: ingest::Scope::Stale,
+                dry_run: true,
+                limit: None,
+            },
+            &ingest::Counters::default(),
+        )
+        .unwrap();
+    assert!(
+        dry.plan
+            .iter()
+            .any(|p| p.doc_id == "vault" && p.reason == ingest::Reason::Neighbours),
+        "{dry:?}"
+    );
+    let r = remat(&engine);
+    assert!(r.neighbours_changed >= 1, "{r:?}");
+    let after = stored(corpus, &tokens);
+    // (Layer 0's rows depend on the token alone: the last layer's show the context.)
+    let last = kv.layers.len() - 1;
+    let d = max_abs_diff(&after.layers[last].1, &kv.layers[last].1);
+    eprintln!("vault's values after its neighbour changed: {d:e}");
+    assert!(d > 0.0, "the vault's KV did not change");
+    assert_eq!(remat(&engine).planned, 0);
+}
