@@ -33,7 +33,8 @@ enum Command {
     /// to a running server.
     Gc,
     /// Prefill again the chunks whose KV is missing (evicted, deleted, lost), corrupt, or stale
-    /// (stored under another model's namespace). Idempotent; hands the work to a running
+    /// (stored under another model's namespace, or, with `ingest.context = "neighbours:N"`,
+    /// prefilled after neighbours that changed). Idempotent; hands the work to a running
     /// server, so it is safe from cron.
     Rematerialize(RematArgs),
     /// Read and verify every stored KV block, and check the vector index against the KV
@@ -104,7 +105,7 @@ struct IngestArgs {
 
 #[derive(Debug, clap::Args)]
 struct RematArgs {
-    /// Only chunks stale after a model change (migration).
+    /// Only chunks stale after a model change (migration) or a change of their neighbours.
     #[arg(long, conflicts_with = "hot")]
     stale: bool,
     /// Only chunks read at least this many times (access statistics).
@@ -418,13 +419,14 @@ fn remat_cmd(config: &Config, args: RematArgs) -> Result<()> {
         eprintln!("failed: {f}");
     }
     eprintln!(
-        "chunks: {} checked, {} present, {} missing, {} corrupt, {} stale; {} {}, {} prefilled, \
-         {} attached, {} failed ({:.1} s)",
+        "chunks: {} checked, {} present, {} missing, {} corrupt, {} stale, {} with changed \
+         neighbours; {} {}, {} prefilled, {} attached, {} failed ({:.1} s)",
         report.chunks,
         report.present,
         report.missing,
         report.corrupt,
         report.stale,
+        report.neighbours_changed,
         report.planned,
         if report.dry_run {
             "would be redone"

@@ -241,6 +241,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn contexts_parse_print_and_deserialize() {
+        assert_eq!("none".parse::<Context>().unwrap(), Context::None);
+        assert_eq!(
+            "neighbours:2".parse::<Context>().unwrap(),
+            Context::Neighbours(2)
+        );
+        assert_eq!(
+            "neighbors:1".parse::<Context>().unwrap(),
+            Context::Neighbours(1)
+        );
+        for bad in [
+            "neighbours:0",
+            "neighbours:9",
+            "neighbours",
+            "neighbours:x",
+            "all",
+        ] {
+            assert!(bad.parse::<Context>().is_err(), "{bad}");
+        }
+        assert_eq!(Context::Neighbours(3).to_string(), "neighbours:3");
+        assert_eq!(Context::Neighbours(3).neighbours(), 3);
+        assert_eq!(Context::None.neighbours(), 0);
+        let c: IngestConfig = serde_json::from_str(r#"{"context": "neighbours:2"}"#).unwrap();
+        assert_eq!(c.context, Context::Neighbours(2));
+        assert!(serde_json::from_str::<IngestConfig>(r#"{"context": "neighbours:12"}"#).is_err());
+        assert_eq!(IngestConfig::default().context, Context::None);
+    }
+
+    #[test]
     fn shards_partition_documents() {
         let two: Vec<Shard> = ["0/2", "1/2"].iter().map(|s| s.parse().unwrap()).collect();
         let ids: Vec<String> = (0..200).map(|i| format!("doc-{i}.txt")).collect();

@@ -69,7 +69,8 @@ pub struct ServeConfig {
     pub system_prompt: String,
     /// How chunk KV is assembled when a request does not say (see [`crate::Assembly`]).
     pub assembly: Assembly,
-    /// Share of chunk tokens `reposition+recompute` and `query-aware` recompute, in (0, 1].
+    /// Share of chunk tokens `reposition+recompute`, `query-aware` and `window` recompute, in
+    /// (0, 1].
     pub recompute_share: f64,
     /// Tokens at the start of every chunk `link` recomputes (1..=4096).
     pub link_tokens: usize,
@@ -78,7 +79,7 @@ pub struct ServeConfig {
     /// reads; llama.cpp's default too) or `f32`. Stored chunk KV goes into it as read (keys
     /// turned to their prompt positions in f32, rounded once); `link` writes its recomputed
     /// rows there, and the question's and answer's rows are rounded as they are appended
-    /// (`reposition+recompute` and `query-aware` score and repair in the compute dtype
+    /// (`reposition+recompute`, `query-aware` and `window` score and repair in the compute dtype
     /// first). Stored KV's own dtype is `model.kv_dtype`.
     pub cache_dtype: CacheDtype,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;

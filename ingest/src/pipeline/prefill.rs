@@ -65,7 +65,8 @@ impl Engine {
                 }
                 // Prefilled after their neighbours: one chunk per pass, each with its own
                 // context (the neighbours the index holds now; see `context.rs`).
-                let batch = if self.corpus.config.context.neighbours() > 0 {
+                let in_context = self.corpus.config.context.neighbours() > 0;
+                let batch = if in_context {
                     1
                 } else {
                     self.corpus.config.prefill_batch_tokens
@@ -80,7 +81,7 @@ impl Engine {
                         .filter(|&i| needs[i].1)
                         .map(|i| chunks[i].tokens.as_slice())
                         .collect();
-                    let computed = if batch == 1 {
+                    let computed = if in_context {
                         self.in_context(group.clone().filter(|&i| needs[i].1), &e)
                     } else {
                         self.corpus.prefill_many_bytes(&todo)

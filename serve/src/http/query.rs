@@ -25,7 +25,8 @@ pub struct QueryBody {
     /// `on` (default) or `off` (recompute every chunk's KV).
     pub kv: Option<String>,
     /// `naive`, `reposition`, `reposition+recompute[:share]`, `link[:k]`, `query-aware[:share]`
-    /// or `full` (default: `serve.assembly`; see [`crate::assembly`]).
+    /// (or `prophet[:share]`), `window[:k]` or `full` (default: `serve.assembly`; see
+    /// [`crate::assembly`]).
     pub assembly: Option<String>,
     /// Only retrieve from these documents.
     pub documents: Option<Vec<String>>,
