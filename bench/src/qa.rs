@@ -64,7 +64,7 @@ const SYSTEM: &str = "Answer the question based on the given passages. Only give
                       and do not output any other words.";
 
 /// The strategies compared when none is named: every one, links and query-aware at three
-/// settings (`naive` and the default strategy run whatever is named).
+/// settings, windows of 32 tokens (`naive` and the default strategy run whatever is named).
 const DEFAULT_STRATEGIES: &[&str] = &[
     "naive",
     "reposition",
@@ -75,6 +75,7 @@ const DEFAULT_STRATEGIES: &[&str] = &[
     "query-aware:0.05",
     "query-aware:0.1",
     "query-aware:0.2",
+    "window:32",
 ];
 
 /// Arguments of `ragkv eval qa`.
@@ -91,7 +92,7 @@ pub struct Args {
     pub top_k: usize,
     /// Strategies to compare with full prefill, with their parameter if any (`link:8`,
     /// `query-aware:0.1`; repeat the flag); default: naive, reposition,
-    /// reposition+recompute, link:2/8/32, query-aware:0.05/0.1/0.2. `naive` (the gap's
+    /// reposition+recompute, link:2/8/32, query-aware:0.05/0.1/0.2, window:32. `naive` (the gap's
     /// baseline) and the serve default (`link:2`) run whatever is named.
     #[arg(long = "strategy")]
     pub strategies: Vec<Assembly>,

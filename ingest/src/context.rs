@@ -40,6 +40,8 @@ pub struct ChunkKv {
     pub bytes: Vec<u8>,
     /// The note to record with it (`None` under `context = "none"`).
     pub note: Option<Vec<u8>>,
+    /// Tokens prefilled before the chunk's own as its context (not stored).
+    pub context_tokens: usize,
 }
 
 /// Encodes the note naming `neighbours` (table above).
@@ -118,6 +120,7 @@ impl Corpus {
             return Ok(ChunkKv {
                 bytes: self.prefill_bytes(tokens)?,
                 note: None,
+                context_tokens: 0,
             });
         }
         let context = self.neighbours(tokens, vector)?;
@@ -125,6 +128,7 @@ impl Corpus {
         Ok(ChunkKv {
             bytes: self.prefill_after(&context, tokens)?,
             note: Some(encode_note(&digests)),
+            context_tokens: context.iter().map(Vec::len).sum(),
         })
     }
 

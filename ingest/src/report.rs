@@ -51,6 +51,10 @@ pub struct Report {
     pub chunks_prefilled: usize,
     /// Tokens prefilled now.
     pub tokens_prefilled: usize,
+    /// Tokens prefilled before those as their neighbours' context (`ingest.context`;
+    /// computed, not stored): the extra cost of neighbour materialization.
+    #[serde(default)]
+    pub context_tokens_prefilled: usize,
     /// KV bytes appended to the tensor log.
     pub kv_bytes: u64,
     /// Orphaned KV (left by an interrupted earlier run) removed.
@@ -81,7 +85,7 @@ impl Report {
         };
         format!(
             "documents: {} new, {} unchanged, {} replaced, {} deleted, {} failed\n\
-             chunks: {} ({} tokens), prefilled {} ({} tokens, {rate:.0} tokens/s), KV written {:.1} MiB\n\
+             chunks: {} ({} tokens), prefilled {} ({} tokens, {rate:.0} tokens/s{}), KV written {:.1} MiB\n\
              time: {:.1} s (read {:.1}, chunk {:.1}, embed {:.1}, prefill {:.1}, write KV {:.1}, upsert {:.1})",
             self.docs_new,
             self.docs_unchanged,
@@ -92,6 +96,10 @@ impl Report {
             self.tokens,
             self.chunks_prefilled,
             self.tokens_prefilled,
+            match self.context_tokens_prefilled {
+                0 => String::new(),
+                n => format!(", after {n} tokens of neighbours"),
+            },
             self.kv_bytes as f64 / (1u64 << 20) as f64,
             self.elapsed_s,
             s.read_s,

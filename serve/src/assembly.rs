@@ -46,6 +46,13 @@
 //! and measurably closer to full prefill than it (F1 differences of a few points are within
 //! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.
 //!
+//! Every strategy reads chunk KV as it is stored; `ingest.context = "neighbours:N"` stores KV
+//! each chunk computed after its N nearest chunks (moved back to `0..n`), which no strategy
+//! needs to know. Measured (same setting, `ragkv eval qa --context neighbours:1`): `link:2`
+//! on it agrees on 90.3 % of full prefill's tokens (plain: 87.7 %), closing 33 % of `naive`'s
+//! gap instead of 15 %, at the same time to first token and stored bytes; the price is
+//! (N+1)× the prefill at ingest (docs/BENCHMARKS.md, "Spending the work at ingestion").
+//!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
 //! least the longest chunk recomputes every chunk token, which is full prefill of the context.
@@ -227,13 +234,17 @@ impl std::str::FromStr for Assembly {
         match base {
             Assembly::Recompute(_) => Ok(Assembly::Recompute(share()?)),
             Assembly::QueryAware(_) => Ok(Assembly::QueryAware(share()?)),
-            Assembly::Link(_) | Assembly::Window(_) => match p.parse::<u32>() {
-                Ok(k) if k > 0 && base == Assembly::Link(None) => Ok(Assembly::Link(Some(k))),
-                Ok(k) if k > 0 => Ok(Assembly::Window(Some(k))),
-                _ => Err(format!(
-                    "assembly: {s:?}: the tokens {p:?} must be a positive integer"
-                )),
-            },
+            Assembly::Link(_) | Assembly::Window(_) => {
+                let link = base == Assembly::Link(None);
+                match p.parse::<u32>() {
+                    Ok(k) if k > 0 && link => Ok(Assembly::Link(Some(k))),
+                    Ok(k) if k > 0 => Ok(Assembly::Window(Some(k))),
+                    _ => Err(format!(
+                        "assembly: {s:?}: the tokens per {} {p:?} must be a positive integer",
+                        if link { "chunk" } else { "window" }
+                    )),
+                }
+            }
             _ => Err(format!("assembly: {name} takes no parameter ({s:?})")),
         }
     }

@@ -175,6 +175,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
     )];
     let rep = common::ingest_eager(&engine, docs(&changed));
     assert_eq!(rep.docs_replaced, 1, "{rep:?}");
+    assert!(rep.context_tokens_prefilled > 0, "{rep:?}");
     let dry = engine
         .rematerialize(
             &ingest::RematOptions {

@@ -82,7 +82,7 @@ impl Engine {
                         .map(|i| chunks[i].tokens.as_slice())
                         .collect();
                     let computed = if in_context {
-                        self.in_context(group.clone().filter(|&i| needs[i].1), &e)
+                        self.in_context(group.clone().filter(|&i| needs[i].1), &e, shared)
                     } else {
                         self.corpus.prefill_many_bytes(&todo)
                     };
@@ -117,16 +117,18 @@ impl Engine {
 
 impl Engine {
     /// KV of the chunks `idx` of `e` under `ingest.context`, each note recorded before its
-    /// bytes go to the writer.
+    /// bytes go to the writer; the context's tokens counted in the report.
     fn in_context(
         &self,
         idx: impl Iterator<Item = usize>,
         e: &Embedded<'_>,
+        shared: &Shared<'_>,
     ) -> crate::error::Result<Vec<Vec<u8>>> {
         idx.map(|i| {
             let tokens = &e.planned.chunks[i].tokens;
             let kv = self.corpus.chunk_kv(tokens, &e.vectors[i])?;
             self.corpus.put_note(tokens, &kv)?;
+            shared.report.lock().context_tokens_prefilled += kv.context_tokens;
             Ok(kv.bytes)
         })
         .collect()
