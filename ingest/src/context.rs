@@ -155,18 +155,27 @@ impl Corpus {
     /// neighbours while the index holds more chunks, or names one not in `live` (the token
     /// digests of every indexed chunk). Always `false` under `context = "none"`.
     pub fn context_changed(&self, tokens: &[u32], live: &HashSet<TokenDigest>) -> Result<bool> {
-        let n = self.config.context.neighbours();
-        if n == 0 {
+        if self.config.context.neighbours() == 0 {
             return Ok(false);
         }
-        let Some(note) = self.store.note(self.ns, tokens)? else {
-            return Ok(true);
+        let note = self.store.note(self.ns, tokens)?;
+        Ok(!self.note_current(note.as_deref(), tokens, live))
+    }
+
+    /// Whether `note` (of chunk `tokens`) names `N` neighbours (or every other chunk of
+    /// `live`, if fewer) that are all in `live`.
+    pub(crate) fn note_current(
+        &self,
+        note: Option<&[u8]>,
+        tokens: &[u32],
+        live: &HashSet<TokenDigest>,
+    ) -> bool {
+        let Some(Ok(named)) = note.map(decode_note) else {
+            return false;
         };
-        let Ok(named) = decode_note(&note) else {
-            return Ok(true);
-        };
+        let n = self.config.context.neighbours();
         let others = live.len() - usize::from(live.contains(&TokenDigest::of(tokens)));
-        Ok(named.len() < n.min(others) || named.iter().any(|d| !live.contains(d)))
+        named.len() >= n.min(others) && named.iter().all(|d| live.contains(d))
     }
 }
 

@@ -400,7 +400,7 @@ impl Engine {
             let mut reencoded = false;
             let bytes = if stored {
                 None
-            } else if let Some(b) = self.lossless_copy(&c.tokens, &mut buf)? {
+            } else if let Some(b) = self.lossless_copy(&c.tokens, &mut buf, &live)? {
                 reencoded = true;
                 Some(b)
             } else {
@@ -460,15 +460,23 @@ impl Engine {
 
     /// The chunk's KV from the lossless namespace of the same model, when this namespace is
     /// lossy and that one holds all of it verified; `None`: prefill it.
-    /// Its neighbour note (`ingest.context`) is copied with it; without one there, `None`.
-    fn lossless_copy(&self, tokens: &[u32], buf: &mut Vec<u8>) -> Result<Option<Vec<u8>>> {
+    /// Under `ingest.context`, its neighbour note is copied with it; where that note is
+    /// missing or names neighbours no longer in `live`, `None`.
+    fn lossless_copy(
+        &self,
+        tokens: &[u32],
+        buf: &mut Vec<u8>,
+        live: &HashSet<schema::TokenDigest>,
+    ) -> Result<Option<Vec<u8>>> {
         let Some(src) = self.corpus.lossless_source() else {
             return Ok(None);
         };
         if self.corpus.config.context.neighbours() > 0 {
             match self.corpus.store.note(src, tokens)? {
-                Some(note) => self.corpus.store.put_note(self.corpus.ns, tokens, &note)?,
-                None => return Ok(None),
+                Some(note) if self.corpus.note_current(Some(&note), tokens, live) => {
+                    self.corpus.store.put_note(self.corpus.ns, tokens, &note)?;
+                }
+                _ => return Ok(None),
             }
         }
         match self
