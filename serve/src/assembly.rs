@@ -48,10 +48,12 @@
 //!
 //! Every strategy reads chunk KV as it is stored; `ingest.context = "neighbours:N"` stores KV
 //! each chunk computed after its N nearest chunks (moved back to `0..n`), which no strategy
-//! needs to know. Measured (same setting, `ragkv eval qa --context neighbours:1`): `link:2`
-//! on it agrees on 90.3 % of full prefill's tokens (plain: 87.7 %), closing 33 % of `naive`'s
-//! gap instead of 15 %, at the same time to first token and stored bytes; the price is
-//! (N+1)× the prefill at ingest (docs/BENCHMARKS.md, "Spending the work at ingestion").
+//! needs to know. Measured (same setting, `ragkv eval qa --context neighbours:N`): `link:2`
+//! agrees on 90.3 % of full prefill's tokens with `neighbours:1` and 90.7 % with
+//! `neighbours:2` (plain: 87.7 %), closing 33-35 % of `naive`'s gap instead of 15 %, at the
+//! same time to first token and stored bytes; `link:8` on `neighbours:2` closes 45 % at 1.9×
+//! `reposition`'s TTFT, `window:32` 41 % at 7.5×. The price is (N+1)× the prefill at ingest
+//! (docs/BENCHMARKS.md, "Spending the work at ingestion").
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
