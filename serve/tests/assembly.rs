@@ -6,6 +6,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::max_abs_diff;
+
 use model::{Kv, Tensor};
 use serve::{assemble, Prompt, Repair};
 use serve::{Assembly, CacheDtype, KvMode, Query, Rag, ServeConfig};
@@ -23,19 +25,6 @@ fn prompt<'a>(pkv: &'a Kv, chunks: Vec<Kv>, tokens: &'a [u32], question: &'a [u3
         tokens,
         question,
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Largest key difference between `kv`'s rows `start..start + want.len()` and `want`.

@@ -24,34 +24,6 @@ const DOCS: &[(&str, &str)] = &[
     ),
 ];
 
-fn docs(texts: &[(&str, &str)]) -> ingest::Source {
-    ingest::Source::Docs(
-        texts
-            .iter()
-            .map(|(id, text)| ingest::Doc {
-                id: id.to_string(),
-                text: text.to_string(),
-                metadata: Default::default(),
-                origin: id.to_string(),
-            })
-            .collect(),
-    )
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let f = |t: &Tensor| t.to_dtype(model::DType::F32).unwrap();
-    (f(a) - f(b))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
-
 /// The stored KV of `tokens`.
 fn stored(corpus: &ingest::Corpus, tokens: &[u32]) -> Kv {
     let data = corpus
@@ -77,7 +49,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
         context: "neighbours:1".parse().unwrap(),
         ..ingest::IngestConfig::default()
     };
-    let engine = common::engine(dir.path(), config, docs(DOCS), DOCS.len());
+    let engine = common::engine(dir.path(), config, common::docs(DOCS), DOCS.len());
     let corpus = engine.corpus();
     let plain = common::open_corpus(
         &dir.path().join("plain"),
@@ -145,7 +117,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
             .and_then(|t| t.max(0))
             .and_then(|t| t.to_scalar())
             .unwrap();
-        max_abs_diff(a, b) / top.max(1e-6)
+        common::max_abs_diff(a, b) / top.max(1e-6)
     };
     let (mut dk, mut dv) = (0f32, 0f32);
     for ((k, v), (jk, jv)) in moved.layers.iter().zip(&joint.layers) {
@@ -158,7 +130,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
         .layers
         .iter()
         .zip(&alone.layers)
-        .map(|((_, v), (_, av))| max_abs_diff(v, av))
+        .map(|((_, v), (_, av))| common::max_abs_diff(v, av))
         .fold(0f32, f32::max);
     eprintln!(
         "stored vs joint prefill (relative): keys {dk:e}, values {dv:e}; values vs alone {d_alone:e}"
@@ -173,7 +145,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
         "Every visit to the Orion vault is written in the ledger of the Harrowgate archive; \
          the head archivist signs it each evening and locks it in the map room.",
     )];
-    let rep = common::ingest_eager(&engine, docs(&changed));
+    let rep = common::ingest_eager(&engine, common::docs(&changed));
     assert_eq!(rep.docs_replaced, 1, "{rep:?}");
     assert!(rep.context_tokens_prefilled > 0, "{rep:?}");
     let dry = engine
@@ -197,7 +169,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
     let after = stored(corpus, &tokens);
     // (Layer 0's rows depend on the token alone: the last layer's show the context.)
     let last = kv.layers.len() - 1;
-    let d = max_abs_diff(&after.layers[last].1, &kv.layers[last].1);
+    let d = common::max_abs_diff(&after.layers[last].1, &kv.layers[last].1);
     eprintln!("vault's values after its neighbour changed: {d:e}");
     assert!(d > 0.0, "the vault's KV did not change");
     assert_eq!(remat(&engine).planned, 0);

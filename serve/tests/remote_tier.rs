@@ -95,22 +95,13 @@ fn answer(rag: &Rag, q: Query) -> Box<serve::Final> {
 
 fn two_nodes(base: RemoteConfig, prefix: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let docs = DOCS
-        .iter()
-        .map(|(id, text)| ingest::Doc {
-            id: id.to_string(),
-            text: text.to_string(),
-            metadata: Default::default(),
-            origin: id.to_string(),
-        })
-        .collect();
     // Node A: ingests, writing every chunk through to the tier.
     let a = ingest::Engine::new(corpus(&dir.path().join("a")).with_remote(tier(
         &base,
         prefix,
         WriteMode::Through,
     )));
-    let report = common::ingest_eager(&a, ingest::Source::Docs(docs));
+    let report = common::ingest_eager(&a, common::docs(DOCS));
     assert_eq!(report.docs_new, DOCS.len());
     let shared = a.corpus().remote().cloned().unwrap();
     let ns = a.corpus().namespace();

@@ -125,3 +125,33 @@ pub fn answer(rag: &serve::Rag, q: serve::Query, hits: Vec<retrieval::Hit>) -> B
         }
     }
 }
+
+/// In-memory documents `(id, text)` as an ingest source.
+pub fn docs(texts: &[(&str, &str)]) -> ingest::Source {
+    ingest::Source::Docs(
+        texts
+            .iter()
+            .map(|(id, text)| ingest::Doc {
+                id: id.to_string(),
+                text: text.to_string(),
+                metadata: Default::default(),
+                origin: id.to_string(),
+            })
+            .collect(),
+    )
+}
+
+/// Largest absolute difference between two tensors of one shape (compared in f32).
+pub fn max_abs_diff(a: &model::Tensor, b: &model::Tensor) -> f32 {
+    let f = |t: &model::Tensor| t.to_dtype(model::DType::F32).unwrap();
+    (f(a) - f(b))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
