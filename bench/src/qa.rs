@@ -48,14 +48,16 @@ use serve::{Assembly, KvMode, Query, Rag, ServeConfig};
 use crate::score::{self, exact_match, f1, first_line};
 use crate::{dataset, Error};
 use codec::Coded;
-use context::{Contexted, PLAIN_NAIVE};
+use context::{arrange, parse_order, ChunkOrder, Contexted, PLAIN_NAIVE};
 use log::Log;
+use summary::summarize;
 
 // `--codec` runs (a second engine reading lossy KV), `--context` runs (a second namespace
 // materialized after neighbours) and the resumable question log.
 pub(crate) mod codec;
 mod context;
 mod log;
+mod summary;
 
 pub(crate) use codec::parse_codec;
 
@@ -132,6 +134,11 @@ pub struct Args {
     /// `neighbours:N`); the strategies answer from it, `naive` from plain KV is the baseline.
     #[arg(long, default_value = "none")]
     pub context: ingest::Context,
+    /// Order of the retrieved chunks in every prompt, full prefill's included: `score` (the
+    /// retrieval order, as `ragkv serve`) or, with `--context`, `neighbours`: each chunk right
+    /// after the retrieved chunk its KV was prefilled after (`Corpus::neighbour_order`).
+    #[arg(long, default_value = "score", value_parser = parse_order)]
+    pub chunk_order: ChunkOrder,
 }
 
 /// One strategy's result: the JSON line `ragkv eval qa` prints.
@@ -223,6 +230,10 @@ pub(crate) struct RunHeader {
     /// `ingest.context` of the strategies' KV (`--context`); empty: none.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub(crate) context: String,
+    /// `neighbours` when a `--context` run placed chunks after their retrieved neighbours
+    /// (`--chunk-order`); empty: retrieval order.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub(crate) chunk_order: String,
 }
 
 /// One answer's scores.
@@ -259,7 +270,14 @@ pub(crate) struct Logged {
     q: usize,
     id: u64,
     gold: String,
+    /// Chunks whose place in the prompt differs from their retrieval rank (`--chunk-order`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    moved: usize,
     answers: Vec<Answer>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The strategy `ragkv serve` answers with by default, its parameter resolved from the serve
@@ -292,7 +310,7 @@ fn strategies(args: &Args) -> Vec<Assembly> {
     out
 }
 
-fn check<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> Error {
+pub(crate) fn check<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> Error {
     move |why| Error::Check(format!("{what}: {why}"))
 }
 
@@ -330,6 +348,10 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         context: match args.context {
             ingest::Context::None => String::new(),
             c => c.to_string(),
+        },
+        chunk_order: match (args.context, args.chunk_order) {
+            (ingest::Context::None, _) | (_, ChunkOrder::Score) => String::new(),
+            _ => "neighbours".into(),
         },
     };
     let mut log = Log::open(args.dir.as_deref(), &header)?;
@@ -447,6 +469,12 @@ fn question(
     if let Some(c) = coded {
         c.copy(engine, &hits)?;
     }
+    // Arranged once every chunk's KV (and neighbour note) is stored.
+    let (hits, moved) = if args.chunk_order == ChunkOrder::Neighbours {
+        arrange(engine.corpus(), hits)?
+    } else {
+        (hits, 0)
+    };
     let reference = rag
         .reference(&query(Assembly::Full), hits.clone())
         .map_err(check("full prefill"))?;
@@ -545,88 +573,9 @@ fn question(
         q: i,
         id: q.id,
         gold: q.answer.clone(),
+        moved,
         answers,
     })
-}
-
-/// The figures of each strategy over `done` (one line per question); `full` last.
-fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
-    let n = done.len().max(1) as f64;
-    let plain_naive = (!header.context.is_empty()).then(|| PLAIN_NAIVE.to_string());
-    let names: Vec<String> = plain_naive
-        .into_iter()
-        .chain(header.strategies.iter().cloned())
-        .chain([Assembly::Full.to_string()])
-        .collect();
-    let of = |name: &str| -> Vec<&Answer> {
-        done.iter()
-            .filter_map(|l| l.answers.iter().find(|a| a.strategy == name))
-            .collect()
-    };
-    let full = of(Assembly::Full.name());
-    let full_f1 = full.iter().map(|a| a.f1).sum::<f64>() / n;
-    let default_name = default_strategy().to_string();
-    let mut lines: Vec<QaLine> = names
-        .iter()
-        .map(|name| {
-            let xs = of(name);
-            let sum = |f: &dyn Fn(&Answer) -> f64| xs.iter().map(|a| f(a)).sum::<f64>();
-            let diffs: Vec<f64> = xs.iter().zip(&full).map(|(a, r)| a.f1 - r.f1).collect();
-            let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
-            let tokens = xs.iter().map(|a| a.forced_tokens).sum::<usize>();
-            let agree = xs.iter().map(|a| a.forced_agree).sum::<usize>();
-            let per_question: Vec<(f64, f64)> = xs
-                .iter()
-                .map(|a| (a.forced_agree as f64, a.forced_tokens as f64))
-                .collect();
-            let mut line = QaLine {
-                eval: "qa",
-                strategy: name.clone(),
-                questions: xs.len(),
-                f1: sum(&|a| a.f1) / n,
-                em: sum(&|a| f64::from(u8::from(a.em))) / n,
-                f1_points_vs_full: (sum(&|a| a.f1) / n - full_f1) * 100.0,
-                f1_points_ci95: (lo * 100.0, hi * 100.0),
-                agreement_answers: sum(&|a| f64::from(u8::from(a.identical))) / n,
-                agreement_tokens: agree as f64 / tokens.max(1) as f64,
-                agreement_tokens_ci95: score::bootstrap_ratio_ci95(&per_question, 10_000),
-                forced_tokens: tokens,
-                kl_mean: sum(&|a| a.kl_sum) / tokens.max(1) as f64,
-                gap_closed: None,
-                default: *name == default_name,
-                ttft_ms_mean: sum(&|a| a.ttft_ms) / n,
-                recomputed_tokens_mean: sum(&|a| a.recomputed as f64) / n,
-                top_k: header.top_k,
-                model: header.model.clone(),
-                chunk_preamble: header.chunk_preamble.clone(),
-                context: match header.context.as_str() {
-                    _ if name == PLAIN_NAIVE => "none".into(),
-                    "" => "none".into(),
-                    c => c.into(),
-                },
-                codec: None,
-                f1_points_vs_uncompressed: None,
-                f1_points_vs_uncompressed_ci95: None,
-                agreement_tokens_vs_uncompressed: None,
-                agreement_tokens_vs_uncompressed_ci95: None,
-                kl_vs_uncompressed: None,
-            };
-            codec::vs_uncompressed(&mut line, &xs, header);
-            line
-        })
-        .collect();
-    // The gap is naive's on plain KV (with `--context`, its own line).
-    let naive = lines
-        .iter()
-        .find(|l| l.strategy == PLAIN_NAIVE)
-        .or_else(|| lines.iter().find(|l| l.strategy == Assembly::Naive.name()))
-        .map(|l| l.agreement_tokens);
-    for l in &mut lines {
-        l.gap_closed = naive
-            .filter(|&g| g < 1.0)
-            .map(|g| (l.agreement_tokens - g) / (1.0 - g));
-    }
-    lines
 }
 
 #[cfg(test)]

@@ -177,6 +177,79 @@ impl Corpus {
         let others = live.len() - usize::from(live.contains(&TokenDigest::of(tokens)));
         named.len() >= n.min(others) && named.iter().all(|d| live.contains(d))
     }
+
+    /// An order for retrieved chunks `chunks` (best first) that puts a chunk right after the
+    /// neighbour its stored KV attended to, where both were retrieved: that chunk's KV then
+    /// sees at its place in the prompt the context it was computed in (`neighbours:1`
+    /// exactly; under `N > 1` the nearest neighbour, and the farther ones where they chain).
+    /// Returns indices into `chunks`; the identity under `context = "none"` or when no
+    /// chunk's note names another retrieved chunk ([`chain_order`]). Measured by `ragkv eval
+    /// qa --chunk-order neighbours`; `ragkv serve` keeps the retrieval order (no gain measured).
+    pub fn neighbour_order(&self, chunks: &[Vec<u32>]) -> Result<Vec<usize>> {
+        if self.config.context.neighbours() == 0 {
+            return Ok((0..chunks.len()).collect());
+        }
+        let digests: Vec<TokenDigest> = chunks.iter().map(|t| TokenDigest::of(t)).collect();
+        let mut after = Vec::with_capacity(chunks.len());
+        for (i, tokens) in chunks.iter().enumerate() {
+            let named = match self.store.note(self.ns, tokens)? {
+                Some(note) => decode_note(&note).unwrap_or_default(),
+                None => Vec::new(),
+            };
+            // Nearest first; only other retrieved chunks.
+            after.push(
+                named
+                    .iter()
+                    .rev()
+                    .filter_map(|d| digests.iter().position(|x| x == d))
+                    .filter(|&j| j != i)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        Ok(chain_order(&after))
+    }
+}
+
+/// The order [`Corpus::neighbour_order`] gives: `after[i]` lists the chunks chunk `i` would
+/// like to follow, most wanted first. Taking chunks best first, each is linked after the first
+/// of its wanted chunks that has no follower yet (unless that closes a loop); the chains are
+/// then laid out in the order of their best chunk, each from its head. A chunk that wants none
+/// keeps its rank among the chains.
+fn chain_order(after: &[Vec<usize>]) -> Vec<usize> {
+    let n = after.len();
+    let (mut pred, mut succ) = (vec![None; n], vec![None::<usize>; n]);
+    let head = |pred: &[Option<usize>], mut x: usize| {
+        while let Some(p) = pred[x] {
+            x = p;
+        }
+        x
+    };
+    for i in 0..n {
+        for &b in &after[i] {
+            if b < n && b != i && succ[b].is_none() && head(&pred, b) != i {
+                succ[b] = Some(i);
+                pred[i] = Some(b);
+                break;
+            }
+        }
+    }
+    // Chains by their best (lowest-index) member.
+    let mut heads: Vec<(usize, usize)> = Vec::new();
+    for i in 0..n {
+        let h = head(&pred, i);
+        if !heads.iter().any(|&(hh, _)| hh == h) {
+            heads.push((h, i));
+        }
+    }
+    let mut out = Vec::with_capacity(n);
+    for (h, _) in heads {
+        let mut x = Some(h);
+        while let Some(c) = x {
+            out.push(c);
+            x = succ[c];
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -193,5 +266,23 @@ mod tests {
         assert!(decode_note(&note[..note.len() - 1]).is_err());
         assert!(decode_note(&[2, 0]).is_err());
         assert!(decode_note(&[]).is_err());
+    }
+
+    #[test]
+    fn chains_put_a_chunk_after_its_neighbour() {
+        // Nothing wanted: the identity.
+        assert_eq!(chain_order(&[vec![], vec![], vec![]]), [0, 1, 2]);
+        // 0 wants to follow 2: 2's chain (2, 0) comes first, by 0's rank.
+        assert_eq!(chain_order(&[vec![2], vec![], vec![]]), [2, 0, 1]);
+        // 1 and 2 both want 0; 1 is better and gets it, 2 takes its second wish, 1.
+        assert_eq!(chain_order(&[vec![], vec![0], vec![0, 1]]), [0, 1, 2]);
+        // A loop is not closed: 0 follows 1, so 1 cannot follow 0.
+        assert_eq!(chain_order(&[vec![1], vec![0], vec![]]), [1, 0, 2]);
+        // Out-of-range and self wishes are ignored; every index once.
+        let o = chain_order(&[vec![0, 9], vec![3], vec![1], vec![]]);
+        let mut s = o.clone();
+        s.sort();
+        assert_eq!(s, [0, 1, 2, 3]);
+        assert_eq!(o, [0, 3, 1, 2]);
     }
 }

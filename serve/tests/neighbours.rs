@@ -1,6 +1,7 @@
 //! Neighbour materialization (`ingest.context = "neighbours:1"`) with SmolLM2-135M and MiniLM:
 //! a chunk's stored KV holds only its own rows, computed after its nearest chunk and moved back
-//! to positions `0..n`; a neighbour that changes makes it stale, and `rematerialize` redoes it.
+//! to positions `0..n`; arranged by neighbour, it is placed after that neighbour; a neighbour
+//! that changes makes it stale, and `rematerialize` redoes it.
 
 mod common;
 
@@ -93,6 +94,23 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
     )
     .unwrap();
     assert_eq!(note, [schema::TokenDigest::of(&context[0])]);
+
+    // Arranged by neighbour (`ragkv eval qa --chunk-order neighbours`), the vault's chunk goes
+    // right after the ledger's, whatever their ranks: its KV sees the context it was computed in.
+    let ship = corpus.chunk_tokens(DOCS[2].1).unwrap();
+    let order = corpus
+        .neighbour_order(&[tokens.clone(), ship, context[0].clone()])
+        .unwrap();
+    eprintln!("order of [vault, ship, ledger]: {order:?}");
+    let at = |i: usize| order.iter().position(|&x| x == i).unwrap();
+    assert_eq!(at(2) + 1, at(0), "{order:?}");
+    assert_eq!(
+        plain
+            .neighbour_order(&[tokens.clone(), context[0].clone()])
+            .unwrap(),
+        [0, 1],
+        "plain KV keeps the retrieval order"
+    );
 
     // Only the chunk's rows are stored, at positions 0..n: rotated forward by the context's
     // length they are the joint prefill's rows (keys within f16 rounding, values as they are).

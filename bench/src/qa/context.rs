@@ -7,12 +7,15 @@
 //! retrieves is materialized in both namespaces (lazily: only retrieved chunks are ever
 //! prefilled; the neighbours are searched in the whole corpus's index). The plain engine's
 //! pipeline answers `naive` (logged as [`PLAIN_NAIVE`]); every strategy runs on the
-//! neighbour-materialized one.
+//! neighbour-materialized one. `--chunk-order neighbours` also places each retrieved chunk
+//! after the retrieved chunk its KV was prefilled after ([`arrange`]).
 
 use std::sync::Arc;
 
+use retrieval::Hit;
 use serve::{Rag, ServeConfig};
 
+use crate::qa::check;
 use crate::Error;
 
 /// The strategy name `naive` on plainly materialized KV has in a `--context` run's log and
@@ -57,4 +60,41 @@ impl Contexted {
         drop(self.rag);
         crate::engine::close(self.engine);
     }
+}
+
+/// `--chunk-order`: the retrieved chunks' order in every prompt of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkOrder {
+    /// As retrieved, best first (what `ragkv serve` does).
+    Score,
+    /// Each chunk right after the retrieved chunk its KV was prefilled after ([`arrange`]).
+    Neighbours,
+}
+
+/// Parses `--chunk-order`.
+pub(crate) fn parse_order(s: &str) -> Result<ChunkOrder, String> {
+    match s {
+        "score" => Ok(ChunkOrder::Score),
+        "neighbours" => Ok(ChunkOrder::Neighbours),
+        _ => Err(format!("{s:?}: expected score or neighbours")),
+    }
+}
+
+/// `hits` with each chunk right after the retrieved chunk its KV was prefilled after
+/// (`--chunk-order neighbours`), and how many changed place.
+pub(crate) fn arrange(corpus: &ingest::Corpus, hits: Vec<Hit>) -> Result<(Vec<Hit>, usize), Error> {
+    let tokens = hits
+        .iter()
+        .map(|h| corpus.chunk_tokens(&h.payload.text))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(check("chunk tokens"))?;
+    let order = corpus
+        .neighbour_order(&tokens)
+        .map_err(check("neighbour order"))?;
+    let moved = order.iter().enumerate().filter(|(i, o)| i != *o).count();
+    let mut slots: Vec<Option<Hit>> = hits.into_iter().map(Some).collect();
+    Ok((
+        order.into_iter().filter_map(|i| slots[i].take()).collect(),
+        moved,
+    ))
 }

@@ -1,5 +1,6 @@
 //! The question log of `ragkv eval qa` (`<dir>/qa-log.jsonl`; `qa-log-<context>-<codec>.jsonl`
-//! with `--context` and/or `--codec`, `:` written `-`): a header line naming the run's
+//! with `--context` (`-chained` when `--chunk-order neighbours` moved chunks) and/or `--codec`,
+//! `:` written `-`): a header line naming the run's
 //! settings, then one line per finished question, each synced before the next question starts.
 
 use std::io::{BufRead, Write};
@@ -33,7 +34,13 @@ impl Log {
         // codecs, one after the other) share the directory's index and f16 KV.
         // So does a run materialized after neighbours (`--context`).
         let mut name = String::from("qa-log");
-        for part in [&header.context, &header.codec] {
+        // Chunks arranged after their neighbours: `-chained` after the context.
+        let chained = if header.chunk_order.is_empty() {
+            ""
+        } else {
+            "chained"
+        };
+        for part in [&header.context, chained, &header.codec] {
             if !part.is_empty() {
                 name.push('-');
                 name.push_str(&part.replace(':', "-"));

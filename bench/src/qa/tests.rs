@@ -17,6 +17,7 @@ fn header() -> RunHeader {
         strategies: vec!["reposition".into(), "link:2".into()],
         codec: String::new(),
         context: String::new(),
+        chunk_order: String::new(),
     }
 }
 
@@ -38,6 +39,7 @@ fn logged(q: usize) -> Logged {
         q,
         id: q as u64,
         gold: "Paris".into(),
+        moved: 0,
         answers: vec![
             answer("full", 1.0),
             answer("reposition", 0.5),
@@ -201,4 +203,17 @@ fn a_context_run_measures_the_gap_from_naive_on_plain_kv_and_logs_apart() {
         .unwrap()
         .done
         .is_empty());
+    // Arranged after neighbours: a log of its own again.
+    let chained = RunHeader {
+        chunk_order: "neighbours".into(),
+        ..h.clone()
+    };
+    assert!(Log::open(Some(dir.path()), &chained)
+        .unwrap()
+        .done
+        .is_empty());
+    assert!(dir
+        .path()
+        .join("qa-log-neighbours-1-chained.jsonl")
+        .exists());
 }
