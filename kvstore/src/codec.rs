@@ -17,13 +17,14 @@ use schema::{Codec, KvLayout};
 
 use crate::quant::{read_elem, write_elem};
 
-/// Encodes `raw` (layer-major KV of `tokens` tokens).
+/// Encodes `raw` (layer-major KV of `tokens` tokens; `first`: the block starts its chunk).
 pub(crate) fn encode(
     codec: Codec,
     layout: &KvLayout,
     tokens: usize,
     raw: &[u8],
     zstd_level: i32,
+    first: bool,
 ) -> Result<Vec<u8>, String> {
     Ok(match codec {
         Codec::None => raw.to_vec(),
@@ -35,8 +36,8 @@ pub(crate) fn encode(
                 .map_err(|e| e.to_string())?
         }
         Codec::Int8 => int8_encode(layout, tokens, raw),
-        Codec::Q8 => crate::quant::encode(layout, tokens, raw, 8)?,
-        Codec::Q4 => crate::quant::encode(layout, tokens, raw, 4)?,
+        Codec::Q8 => crate::quant::encode(layout, tokens, raw, 8, first)?,
+        Codec::Q4 => crate::quant::encode(layout, tokens, raw, 4, first)?,
     })
 }
 
@@ -87,17 +88,18 @@ pub(crate) fn decode_into(
     Ok(())
 }
 
-/// Encodes one block of KV (`tokens` tokens of layer-major `raw` in `layout`) as the store
-/// writes it with `codec` (zstd at level 3). For tools and measurements; the store encodes on
-/// its own.
+/// Encodes one block of KV (`tokens` tokens of layer-major `raw` in `layout`, starting at
+/// token `start` of its chunk) as the store writes it with `codec` (zstd at level 3). For
+/// tools and measurements; the store encodes on its own.
 pub fn encode_block(
     codec: Codec,
     layout: &KvLayout,
     tokens: usize,
     raw: &[u8],
+    start: usize,
 ) -> crate::Result<Vec<u8>> {
     check_len(layout, tokens, raw.len())?;
-    encode(codec, layout, tokens, raw, 3).map_err(|why| crate::Error::Invalid {
+    encode(codec, layout, tokens, raw, 3, start == 0).map_err(|why| crate::Error::Invalid {
         what: "KV block",
         why,
     })
@@ -262,7 +264,7 @@ mod tests {
             let codec = Codec::from_id(c).unwrap();
             let l = layout(dtype);
             let raw = kv(dtype, tokens, seed);
-            let enc = encode(codec, &l, tokens, &raw, 3).unwrap();
+            let enc = encode(codec, &l, tokens, &raw, 3, true).unwrap();
             let mut out = vec![0u8; raw.len()];
             decode_into(codec, &l, tokens, &enc, &mut out).unwrap();
             prop_assert_eq!(out, raw);
@@ -291,7 +293,7 @@ mod tests {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let l = layout(dtype);
             let raw = kv(dtype, 7, 1);
-            let enc = encode(Codec::Int8, &l, 7, &raw, 0).unwrap();
+            let enc = encode(Codec::Int8, &l, 7, &raw, 0, false).unwrap();
             assert!(enc.len() < raw.len() / dtype.size() + 64);
             let mut out = vec![0u8; raw.len()];
             decode_into(Codec::Int8, &l, 7, &enc, &mut out).unwrap();

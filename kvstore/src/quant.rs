@@ -12,7 +12,11 @@
 //!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
 //!   **token**, in groups of [`q4_group`] elements; asymmetric: `x = q × scale + min`, `q` in
 //!   `0..=15`. A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
-//!   outlier-heavy layer) is written at 8 bits instead, recorded per plane.
+//!   outlier-heavy layer) is written at 8 bits instead, recorded per plane. A chunk's first
+//!   token (the block at its start) is written at 8 bits in every plane ("head" tokens,
+//!   [`Q4_HEAD_TOKENS`]) and left out of the 4-bit groups: it is the attention sink that every
+//!   later token of the prompt attends to most, and at 4 bits it alone doubled the KL of
+//!   SmolLM2's next-token distributions over the rest of the chunk's KV (docs/BENCHMARKS.md).
 //!
 //! Scales are rounded up and minimums down to f16, so every value lies in the range its
 //! group's codes cover and the error of a value is at most half a step (plus the rounding to
@@ -21,16 +25,16 @@
 //! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
 //! tames the outlier channels a Hadamard rotation would otherwise be needed for.
 //!
-//! Payload of a `q8` or `q4` record, version 2 (little-endian; `P` planes, `n` tokens,
-//! `C = kv_heads × head_dim` elements per token and plane). Version 1 is the same without
-//! mode `3`; readers take both.
+//! Payload of a `q8` or `q4` record, version 3 (little-endian; `P` planes, `n` tokens,
+//! `C = kv_heads × head_dim` elements per token and plane). Version 2 is the same with byte 1
+//! zero; version 1 is version 2 without mode `3`; readers take all three.
 //!
 //! | offset | size | field                                                                  |
 //! |-------:|-----:|------------------------------------------------------------------------|
-//! | 0      | 1    | quantized payload version (`2`; `1` still read)                        |
-//! | 1      | 1    | reserved, zero                                                         |
+//! | 0      | 1    | quantized payload version (`3`; `2` and `1` still read)                |
+//! | 1      | 1    | head tokens `h` (`0`, or `1` in a `q4` chunk's first block), `h < n`   |
 //! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel |
-//! | 2 + P  | …    | the planes' bodies, back to back in plane order                        |
+//! | 2 + P  | …    | per plane, in plane order: its first `h` tokens as a mode-`0` body, then the other `n − h` tokens as a body of the plane's mode |
 //!
 //! Plane bodies (`G8 = q8_group(C)`, `G4 = q4_group(C)`, `T = KEY_TOKEN_GROUP`):
 //!
@@ -52,10 +56,15 @@ use schema::{DType, KvLayout};
 // AVX2 + F16C decoding, beside the portable loop below.
 mod x86;
 
-/// Version of the quantized payload format written; [`VERSION_1`] is still read.
-const VERSION: u8 = 2;
-/// The first version: no plane in [`Mode::Q8Channel`].
+/// Version of the quantized payload format written; [`VERSION_2`] and [`VERSION_1`] are still
+/// read.
+const VERSION: u8 = 3;
+/// No head tokens (byte 1 reserved, zero).
+const VERSION_2: u8 = 2;
+/// The first version: no head tokens, no plane in [`Mode::Q8Channel`].
 const VERSION_1: u8 = 1;
+/// Tokens at the start of a chunk that `q4` writes at 8 bits (the attention sink).
+pub(crate) const Q4_HEAD_TOKENS: usize = 1;
 /// Tokens per key group of a per-channel key plane (`q4`, and `q8` where it measures better).
 pub(crate) const KEY_TOKEN_GROUP: usize = 64;
 /// Fewest tokens a key plane is quantized per channel at; shorter blocks' keys go per token
@@ -168,12 +177,14 @@ pub(crate) fn write_elem(dtype: DType, x: f32, b: &mut [u8]) {
 }
 
 /// Encodes `raw` (layer-major KV of `tokens` tokens in `layout`) at 8 bits (`bits == 8`) or
-/// 4 (`bits == 4`, falling back to 8 per plane where 4 bits measure too coarse).
+/// 4 (`bits == 4`, falling back to 8 per plane where 4 bits measure too coarse; the first
+/// [`Q4_HEAD_TOKENS`] at 8 bits where the block is its chunk's first, `first`).
 pub(crate) fn encode(
     layout: &KvLayout,
     tokens: usize,
     raw: &[u8],
     bits: u8,
+    first: bool,
 ) -> Result<Vec<u8>, String> {
     let c = layout.kv_heads as usize * layout.head_dim as usize;
     let planes = layout.planes();
@@ -190,26 +201,34 @@ pub(crate) fn encode(
             planes * plane_bytes
         ));
     }
-    let mut out = vec![VERSION, 0];
+    let head = if bits == 4 && first && tokens > Q4_HEAD_TOKENS {
+        Q4_HEAD_TOKENS
+    } else {
+        0
+    };
+    let mut out = vec![VERSION, head as u8];
     out.resize(2 + planes, 0);
-    let mut x = vec![0f32; tokens * c];
+    let mut all = vec![0f32; tokens * c];
     for p in 0..planes {
         let src = &raw[p * plane_bytes..(p + 1) * plane_bytes];
-        for (i, v) in x.iter_mut().enumerate() {
+        for (i, v) in all.iter_mut().enumerate() {
             *v = read_elem(layout.dtype, &src[i * layout.dtype.size()..]);
             if !v.is_finite() || v.abs() > 65504.0 {
                 return Err(format!("plane {p} holds {v}, outside f16's range"));
             }
         }
+        // The head tokens at 8 bits, then the others in the plane's mode.
+        encode_plane(Mode::Q8Token, &all[..head * c], c, &mut out);
+        let (x, tokens) = (&all[head * c..], tokens - head);
         let start = out.len();
         let mode = if bits == 8 {
             if p % 2 == 0 && tokens >= MIN_CHANNEL_TOKENS {
                 // Keys: per channel where that measures finer than per token.
-                encode_plane(Mode::Q8Channel, &x, c, &mut out);
-                let channel = channel_rel_error(Mode::Q8Channel, &x, tokens, c, &out[start..]);
+                encode_plane(Mode::Q8Channel, x, c, &mut out);
+                let channel = channel_rel_error(Mode::Q8Channel, x, tokens, c, &out[start..]);
                 let mid = out.len();
-                encode_plane(Mode::Q8Token, &x, c, &mut out);
-                let token = channel_rel_error(Mode::Q8Token, &x, tokens, c, &out[mid..]);
+                encode_plane(Mode::Q8Token, x, c, &mut out);
+                let token = channel_rel_error(Mode::Q8Token, x, tokens, c, &out[mid..]);
                 if channel <= token {
                     out.truncate(mid);
                     out[2 + p] = Mode::Q8Channel as u8;
@@ -229,15 +248,15 @@ pub(crate) fn encode(
             } else {
                 Mode::Q4Token
             };
-            encode_plane(mode, &x, c, &mut out);
-            if channel_rel_error(mode, &x, tokens, c, &out[start..]) <= Q4_MAX_REL_ERROR {
+            encode_plane(mode, x, c, &mut out);
+            if channel_rel_error(mode, x, tokens, c, &out[start..]) <= Q4_MAX_REL_ERROR {
                 out[2 + p] = mode as u8;
                 continue;
             }
             out.truncate(start);
             Mode::Q8Token
         };
-        encode_plane(mode, &x, c, &mut out);
+        encode_plane(mode, x, c, &mut out);
         out[2 + p] = mode as u8;
     }
     Ok(out)
@@ -381,38 +400,61 @@ fn pack4(row: &[f32], sm: impl Fn(usize) -> (f32, f32), out: &mut Vec<u8>) {
     }
 }
 
-/// Splits a payload into its plane modes and bodies, checking every length.
+/// One plane of a payload: its head tokens' mode-`0` body, its mode and the other tokens' body.
+struct Plane<'a> {
+    head: &'a [u8],
+    mode: Mode,
+    body: &'a [u8],
+}
+
+/// Splits a payload into its head token count and planes, checking every length.
 fn planes<'a>(
     layout: &KvLayout,
     tokens: usize,
     enc: &'a [u8],
-) -> Result<Vec<(Mode, &'a [u8])>, String> {
+) -> Result<(usize, Vec<Plane<'a>>), String> {
     let c = layout.kv_heads as usize * layout.head_dim as usize;
     let n = layout.planes();
-    let known = |v: u8| v == VERSION || v == VERSION_1;
+    let known = |v: u8| v == VERSION || v == VERSION_2 || v == VERSION_1;
     if enc.len() < 2 + n || !known(enc[0]) {
         return Err(match enc.first() {
             Some(&v) if !known(v) => format!("quantized payload version {v} is not known"),
             _ => format!("quantized payload of {} bytes is truncated", enc.len()),
         });
     }
+    let head = if enc[0] == VERSION {
+        enc[1] as usize
+    } else {
+        0
+    };
+    if head > 0 && head >= tokens {
+        return Err(format!("{head} head tokens in a block of {tokens}"));
+    }
     let mut at = 2 + n;
     let mut out = Vec::with_capacity(n);
+    let mut take = |len: usize, p: usize| {
+        let body = enc
+            .get(at..at + len)
+            .ok_or_else(|| format!("plane {p}: body truncated"));
+        at += len;
+        body
+    };
     for p in 0..n {
         let mode = Mode::from_byte(enc[2 + p])
             .filter(|&m| enc[0] != VERSION_1 || m != Mode::Q8Channel)
             .ok_or_else(|| format!("plane {p}: mode {} in version {}", enc[2 + p], enc[0]))?;
-        let len = body_len(mode, tokens, c);
-        let body = enc
-            .get(at..at + len)
-            .ok_or_else(|| format!("plane {p}: body truncated"))?;
-        out.push((mode, body));
-        at += len;
+        let head_body = take(body_len(Mode::Q8Token, head, c), p)?;
+        let body = take(body_len(mode, tokens - head, c), p)?;
+        out.push(Plane {
+            head: head_body,
+            mode,
+            body,
+        });
     }
     if at != enc.len() {
         return Err(format!("{} bytes after the last plane", enc.len() - at));
     }
-    Ok(out)
+    Ok((head, out))
 }
 
 /// Decodes a payload into `out`, where plane `p`'s `tokens` rows go at element offset
@@ -427,14 +469,17 @@ pub(crate) fn decode_into_place(
 ) -> Result<(), String> {
     let c = layout.kv_heads as usize * layout.head_dim as usize;
     let tb = layout.plane_token_bytes();
-    let parts = planes(layout, tokens, enc)?;
+    let (head, parts) = planes(layout, tokens, enc)?;
     if out.len() < layout.planes() * total * tb || start + tokens > total {
         return Err("output buffer too small".into());
     }
-    for (p, (mode, body)) in parts.into_iter().enumerate() {
+    for (p, plane) in parts.into_iter().enumerate() {
         let at = (p * total + start) * tb;
-        let dst = &mut out[at..at + tokens * tb];
-        decode_plane(mode, body, tokens, c, layout.dtype, dst);
+        let (dh, dst) = out[at..at + tokens * tb].split_at_mut(head * tb);
+        if head > 0 {
+            decode_plane(Mode::Q8Token, plane.head, head, c, layout.dtype, dh);
+        }
+        decode_plane(plane.mode, plane.body, tokens - head, c, layout.dtype, dst);
     }
     Ok(())
 }

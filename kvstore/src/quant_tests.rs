@@ -73,21 +73,28 @@ proptest! {
     fn every_value_within_half_a_step_of_its_group(
         dt in 0u8..3, heads in 1u16..4, dim in prop::sample::select(vec![16u16, 32, 48, 64, 6]),
         tokens in 1usize..150, seed in any::<u64>(), bits in prop::sample::select(vec![4u8, 8]),
+        first in any::<bool>(),
     ) {
         let dtype = DType::from_id(dt).unwrap();
         let l = layout(dtype, heads, dim);
         let raw = kv(&l, tokens, seed);
-        let enc = encode(&l, tokens, &raw, bits).unwrap();
+        let enc = encode(&l, tokens, &raw, bits, first).unwrap();
         let out = decode_all(&l, tokens, &enc);
         let c = heads as usize * dim as usize;
         let size = dtype.size();
-        let parts = planes(&l, tokens, &enc).unwrap();
-        for (p, (mode, body)) in parts.iter().enumerate() {
+        let (head, parts) = planes(&l, tokens, &enc).unwrap();
+        // A q4 chunk's first block keeps its first token at 8 bits.
+        let want = usize::from(bits == 4 && first && tokens > 1);
+        prop_assert_eq!(head, want);
+        for (p, plane) in parts.iter().enumerate() {
+            let mode = plane.mode;
             if bits == 8 {
                 prop_assert!(matches!(mode, Mode::Q8Token | Mode::Q8Channel), "{:?}", mode);
             }
-            let bound = max_step(*mode, body, tokens, c) / 2.0;
+            let head_bound = max_step(Mode::Q8Token, plane.head, head, c) / 2.0;
+            let rest_bound = max_step(mode, plane.body, tokens - head, c) / 2.0;
             for e in 0..tokens * c {
+                let bound = if e < head * c { head_bound } else { rest_bound };
                 let i = p * tokens * c + e;
                 let a = read_elem(dtype, &raw[i * size..]);
                 let b = read_elem(dtype, &out[i * size..]);
@@ -102,17 +109,24 @@ proptest! {
     fn simd_decoding_equals_the_portable_one(
         heads in 1u16..5, dim in prop::sample::select(vec![16u16, 32, 64, 128]),
         tokens in 1usize..140, seed in any::<u64>(), bits in prop::sample::select(vec![4u8, 8]),
+        first in any::<bool>(),
     ) {
         let l = layout(DType::F16, heads, dim);
         let raw = kv(&l, tokens, seed);
-        let enc = encode(&l, tokens, &raw, bits).unwrap();
+        let enc = encode(&l, tokens, &raw, bits, first).unwrap();
         let c = heads as usize * dim as usize;
-        for (mode, body) in planes(&l, tokens, &enc).unwrap() {
-            let mut a = vec![0u8; tokens * c * 2];
-            let mut b = vec![0u8; tokens * c * 2];
-            decode_plane_portable(mode, body, tokens, c, DType::F16, &mut a);
-            if super::x86::decode_f16(mode, body, tokens, c, &mut b) {
-                prop_assert_eq!(&a, &b, "{:?}", mode);
+        let (head, parts) = planes(&l, tokens, &enc).unwrap();
+        for plane in parts {
+            for (mode, body, n) in [(Mode::Q8Token, plane.head, head), (plane.mode, plane.body, tokens - head)] {
+                if n == 0 {
+                    continue;
+                }
+                let mut a = vec![0u8; n * c * 2];
+                let mut b = vec![0u8; n * c * 2];
+                decode_plane_portable(mode, body, n, c, DType::F16, &mut a);
+                if super::x86::decode_f16(mode, body, n, c, &mut b) {
+                    prop_assert_eq!(&a, &b, "{:?}", mode);
+                }
             }
         }
     }
@@ -135,11 +149,11 @@ fn payloads_are_smaller_than_raw_at_every_length() {
         let l = layout(dtype, 3, 64);
         for n in 1..=70 {
             let raw = kv(&l, n, n as u64);
-            for bits in [4, 8] {
-                let enc = encode(&l, n, &raw, bits).unwrap();
+            for (bits, first) in [(4, false), (4, true), (8, false)] {
+                let enc = encode(&l, n, &raw, bits, first).unwrap();
                 assert!(
                     enc.len() < raw.len(),
-                    "{dtype} {bits} bits, {n} tokens: {} of {}",
+                    "{dtype} {bits} bits, {n} tokens (first {first}): {} of {}",
                     enc.len(),
                     raw.len()
                 );
@@ -153,7 +167,8 @@ fn a_block_lands_in_its_layer_major_place() {
     let l = layout(DType::F16, 2, 16);
     let (total, start, n) = (10, 3, 4);
     let raw = kv(&l, n, 7);
-    let enc = encode(&l, n, &raw, 8).unwrap();
+    let enc = encode(&l, n, &raw, 4, true).unwrap();
+    assert_eq!(enc[1], 1, "a head token");
     let alone = decode_all(&l, n, &enc);
     let mut out = vec![0xAAu8; l.bytes_for(total)];
     decode_into_place(&l, n, &enc, &mut out, total, start).unwrap();
@@ -171,8 +186,9 @@ fn sizes_are_what_the_format_table_says() {
     // SmolLM2's shape: 3 heads × 64, one 64-token block.
     let l = layout(DType::F16, 3, 64);
     let raw = kv(&l, 64, 1);
-    let q8 = encode(&l, 64, &raw, 8).unwrap();
-    let q4 = encode(&l, 64, &raw, 4).unwrap();
+    let q8 = encode(&l, 64, &raw, 8, true).unwrap();
+    let q4 = encode(&l, 64, &raw, 4, false).unwrap();
+    let q4_first = encode(&l, 64, &raw, 4, true).unwrap();
     let c = 192;
     // Keys per channel (their offsets measure finer so), values per token.
     assert_eq!(
@@ -182,6 +198,12 @@ fn sizes_are_what_the_format_table_says() {
     assert_eq!(
         q4.len(),
         2 + 4 + 2 * (c * 4 + 64 * c / 2) + 2 * (64 * 2 * 4 + 64 * c / 2)
+    );
+    // A chunk's first block: token 0 of every plane at 8 bits (3 scales, 192 codes), the other
+    // 63 in the plane's mode.
+    assert_eq!(
+        q4_first.len(),
+        2 + 4 + 4 * (3 * 2 + c) + 2 * (c * 4 + 63 * c / 2) + 2 * (63 * 2 * 4 + 63 * c / 2)
     );
     assert!(raw.len() as f64 / q8.len() as f64 > 1.9);
     assert!(raw.len() as f64 / q4.len() as f64 > 3.5);
@@ -198,8 +220,13 @@ fn an_outlier_heavy_plane_falls_back_to_8_bits() {
         let i = (n * 64 + t * 64) * 4;
         raw[i..i + 4].copy_from_slice(&500f32.to_le_bytes());
     }
-    let enc = encode(&l, n, &raw, 4).unwrap();
-    let modes: Vec<Mode> = planes(&l, n, &enc).unwrap().iter().map(|p| p.0).collect();
+    let enc = encode(&l, n, &raw, 4, false).unwrap();
+    let modes: Vec<Mode> = planes(&l, n, &enc)
+        .unwrap()
+        .1
+        .iter()
+        .map(|p| p.mode)
+        .collect();
     assert_eq!(
         modes,
         [
@@ -216,7 +243,7 @@ fn non_finite_values_are_refused() {
     let l = layout(DType::F32, 1, 16);
     let mut raw = kv(&l, 2, 1);
     raw[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
-    assert!(encode(&l, 2, &raw, 4).unwrap_err().contains("NaN"));
+    assert!(encode(&l, 2, &raw, 4, true).unwrap_err().contains("NaN"));
 }
 
 /// A constant 4-bit group is its minimum with a zero scale: exact (a symmetric 8-bit group
@@ -228,8 +255,17 @@ fn constant_groups_decode_exactly_at_4_bits() {
     for e in raw.chunks_exact_mut(2) {
         e.copy_from_slice(&f16::from_f32(1.5).to_le_bytes());
     }
-    let enc = encode(&l, 3, &raw, 4).unwrap();
+    let enc = encode(&l, 3, &raw, 4, false).unwrap();
     assert_eq!(decode_all(&l, 3, &enc), raw);
+    // A chunk's first block: its head token goes at 8 bits (within half a step, above), the
+    // other tokens' constant groups stay exact.
+    let enc = encode(&l, 3, &raw, 4, true).unwrap();
+    let out = decode_all(&l, 3, &enc);
+    let tb = l.plane_token_bytes();
+    for p in 0..l.planes() {
+        let rows = p * 3 * tb + tb..(p + 1) * 3 * tb;
+        assert_eq!(out[rows.clone()], raw[rows]);
+    }
 }
 
 /// Qwen2-like keys: one channel of every head carries a large offset. Per token, that channel
@@ -251,8 +287,13 @@ fn q8_keys_with_an_offset_channel_go_per_channel_and_stay_fine() {
         let v: f32 = offset + rng.gen_range(-1.0..1.0);
         e.copy_from_slice(&f16::from_f32(v).to_le_bytes());
     }
-    let enc = encode(&l, n, &raw, 8).unwrap();
-    let modes: Vec<Mode> = planes(&l, n, &enc).unwrap().iter().map(|p| p.0).collect();
+    let enc = encode(&l, n, &raw, 8, true).unwrap();
+    let modes: Vec<Mode> = planes(&l, n, &enc)
+        .unwrap()
+        .1
+        .iter()
+        .map(|p| p.mode)
+        .collect();
     assert_eq!(
         modes,
         [
@@ -273,19 +314,28 @@ fn q8_keys_with_an_offset_channel_go_per_channel_and_stay_fine() {
     assert!(worst < 0.25, "worst key error {worst}");
 }
 
-/// Stores written before mode 3 existed (payload version 1) decode as they did; a version 1
-/// payload naming mode 3 is refused.
+/// Stores written before head tokens (payload version 2) or mode 3 (version 1) existed decode
+/// as they did; a version 1 payload naming mode 3 is refused, and so is a head as long as the
+/// block.
 #[test]
-fn version_1_payloads_still_decode() {
+fn version_1_and_2_payloads_still_decode() {
     let l = layout(DType::F16, 3, 64);
     let n = MIN_CHANNEL_TOKENS - 1; // keys per token: a payload version 1 could hold
     let raw = kv(&l, n, 4);
-    let mut enc = encode(&l, n, &raw, 8).unwrap();
-    assert_eq!(enc[0], VERSION);
-    let v2 = decode_all(&l, n, &enc);
+    let mut enc = encode(&l, n, &raw, 8, false).unwrap();
+    assert_eq!(enc[..2], [VERSION, 0]);
+    let v3 = decode_all(&l, n, &enc);
+    enc[0] = VERSION_2;
+    assert_eq!(decode_all(&l, n, &enc), v3);
     enc[0] = VERSION_1;
-    assert_eq!(decode_all(&l, n, &enc), v2);
-    let mut wide = encode(&l, 64, &kv(&l, 64, 4), 8).unwrap();
+    assert_eq!(decode_all(&l, n, &enc), v3);
+    let mut headed = encode(&l, 2, &kv(&l, 2, 4), 4, true).unwrap();
+    assert_eq!(headed[1], 1);
+    headed[1] = 2;
+    let mut out = vec![0u8; l.bytes_for(2)];
+    let e = decode_into_place(&l, 2, &headed, &mut out, 2, 0).unwrap_err();
+    assert!(e.contains("head tokens"), "{e}");
+    let mut wide = encode(&l, 64, &kv(&l, 64, 4), 8, false).unwrap();
     assert_eq!(wide[2], Mode::Q8Channel as u8);
     wide[0] = VERSION_1;
     let mut out = vec![0u8; l.bytes_for(64)];

@@ -197,7 +197,7 @@ fn decode_speed(
                 let at = (p * t.len() + start) * pb;
                 raw.extend_from_slice(&kv[at..at + n * pb]);
             }
-            blocks.push((n, kvstore::encode_block(codec, l, n, &raw)?));
+            blocks.push((n, kvstore::encode_block(codec, l, n, &raw, start)?));
         }
     }
     let mut out = vec![0u8; l.bytes_for(BLOCK)];

@@ -187,9 +187,15 @@ impl Inner {
                 })
             } else {
                 let raw = gather(items[i].kv, total, b.start, b.tokens(), &layout);
-                let payload =
-                    codec::encode(info.codec, &layout, b.tokens(), &raw, self.opts.zstd_level)
-                        .map_err(|why| Error::Invalid { what: "codec", why })?;
+                let payload = codec::encode(
+                    info.codec,
+                    &layout,
+                    b.tokens(),
+                    &raw,
+                    self.opts.zstd_level,
+                    b.start == 0,
+                )
+                .map_err(|why| Error::Invalid { what: "codec", why })?;
                 header.payload_len = payload.len();
                 record::append_record(out.vec(), &b.key, &header, &payload)
             };
