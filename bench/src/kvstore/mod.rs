@@ -23,6 +23,7 @@
 mod bandwidth;
 mod baselines;
 mod codecs;
+mod fidelity;
 
 use std::fs::File;
 use std::io::Read;
@@ -40,6 +41,7 @@ use crate::{io, percentile, Error, Line};
 use bandwidth::{bandwidth, bandwidth_realistic};
 use baselines::{bench_blobdb, bench_files, file_getter, file_probe};
 use codecs::codecs;
+use fidelity::fidelity;
 
 const BLOCK_TOKENS: usize = 16;
 const NS: NamespaceId = NamespaceId([0x42; 16]);
@@ -566,6 +568,9 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     ));
     if args.codec_tokens > 0 {
         lines.extend(codecs(&root, args)?);
+        if args.codec_kv == "real" {
+            lines.extend(fidelity(args)?);
+        }
     }
     Ok(lines)
 }
