@@ -32,55 +32,56 @@ mod avx2 {
 
     /// Lengths are the caller's: `dst` holds `n × c` f16 and `body` is the plane's whole body
     /// (checked against the format before decoding), `c` a multiple of 16. Scales and
-    /// minimums are widened to f32 once per plane (or key group), not per step.
+    /// minimums are widened to f32 once per plane (or key group), not per step. The loops
+    /// walk fixed-size chunks (no index arithmetic), so that no bounds or overflow check sits
+    /// in them in any build profile.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn decode(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut [u8]) {
+        assert!(c.is_multiple_of(16) && dst.len() == n * c * 2);
         let mut sm = Vec::new();
         match mode {
             Mode::Q8Token => {
                 let g = q8_group(c);
                 let (scales, q) = body.split_at(n * (c / g) * 2);
-                assert!(q.len() >= n * c && dst.len() >= n * c * 2);
                 widen(scales, &mut sm);
-                for (k, &sk) in sm.iter().enumerate() {
+                let groups = sm.iter().zip(q.chunks_exact(g));
+                for ((&sk, qg), dg) in groups.zip(dst.chunks_exact_mut(2 * g)) {
                     let s = _mm256_set1_ps(sk);
-                    for i in (k * g..(k + 1) * g).step_by(16) {
-                        // SAFETY: `i + 16 <= n × c <= q.len()` (g is a multiple of 16).
-                        let b = unsafe { _mm_loadu_si128(q.as_ptr().add(i).cast()) };
-                        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-                        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(b)));
-                        store16(dst, i, _mm256_mul_ps(lo, s), _mm256_mul_ps(hi, s));
+                    for (q16, d) in qg.chunks_exact(16).zip(dg.chunks_exact_mut(32)) {
+                        let (lo, hi) = signed16(q16);
+                        store16(d, _mm256_mul_ps(lo, s), _mm256_mul_ps(hi, s));
                     }
                 }
             }
             Mode::Q4Channel | Mode::Q8Channel => {
                 let wide = mode == Mode::Q8Channel;
-                let mut at = 0;
-                let mut row0 = 0;
-                while row0 < n {
-                    let t = KEY_TOKEN_GROUP.min(n - row0);
-                    let len = if wide { t * c } else { t * c / 2 };
-                    widen(&body[at..at + 4 * c], &mut sm);
+                // Code bytes per row, and per 16 channels.
+                let (per_row, per16) = if wide { (c, 16) } else { (c / 2, 8) };
+                let mut rest = body;
+                for rows in dst.chunks_mut(KEY_TOKEN_GROUP * 2 * c) {
+                    let t = rows.len() / (2 * c);
+                    let (head, tail) = rest.split_at(4 * c);
+                    let (codes, tail) = tail.split_at(t * per_row);
+                    rest = tail;
+                    widen(head, &mut sm);
                     let (s, m) = sm.split_at(c);
-                    let codes = &body[at + 4 * c..at + 4 * c + len];
                     // Channel-outer: a channel block's scales and minimums stay in registers
                     // over the group's rows.
-                    for j in (0..c).step_by(16) {
-                        let (s0, s1) = (load8(s, j), load8(s, j + 8));
-                        let (m0, m1) = (load8(m, j), load8(m, j + 8));
-                        for r in 0..t {
-                            let (q0, q1) = if wide {
-                                bytes16(codes, r * c + j)
-                            } else {
-                                nibbles16(codes, (r * c + j) / 2)
-                            };
+                    let blocks = s.chunks_exact(16).zip(m.chunks_exact(16));
+                    for (jb, (s16, m16)) in blocks.enumerate() {
+                        let (s0, s1) = (load8(&s16[..8]), load8(&s16[8..]));
+                        let (m0, m1) = (load8(&m16[..8]), load8(&m16[8..]));
+                        let cols = codes
+                            .chunks_exact(per_row)
+                            .zip(rows.chunks_exact_mut(2 * c));
+                        for (row_codes, row) in cols {
+                            let q = &row_codes[jb * per16..][..per16];
+                            let (q0, q1) = if wide { unsigned16(q) } else { nibbles16(q) };
                             let (y0, y1) =
                                 (_mm256_fmadd_ps(q0, s0, m0), _mm256_fmadd_ps(q1, s1, m1));
-                            store16(dst, (row0 + r) * c + j, y0, y1);
+                            store16(&mut row[32 * jb..][..32], y0, y1);
                         }
                     }
-                    at += 4 * c + len;
-                    row0 += t;
                 }
             }
             Mode::Q4Token => {
@@ -89,11 +90,12 @@ mod avx2 {
                 let (head, codes) = body.split_at(groups * 4);
                 widen(head, &mut sm);
                 let (scales, mins) = sm.split_at(groups);
-                for (k, (&sk, &mk)) in scales.iter().zip(mins).enumerate() {
+                let groups = scales.iter().zip(mins).zip(codes.chunks_exact(g / 2));
+                for (((&sk, &mk), qg), dg) in groups.zip(dst.chunks_exact_mut(2 * g)) {
                     let (s, m) = (_mm256_set1_ps(sk), _mm256_set1_ps(mk));
-                    for i in (k * g..(k + 1) * g).step_by(16) {
-                        let (q0, q1) = nibbles16(codes, i / 2);
-                        store16(dst, i, _mm256_fmadd_ps(q0, s, m), _mm256_fmadd_ps(q1, s, m));
+                    for (q8, d) in qg.chunks_exact(8).zip(dg.chunks_exact_mut(32)) {
+                        let (q0, q1) = nibbles16(q8);
+                        store16(d, _mm256_fmadd_ps(q0, s, m), _mm256_fmadd_ps(q1, s, m));
                     }
                 }
             }
@@ -120,35 +122,51 @@ mod avx2 {
         }
     }
 
-    /// Eight f32 of `v` from `j`.
+    /// Eight f32 (`v.len() == 8`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn load8(v: &[f32], j: usize) -> __m256 {
-        assert!(j + 8 <= v.len());
-        // SAFETY: `j + 8 <= v.len()` (asserted).
-        unsafe { _mm256_loadu_ps(v.as_ptr().add(j)) }
+    fn load8(v: &[f32]) -> __m256 {
+        let v: &[f32; 8] = v.try_into().expect("eight floats");
+        // SAFETY: eight f32 are readable at `v`.
+        unsafe { _mm256_loadu_ps(v.as_ptr()) }
     }
 
-    /// The 16 8-bit codes in `codes[at..at + 16]`, as two vectors of f32.
+    /// Sixteen 8-bit codes (`b.len() == 16`) as two vectors of f32, signed or unsigned.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn bytes16(codes: &[u8], at: usize) -> (__m256, __m256) {
-        assert!(at + 16 <= codes.len());
-        // SAFETY: 16 bytes from `at` are in bounds (asserted).
-        let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(at).cast()) };
+    fn codes16(b: &[u8]) -> __m128i {
+        let b: &[u8; 16] = b.try_into().expect("sixteen codes");
+        // SAFETY: sixteen bytes are readable at `b`.
+        unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn signed16(b: &[u8]) -> (__m256, __m256) {
+        let b = codes16(b);
+        (
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(b))),
+        )
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unsigned16(b: &[u8]) -> (__m256, __m256) {
+        let b = codes16(b);
         (
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(b))),
         )
     }
 
-    /// The 16 4-bit codes in `codes[at..at + 8]`, in element order, as two vectors of f32.
+    /// Sixteen 4-bit codes (`b.len() == 8`), in element order, as two vectors of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn nibbles16(codes: &[u8], at: usize) -> (__m256, __m256) {
-        assert!(at + 8 <= codes.len());
-        // SAFETY: 8 bytes from `at` are in bounds (asserted).
-        let b = unsafe { _mm_loadl_epi64(codes.as_ptr().add(at).cast()) };
+    fn nibbles16(b: &[u8]) -> (__m256, __m256) {
+        let b: &[u8; 8] = b.try_into().expect("eight bytes");
+        // SAFETY: eight bytes are readable at `b`.
+        let b = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
         let mask = _mm_set1_epi8(0x0f);
         let lo = _mm_and_si128(b, mask);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
@@ -159,19 +177,19 @@ mod avx2 {
         )
     }
 
-    /// Rounds 16 values to f16 and stores them as elements `i..i + 16` of `dst`.
+    /// Rounds 16 values to f16 into `d` (`d.len() == 32` bytes).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn store16(dst: &mut [u8], i: usize, lo: __m256, hi: __m256) {
-        assert!(2 * (i + 16) <= dst.len());
+    fn store16(d: &mut [u8], lo: __m256, hi: __m256) {
+        let d: &mut [u8; 32] = d.try_into().expect("sixteen f16");
         let (a, b) = (
             _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(lo),
             _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi),
         );
-        // SAFETY: bytes `2i..2i + 32` are in bounds (asserted).
+        // SAFETY: 32 bytes are writable at `d`.
         unsafe {
-            _mm_storeu_si128(dst.as_mut_ptr().add(2 * i).cast(), a);
-            _mm_storeu_si128(dst.as_mut_ptr().add(2 * i + 16).cast(), b);
+            _mm_storeu_si128(d.as_mut_ptr().cast(), a);
+            _mm_storeu_si128(d.as_mut_ptr().add(16).cast(), b);
         }
     }
 }
