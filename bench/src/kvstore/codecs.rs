@@ -36,14 +36,9 @@ pub(super) fn synthetic_kv(tokens: usize) -> (KvLayout, Vec<u8>) {
     (l, out)
 }
 
-/// A token sequence and its KV bytes.
-pub(super) type TokensKv = (Vec<u32>, Vec<u8>);
-
-/// KV of a real model: SmolLM2-135M (or `--codec-model`) prefilled over the dataset's
-/// documents in chunks of [`CODEC_CHUNK_TOKENS`], each from position 0, exported in f16 (the
-/// dtype the store is meant to hold), until `tokens` tokens. Returns the layout and, per
-/// chunk, its tokens and KV bytes.
-pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<TokensKv>), Error> {
+/// The model of the codec report (`--codec-model`, default SmolLM2-135M), the layout of its KV
+/// in f16, and its path.
+pub(super) fn codec_model(args: &Args) -> Result<(model::Model, KvLayout, PathBuf), Error> {
     use crate::model::merr;
     let path = args
         .codec_model
@@ -55,6 +50,19 @@ pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<Toke
         dtype: DType::F16,
         ..m.kv_layout().map_err(merr)?
     };
+    Ok((m, layout, path))
+}
+
+/// A token sequence and its KV bytes.
+pub(super) type TokensKv = (Vec<u32>, Vec<u8>);
+
+/// KV of a real model: SmolLM2-135M (or `--codec-model`) prefilled over the dataset's
+/// documents in chunks of [`CODEC_CHUNK_TOKENS`], each from position 0, exported in f16 (the
+/// dtype the store is meant to hold), until `tokens` tokens. Returns the layout and, per
+/// chunk, its tokens and KV bytes.
+pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<TokensKv>), Error> {
+    use crate::model::merr;
+    let (m, layout, path) = codec_model(args)?;
     let dir = crate::dataset::resolve(args.dataset.as_deref())?;
     let mut chunks = Vec::new();
     let mut total = 0;

@@ -9,7 +9,7 @@
 //! document are run over the f16 KV and over the decoded KV. Reported: the mean KL(f16 ‖
 //! codec) per continuation token and the share of positions whose argmax agrees.
 
-use schema::{Codec, DType, KvLayout};
+use schema::{Codec, KvLayout};
 
 use super::*;
 use crate::model::merr;
@@ -24,17 +24,8 @@ const DOCS: usize = 12;
 /// KL(f16 ‖ codec) and agreement for `int8`, `q8` and `q4`; the `int8` codec (one scale per
 /// layer and head over a block, the first lossy codec) is each line's baseline.
 pub(super) fn fidelity(args: &Args) -> Result<Vec<Line>, Error> {
-    let path = args
-        .codec_model
-        .clone()
-        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
-    let source = model::ModelSource::from_path(&path).map_err(merr)?;
-    let m = model::Model::load(&source, &model::LoadOptions::default()).map_err(merr)?;
+    let (m, l, path) = super::codecs::codec_model(args)?;
     let dec = m.decoder();
-    let l = KvLayout {
-        dtype: DType::F16,
-        ..m.kv_layout().map_err(merr)?
-    };
     let block = kvstore::StoreOptions::default().block_tokens;
     let codecs = [Codec::Int8, Codec::Q8, Codec::Q4];
     let (mut kl, mut agree, mut total) = ([0f64; 3], [0usize; 3], 0usize);
