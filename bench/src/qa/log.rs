@@ -1,7 +1,7 @@
 //! The question log of `ragkv eval qa` (`<dir>/qa-log.jsonl`; `qa-log-<context>-<codec>.jsonl`
-//! with `--context` (`-chained` when `--chunk-order neighbours` moved chunks) and/or `--codec`,
-//! `:` written `-`): a header line naming the run's
-//! settings, then one line per finished question, each synced before the next question starts.
+//! with `--context` and/or `--codec`, `:` written `-`, and `-chained` after the context with
+//! `--chunk-order neighbours`): a header line naming the run's settings, then one line per
+//! finished question, each synced before the next question starts.
 
 use std::io::{BufRead, Write};
 use std::path::Path;

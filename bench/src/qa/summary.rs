@@ -6,6 +6,7 @@ use super::codec;
 use super::context::PLAIN_NAIVE;
 use super::{default_strategy, Answer, Logged, QaLine, RunHeader};
 use crate::score;
+
 /// The figures of each strategy over `done` (one line per question); `full` last.
 pub(crate) fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
     let n = done.len().max(1) as f64;
