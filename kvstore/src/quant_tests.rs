@@ -40,6 +40,16 @@ fn decode_all(l: &KvLayout, tokens: usize, enc: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Each plane's mode in a payload.
+fn modes(l: &KvLayout, n: usize, enc: &[u8]) -> Vec<Mode> {
+    planes(l, n, enc)
+        .unwrap()
+        .1
+        .iter()
+        .map(|p| p.mode)
+        .collect()
+}
+
 /// The largest step of any group of plane `p`'s body: the error bound is half of it.
 fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
     let groups = match mode {
@@ -221,12 +231,7 @@ fn an_outlier_heavy_plane_falls_back_to_8_bits() {
         raw[i..i + 4].copy_from_slice(&500f32.to_le_bytes());
     }
     let enc = encode(&l, n, &raw, 4, false).unwrap();
-    let modes: Vec<Mode> = planes(&l, n, &enc)
-        .unwrap()
-        .1
-        .iter()
-        .map(|p| p.mode)
-        .collect();
+    let modes = modes(&l, n, &enc);
     assert_eq!(
         modes,
         [
@@ -288,12 +293,7 @@ fn q8_keys_with_an_offset_channel_go_per_channel_and_stay_fine() {
         e.copy_from_slice(&f16::from_f32(v).to_le_bytes());
     }
     let enc = encode(&l, n, &raw, 8, true).unwrap();
-    let modes: Vec<Mode> = planes(&l, n, &enc)
-        .unwrap()
-        .1
-        .iter()
-        .map(|p| p.mode)
-        .collect();
+    let modes = modes(&l, n, &enc);
     assert_eq!(
         modes,
         [

@@ -131,7 +131,7 @@ mod avx2 {
         unsafe { _mm256_loadu_ps(v.as_ptr()) }
     }
 
-    /// Sixteen 8-bit codes (`b.len() == 16`) as two vectors of f32, signed or unsigned.
+    /// Sixteen 8-bit codes (`b.len() == 16`) in one register.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn codes16(b: &[u8]) -> __m128i {
@@ -140,6 +140,7 @@ mod avx2 {
         unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
     }
 
+    /// Sixteen signed 8-bit codes (`b.len() == 16`) as two vectors of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn signed16(b: &[u8]) -> (__m256, __m256) {
@@ -150,6 +151,7 @@ mod avx2 {
         )
     }
 
+    /// Sixteen unsigned 8-bit codes (`b.len() == 16`) as two vectors of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn unsigned16(b: &[u8]) -> (__m256, __m256) {
