@@ -47,16 +47,14 @@ pub(super) fn fidelity(args: &Args) -> Result<Vec<Line>, Error> {
             crate::qa::rows(&out)
         };
         let reference = logits(&raw)?;
+        // The f16 KV's own greedy choices are the targets.
+        let targets: Vec<u32> = reference
+            .iter()
+            .map(|r| crate::score::argmax(r) as u32)
+            .collect();
         for (i, codec) in codecs.into_iter().enumerate() {
             let got = logits(&round_trip(codec, &l, &raw, CONTEXT, block)?)?;
-            let f = crate::score::forced(
-                &reference,
-                &got,
-                &reference
-                    .iter()
-                    .map(|r| crate::score::argmax(r) as u32)
-                    .collect::<Vec<_>>(),
-            );
+            let f = crate::score::forced(&reference, &got, &targets);
             kl[i] += f.kl_sum;
             agree[i] += f.agree;
         }
