@@ -10,7 +10,9 @@
 //!
 //! Records of a run that is contiguous on disk are fetched with one read: small runs into a
 //! per-thread buffer and copied into place, large ones with one `preadv` straight into their
-//! layer-major place in the caller's buffer.
+//! layer-major place in the caller's buffer. A large run of encoded (`q8`, `q4`, compressed)
+//! records is announced to the kernel whole and then read record by record, each decoded as
+//! soon as it is in, so that decoding overlaps the rest of the run's I/O.
 
 use std::sync::Arc;
 
@@ -266,31 +268,48 @@ impl Inner {
                 return Err(Retry::Again);
             };
 
-            let read_run = if len <= SMALL_RUN_BYTES {
-                Self::read_small_run
+            if len <= SMALL_RUN_BYTES {
+                self.read_small_run(
+                    &seg,
+                    &locs[r..e],
+                    &pending[r..e],
+                    blocks,
+                    total,
+                    layout,
+                    out,
+                )?;
+            } else if locs[r..e].iter().all(|l| l.codec != Codec::None) {
+                // Encoded records are decoded one by one as they arrive: the whole run is
+                // asked of the kernel first, so the later records' reads overlap the earlier
+                // ones' decoding instead of all decoding waiting for the last byte.
+                seg.will_need(locs[r].offset, len);
+                for (loc, which) in locs[r..e].iter().zip(pending[r..e].chunks(1)) {
+                    let one = std::slice::from_ref(loc);
+                    self.read_small_run(&seg, one, which, blocks, total, layout, out)?;
+                }
             } else {
-                Self::read_large_run
-            };
-            read_run(
-                self,
-                &seg,
-                &locs[r..e],
-                &pending[r..e],
-                blocks,
-                total,
-                layout,
-                out,
-            )?;
+                self.read_large_run(
+                    &seg,
+                    &locs[r..e],
+                    &pending[r..e],
+                    blocks,
+                    total,
+                    layout,
+                    out,
+                )?;
+            }
             bump(&self.counters.bytes_read, len as u64);
             r = e;
         }
         Ok(())
     }
 
-    /// A run of at most [`SMALL_RUN_BYTES`]: one `pread` of the whole run into a per-thread
-    /// buffer, then each record is checked there and its planes copied into place. For small
-    /// records this beats reading into place: a `preadv` with a dozen small pieces per record
-    /// costs the kernel more than the second copy, which runs from the CPU cache.
+    /// A run of at most [`SMALL_RUN_BYTES`], or one encoded record of a larger run: one `pread`
+    /// of the whole run into a per-thread buffer (which keeps the size of the largest record
+    /// it held), then each record is checked there and its planes copied or decoded into
+    /// place. For small records this beats reading into place: a `preadv` with a dozen small
+    /// pieces per record costs the kernel more than the second copy, which runs from the CPU
+    /// cache.
     #[allow(clippy::too_many_arguments)]
     fn read_small_run(
         &self,
