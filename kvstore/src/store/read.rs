@@ -268,17 +268,8 @@ impl Inner {
                 return Err(Retry::Again);
             };
 
-            if len <= SMALL_RUN_BYTES {
-                self.read_small_run(
-                    &seg,
-                    &locs[r..e],
-                    &pending[r..e],
-                    blocks,
-                    total,
-                    layout,
-                    out,
-                )?;
-            } else if locs[r..e].iter().all(|l| l.codec != Codec::None) {
+            let encoded = locs[r..e].iter().all(|l| l.codec != Codec::None);
+            if len > SMALL_RUN_BYTES && encoded {
                 // Encoded records are decoded one by one as they arrive: the whole run is
                 // asked of the kernel first, so the later records' reads overlap the earlier
                 // ones' decoding instead of all decoding waiting for the last byte.
@@ -288,7 +279,13 @@ impl Inner {
                     self.read_small_run(&seg, one, which, blocks, total, layout, out)?;
                 }
             } else {
-                self.read_large_run(
+                let read_run = if len <= SMALL_RUN_BYTES {
+                    Self::read_small_run
+                } else {
+                    Self::read_large_run
+                };
+                read_run(
+                    self,
                     &seg,
                     &locs[r..e],
                     &pending[r..e],
