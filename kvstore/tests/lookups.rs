@@ -1,8 +1,7 @@
 //! The in-memory lookup tiers in front of the index (presence filter, location cache) and the
 //! read paths (small runs through a buffer, large runs read into place, large runs of encoded
-//! records read and decoded record by record): every answer must
-//! be the index's, through puts, deletes, merges, namespace drops, filter rebuilds, reopens and
-//! concurrent writers.
+//! records read and decoded record by record): every answer must be the index's, through puts,
+//! deletes, merges, namespace drops, filter rebuilds, reopens and concurrent writers.
 
 mod common;
 
