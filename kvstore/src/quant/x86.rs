@@ -48,7 +48,7 @@ mod avx2 {
                 for ((&sk, qg), dg) in groups.zip(dst.chunks_exact_mut(2 * g)) {
                     let s = _mm256_set1_ps(sk);
                     for (q16, d) in qg.chunks_exact(16).zip(dg.chunks_exact_mut(32)) {
-                        let (lo, hi) = signed16(q16);
+                        let (lo, hi) = bytes16::<true>(q16);
                         store16(d, _mm256_mul_ps(lo, s), _mm256_mul_ps(hi, s));
                     }
                 }
@@ -76,7 +76,11 @@ mod avx2 {
                             .zip(rows.chunks_exact_mut(2 * c));
                         for (row_codes, row) in cols {
                             let q = &row_codes[jb * per16..][..per16];
-                            let (q0, q1) = if wide { unsigned16(q) } else { nibbles16(q) };
+                            let (q0, q1) = if wide {
+                                bytes16::<false>(q)
+                            } else {
+                                nibbles16(q)
+                            };
                             let (y0, y1) =
                                 (_mm256_fmadd_ps(q0, s0, m0), _mm256_fmadd_ps(q1, s1, m1));
                             store16(&mut row[32 * jb..][..32], y0, y1);
@@ -140,26 +144,19 @@ mod avx2 {
         unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
     }
 
-    /// Sixteen signed 8-bit codes (`b.len() == 16`) as two vectors of f32.
+    /// Sixteen 8-bit codes (`b.len() == 16`), signed (`SIGNED`) or unsigned, as two vectors of
+    /// f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn signed16(b: &[u8]) -> (__m256, __m256) {
+    fn bytes16<const SIGNED: bool>(b: &[u8]) -> (__m256, __m256) {
         let b = codes16(b);
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(b))),
-        )
-    }
-
-    /// Sixteen unsigned 8-bit codes (`b.len() == 16`) as two vectors of f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn unsigned16(b: &[u8]) -> (__m256, __m256) {
-        let b = codes16(b);
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(b))),
-        )
+        let (lo, hi) = (b, _mm_srli_si128::<8>(b));
+        let (lo, hi) = if SIGNED {
+            (_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(hi))
+        } else {
+            (_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(hi))
+        };
+        (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi))
     }
 
     /// Sixteen 4-bit codes (`b.len() == 8`), in element order, as two vectors of f32.
