@@ -108,6 +108,9 @@ pub struct Stats {
     pub bytes_written_direct: u64,
     /// Bytes read from segment files.
     pub bytes_read: u64,
+    /// Of `bytes_read`, those a read-ahead thread fetched while the reader decoded (encoded
+    /// runs the page cache did not hold whole).
+    pub bytes_read_ahead: u64,
     /// Segments retired by the merger.
     pub merges: u64,
     /// Bytes the merger copied into new segments.

@@ -114,6 +114,40 @@ impl Segment {
         })
     }
 
+    /// Reads into `buf` what of the bytes at `offset` the page cache already holds, without
+    /// waiting for the disk (`preadv2` with `RWF_NOWAIT`): the count read, from 0 (the first
+    /// page is not cached, or the kernel cannot tell without blocking) to `buf.len()`. Never
+    /// an error: whatever this does not read is read the ordinary way.
+    pub fn read_cached_at(&self, offset: u64, buf: &mut [u8]) -> usize {
+        let fd = std::os::unix::io::AsRawFd::as_raw_fd(&self.file);
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &mut buf[done..];
+            let iov = libc::iovec {
+                iov_base: rest.as_mut_ptr() as *mut libc::c_void,
+                iov_len: rest.len(),
+            };
+            // SAFETY: one iovec over `rest`, a writable buffer that outlives the call; `fd`
+            // is open for as long as `self` lives.
+            let r = unsafe {
+                libc::preadv2(
+                    fd,
+                    &iov,
+                    1,
+                    (offset + done as u64) as libc::off_t,
+                    libc::RWF_NOWAIT,
+                )
+            };
+            match r {
+                r if r > 0 => done += r as usize,
+                -1 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {
+                }
+                _ => break,
+            }
+        }
+        done
+    }
+
     /// Fills the buffers of `iovs`, in order, from the bytes at `offset` (`preadv`, batched to
     /// the system's iovec limit, resumed after short reads). `iovs` is consumed.
     pub fn read_vectored_at(&self, mut offset: u64, iovs: &mut [libc::iovec]) -> Result<()> {

@@ -1,6 +1,6 @@
 //! The in-memory lookup tiers in front of the index (presence filter, location cache) and the
 //! read paths (small runs through a buffer, large runs read into place, large runs of encoded
-//! records read and decoded record by record): every answer must be the index's, through puts,
+//! records decoded piece by piece as a read-ahead thread fetches them): every answer must be the index's, through puts,
 //! deletes, merges, namespace drops, filter rebuilds, reopens and concurrent writers.
 
 mod common;
@@ -134,14 +134,59 @@ fn large_runs_of_quantized_records_read_back_as_their_blocks_decode() {
             stored > 256 << 10,
             "{codec}: {stored} bytes is no large run"
         );
+        // Warm (the page cache holds the run: read here), then cold (read by the read-ahead
+        // thread while this one decodes).
         let mut buf = Vec::new();
         store.get_batch_into(ns, &t, n, &mut buf).unwrap();
         assert!(
             buf == want,
             "{codec}: the large run differs from its blocks' decoding"
         );
+        if drop_cached_pages(dir.path()) {
+            let before = store.stats().bytes_read_ahead;
+            buf.fill(0);
+            store.get_batch_into(ns, &t, n, &mut buf).unwrap();
+            assert!(buf == want, "{codec}: the cold large run differs");
+            let ahead = store.stats().bytes_read_ahead - before;
+            assert!(ahead > 0, "{codec}: the cold run was not read ahead");
+        }
         assert_eq!(store.stats().corrupt, 0);
     }
+}
+
+/// Writes back and drops from the page cache every file under `dir`; false where the file
+/// system keeps its files in memory (tmpfs), so that nothing can be dropped.
+fn drop_cached_pages(dir: &std::path::Path) -> bool {
+    use std::os::unix::io::AsRawFd;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `statfs` is plain data, for which all zeros is a valid value.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C path and a writable `statfs`.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut fs) };
+    if rc != 0 || fs.f_type as i64 == TMPFS_MAGIC {
+        return false;
+    }
+    for entry in walk(dir) {
+        let f = std::fs::File::open(&entry).unwrap();
+        f.sync_all().unwrap();
+        // SAFETY: fadvise on a descriptor open for the call.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    true
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
 }
 
 #[test]

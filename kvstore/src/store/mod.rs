@@ -36,6 +36,7 @@ mod open;
 pub use open::UNREFERENCED_DIR;
 mod planes;
 mod read;
+mod read_ahead;
 mod reports;
 mod verify;
 mod workers;

@@ -11,8 +11,8 @@
 //! Records of a run that is contiguous on disk are fetched with one read: small runs into a
 //! per-thread buffer and copied into place, large ones with one `preadv` straight into their
 //! layer-major place in the caller's buffer. A large run of encoded (`q8`, `q4`, compressed)
-//! records is announced to the kernel whole and then read record by record, each decoded as
-//! soon as it is in, so that decoding overlaps the rest of the run's I/O.
+//! records is read in pieces by a helper thread while this one verifies and decodes each
+//! piece as soon as it is in (`read_ahead.rs`), so that decoding overlaps the run's I/O.
 
 use std::sync::Arc;
 
@@ -270,14 +270,10 @@ impl Inner {
 
             let encoded = locs[r..e].iter().all(|l| l.codec != Codec::None);
             if len > SMALL_RUN_BYTES && encoded {
-                // Encoded records are decoded one by one as they arrive: the whole run is
-                // asked of the kernel first, so the later records' reads overlap the earlier
-                // ones' decoding instead of all decoding waiting for the last byte.
-                seg.will_need(locs[r].offset, len);
-                for (loc, which) in locs[r..e].iter().zip(pending[r..e].chunks(1)) {
-                    let one = std::slice::from_ref(loc);
-                    self.read_small_run(&seg, one, which, blocks, total, layout, out)?;
-                }
+                // Encoded records are decoded one by one as they arrive, while a helper
+                // thread reads the rest of the run (`read_ahead.rs`).
+                let run = &locs[r..e];
+                self.read_encoded_run(&seg, run, &pending[r..e], blocks, total, layout, out)?;
             } else {
                 let read_run = if len <= SMALL_RUN_BYTES {
                     Self::read_small_run
@@ -301,12 +297,11 @@ impl Inner {
         Ok(())
     }
 
-    /// A run of at most [`SMALL_RUN_BYTES`], or one encoded record of a larger run: one `pread`
-    /// of the whole run into a per-thread buffer (which keeps the size of the largest record
-    /// it held), then each record is checked there and its planes copied or decoded into
-    /// place. For small records this beats reading into place: a `preadv` with a dozen small
-    /// pieces per record costs the kernel more than the second copy, which runs from the CPU
-    /// cache.
+    /// A run of at most [`SMALL_RUN_BYTES`]: one `pread` of the whole run into a per-thread
+    /// buffer (which keeps the size of the largest run it held), then each record is checked
+    /// there and its planes copied or decoded into place. For small records this beats reading
+    /// into place: a `preadv` with a dozen small pieces per record costs the kernel more than
+    /// the second copy, which runs from the CPU cache.
     #[allow(clippy::too_many_arguments)]
     fn read_small_run(
         &self,
@@ -332,25 +327,37 @@ impl Inner {
                 .map_err(|e| self.read_error(e, &locs[0]))?;
             let mut at = 0;
             for (loc, &i) in locs.iter().zip(which) {
-                let b = &blocks[i];
                 let rec = &buf[at..at + loc.length as usize];
                 at += loc.length as usize;
-                let head = RECORD_HEADER_LEN + b.key.len();
-                let payload = &rec[head..rec.len() - RECORD_TRAILER_LEN];
-                let stored_crc =
-                    u32::from_le_bytes(rec[rec.len() - RECORD_TRAILER_LEN..].try_into().unwrap());
-                self.check_record(
-                    loc,
-                    b,
-                    layout,
-                    &rec[..head],
-                    stored_crc,
-                    crc32c::crc32c(payload),
-                )?;
-                self.place(loc, b, total, layout, payload, out)?;
+                self.finish_record(loc, &blocks[i], rec, total, layout, out)?;
             }
             Ok(())
         })
+    }
+
+    /// Checks one whole record `rec` read from `loc` and puts block `b`'s planes in place.
+    pub(super) fn finish_record(
+        &self,
+        loc: &Location,
+        b: &BlockRef,
+        rec: &[u8],
+        total: usize,
+        layout: &KvLayout,
+        out: &mut [u8],
+    ) -> std::result::Result<(), Retry> {
+        let head = RECORD_HEADER_LEN + b.key.len();
+        let payload = &rec[head..rec.len() - RECORD_TRAILER_LEN];
+        let stored_crc =
+            u32::from_le_bytes(rec[rec.len() - RECORD_TRAILER_LEN..].try_into().unwrap());
+        self.check_record(
+            loc,
+            b,
+            layout,
+            &rec[..head],
+            stored_crc,
+            crc32c::crc32c(payload),
+        )?;
+        self.place(loc, b, total, layout, payload, out)
     }
 
     /// A larger run: one `preadv` whose pieces land directly in their layer-major place in
@@ -454,7 +461,7 @@ impl Inner {
 
     /// A read of a segment failed: past its end means the index points at bytes the file
     /// does not have.
-    fn read_error(&self, e: Error, first: &Location) -> Retry {
+    pub(super) fn read_error(&self, e: Error, first: &Location) -> Retry {
         match e {
             Error::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
                 Retry::Fail(Error::Corrupt {
@@ -574,7 +581,7 @@ impl Inner {
 }
 
 /// Why a read did not return KV.
-enum Retry {
+pub(super) enum Retry {
     Again,
     Fail(Error),
 }
