@@ -128,6 +128,7 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
                "evicted_sequences": s.evicted_sequences, "evicted_bytes": s.evicted_bytes,
                "refused_writes": s.refused_writes, "bytes_written": s.bytes_written,
                "bytes_written_direct": s.bytes_written_direct,
+               "bytes_read": s.bytes_read, "bytes_read_ahead": s.bytes_read_ahead,
                "presence_filter": {"keys": s.presence.keys, "capacity": s.presence.capacity,
                                    "stale": s.presence.stale, "bytes": s.presence.bytes},
                "location_cache": {"entries": s.location_cache.entries,

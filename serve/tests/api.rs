@@ -147,6 +147,11 @@ async fn query_routes_validate_answer_and_match_full_recompute() {
         stats["queries"]["admitted"].as_u64().unwrap() >= 4,
         "{stats}"
     );
+    // The store's read counters are reported (what the read-ahead thread fetched is part of
+    // what was read).
+    let read = stats["kv"]["bytes_read"].as_u64().unwrap();
+    let ahead = stats["kv"]["bytes_read_ahead"].as_u64().unwrap();
+    assert!(ahead <= read, "{stats}");
 
     // A web page cannot drive the server: foreign Host (DNS rebinding), foreign Origin or a
     // cross-site fetch are refused before any route runs, with a JSON 403.
