@@ -313,16 +313,8 @@ impl Inner {
         layout: &KvLayout,
         out: &mut [u8],
     ) -> std::result::Result<(), Retry> {
-        thread_local! {
-            static RUN: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-        }
         let len: usize = locs.iter().map(|l| l.length as usize).sum();
-        RUN.with_borrow_mut(|buf| {
-            // Grown once per thread; every byte used is overwritten by the read.
-            if buf.len() < len {
-                buf.resize(len, 0);
-            }
-            let buf = &mut buf[..len];
+        with_run_buffer(len, |buf| {
             seg.read_at(locs[0].offset, buf)
                 .map_err(|e| self.read_error(e, &locs[0]))?;
             let mut at = 0;
@@ -584,6 +576,21 @@ impl Inner {
 pub(super) enum Retry {
     Again,
     Fail(Error),
+}
+
+/// Runs `f` on this thread's run buffer, cut to `len` bytes: grown once per thread to the
+/// largest run it held, its bytes left from earlier reads (every byte a read path uses, it
+/// overwrites first).
+pub(super) fn with_run_buffer<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    thread_local! {
+        static RUN: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    RUN.with_borrow_mut(|buf| {
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        f(&mut buf[..len])
+    })
 }
 
 /// Whether an index entry's record length is possible for its key, token count and layout

@@ -1,8 +1,8 @@
 //! Large runs of encoded records (`q8`, `q4`, compressed), read ahead: what the page cache
 //! already holds is copied without waiting (`RWF_NOWAIT`); if that is not the whole run, a
-//! helper thread reads the rest in pieces of about [`PIECE_BYTES`] into the same per-thread
-//! buffer and hands each piece over as soon as it is filled, while the calling thread verifies
-//! and decodes the records of the pieces already in.
+//! helper thread reads the rest in pieces of about [`PIECE_BYTES`] into the calling thread's
+//! run buffer (`with_run_buffer`) and hands each piece over as soon as it is filled, while the
+//! calling thread verifies and decodes the records of the pieces already in.
 //!
 //! Decoding a `q4` record into f16 takes about as long as reading it from a cold disk, so the
 //! two overlapped nearly halve a cold get. How the disk is kept busy was measured (Cascade
@@ -13,14 +13,13 @@
 //! thread. Unencoded runs gain nothing from this (there is nothing to decode) and are read
 //! with one `preadv` into place instead.
 
-use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::mpsc;
 
 use schema::{KvLayout, Location};
 
 use super::inner::{bump, Inner};
-use super::read::Retry;
+use super::read::{with_run_buffer, Retry};
 use crate::error::Error;
 use crate::key::BlockRef;
 use crate::segment::Segment;
@@ -46,17 +45,9 @@ impl Inner {
         layout: &KvLayout,
         out: &mut [u8],
     ) -> Result<(), Retry> {
-        thread_local! {
-            static RUN: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-        }
         let len: usize = locs.iter().map(|l| l.length as usize).sum();
         let pieces = pieces(locs.iter().map(|l| l.length as usize));
-        RUN.with_borrow_mut(|buf| {
-            // Grown once per thread; every byte used is overwritten by the reads.
-            if buf.len() < len {
-                buf.resize(len, 0);
-            }
-            let buf = &mut buf[..len];
+        with_run_buffer(len, |buf| {
             let cached = seg.read_cached_at(locs[0].offset, buf);
             // Pieces whole in the cached prefix are decoded here; the reader takes the rest.
             let mut at = 0;
