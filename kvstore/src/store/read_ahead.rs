@@ -50,18 +50,23 @@ impl Inner {
         let pieces = pieces(locs.iter().map(|l| l.length as usize));
         with_run_buffer(len, |buf| {
             let cached = seg.read_cached_at(locs[0].offset, buf);
-            // Pieces whole in the cached prefix are decoded here; the reader takes the rest.
-            let mut at = 0;
-            let mut ready = 0;
+            // The run cut into its pieces, each with its offset in the segment.
+            let mut parts = Vec::with_capacity(pieces.len());
+            let (mut rest, mut offset) = (buf, locs[0].offset);
             for p in &pieces {
-                let n = piece_bytes(locs, p);
-                if at + n > cached {
-                    break;
-                }
-                at += n;
-                ready += 1;
+                let n: usize = locs[p.clone()].iter().map(|l| l.length as usize).sum();
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                parts.push((offset, part));
+                offset += n as u64;
+                rest = tail;
             }
-            let (have, rest) = buf.split_at_mut(at);
+            // Pieces whole in the cached prefix are decoded here; the reader takes the rest.
+            let end_of = |(o, p): &(u64, &mut [u8])| o - locs[0].offset + p.len() as u64;
+            let ready = parts
+                .iter()
+                .take_while(|part| end_of(part) <= cached as u64)
+                .count();
+            let ahead = parts.split_off(ready);
             let finish = |p: &Range<usize>, part: &[u8], out: &mut [u8]| {
                 let mut at = 0;
                 for k in p.clone() {
@@ -71,32 +76,20 @@ impl Inner {
                 }
                 Ok(())
             };
-            if ready == pieces.len() {
-                let mut at = 0;
-                for p in &pieces {
-                    let n = piece_bytes(locs, p);
-                    finish(p, &have[at..at + n], out)?;
-                    at += n;
-                }
-                return Ok(());
+            let finish_cached = |out: &mut [u8]| {
+                (pieces.iter().zip(&parts)).try_for_each(|(p, (_, part))| finish(p, part, out))
+            };
+            if ahead.is_empty() {
+                return finish_cached(out);
             }
-            bump(&self.counters.bytes_read_ahead, rest.len() as u64);
-            let mut parts = Vec::with_capacity(pieces.len() - ready);
-            let mut offset = locs[0].offset + at as u64;
-            let mut rest = rest;
-            for p in &pieces[ready..] {
-                let n = piece_bytes(locs, p);
-                let (part, tail) = std::mem::take(&mut rest).split_at_mut(n);
-                parts.push((offset, part));
-                offset += n as u64;
-                rest = tail;
-            }
+            let bytes: usize = ahead.iter().map(|(_, part)| part.len()).sum();
+            bump(&self.counters.bytes_read_ahead, bytes as u64);
             // Holds every piece: the reader never waits for this thread.
-            let (tx, rx) = mpsc::sync_channel(parts.len());
+            let (tx, rx) = mpsc::sync_channel(ahead.len());
             std::thread::scope(|s| {
                 let reader = std::thread::Builder::new()
                     .name("kvstore-read-ahead".into())
-                    .spawn_scoped(s, move || read_pieces(seg, parts, tx))
+                    .spawn_scoped(s, move || read_pieces(seg, ahead, tx))
                     .map_err(|e| {
                         Retry::Fail(Error::Io(std::io::Error::new(
                             e.kind(),
@@ -104,12 +97,7 @@ impl Inner {
                         )))
                     })?;
                 let outcome = (|| {
-                    let mut at = 0;
-                    for p in &pieces[..ready] {
-                        let n = piece_bytes(locs, p);
-                        finish(p, &have[at..at + n], out)?;
-                        at += n;
-                    }
+                    finish_cached(out)?;
                     for p in &pieces[ready..] {
                         match rx.recv() {
                             Ok(Ok(part)) => finish(p, part, out)?,
@@ -155,11 +143,6 @@ fn read_pieces<'a>(
             return;
         }
     }
-}
-
-/// Bytes of the records `p` of `locs`.
-fn piece_bytes(locs: &[Location], p: &Range<usize>) -> usize {
-    locs[p.clone()].iter().map(|l| l.length as usize).sum()
 }
 
 /// Splits a run of records of the given `lengths` into pieces: ranges of record indices of
