@@ -11,7 +11,8 @@
 //!   tokens), each channel's values over a group of up to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
 //!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
 //!   **token**, in groups of [`q4_group`] elements; asymmetric: `x = q × scale + min`, `q` in
-//!   `0..=15`. A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
+//!   `0..=15`; in every key group the widest [`wide::wide_channels`] channels (a 32nd) get
+//!   255 levels instead ([`wide`], plane mode `4`). A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
 //!   outlier-heavy layer) is written at 8 bits instead, recorded per plane. A chunk's first
 //!   token (the block at its start) is written at 8 bits in every plane ("head" tokens,
 //!   [`Q4_HEAD_TOKENS`]) and left out of the 4-bit groups: it is the attention sink that every
@@ -25,15 +26,16 @@
 //! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
 //! tames the outlier channels a Hadamard rotation would otherwise be needed for.
 //!
-//! Payload of a `q8` or `q4` record, version 3 (little-endian; `P` planes, `n` tokens,
-//! `C = kv_heads × head_dim` elements per token and plane). Version 2 is the same with byte 1
-//! zero; version 1 is version 2 without mode `3`; readers take all three.
+//! Payload of a `q8` or `q4` record, version 4 (little-endian; `P` planes, `n` tokens,
+//! `C = kv_heads × head_dim` elements per token and plane). Version 3 is the same without
+//! mode `4`; version 2 is version 3 with byte 1 zero; version 1 is version 2 without mode `3`;
+//! readers take all four.
 //!
 //! | offset | size | field                                                                  |
 //! |-------:|-----:|------------------------------------------------------------------------|
-//! | 0      | 1    | quantized payload version (`3`; `2` and `1` still read)                |
+//! | 0      | 1    | quantized payload version (`4`; `3`, `2` and `1` still read)           |
 //! | 1      | 1    | head tokens `h` (`0`, or `1` in a `q4` chunk's first block), `h < n`   |
-//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel |
+//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel, `4` q4 per channel with its widest channels at 8 bits |
 //! | 2 + P  | …    | per plane, in plane order: its first `h` tokens as a mode-`0` body, then the other `n − h` tokens as a body of the plane's mode |
 //!
 //! Plane bodies (`G8 = q8_group(C)`, `G4 = q4_group(C)`, `T = KEY_TOKEN_GROUP`):
@@ -44,6 +46,7 @@
 //! | 1    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C/2` bytes    |
 //! | 2    | `n × C/G4` f16 scales, `n × C/G4` f16 minimums, then `n × C/2` bytes                   |
 //! | 3    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C` bytes      |
+//! | 4    | a mode-`1` body, then per group its wide channels and their codes' high nibbles ([`wide`]) |
 //!
 //! 4-bit codes are packed two per byte along the row: element `2i` in the low nibble, `2i+1`
 //! in the high one. Decoding into f16 (the layout the store holds by default) runs in AVX2 +
@@ -53,13 +56,25 @@
 use half::{bf16, f16};
 use schema::{DType, KvLayout};
 
+pub(crate) use decode::decode_into_place;
+use decode::decode_plane_f32;
+#[cfg(test)]
+use decode::{decode_plane, decode_plane_portable, h, planes};
+
+// Payloads split into planes and decoded.
+mod decode;
+// Mode 4: the widest key channels at 8 bits.
+mod wide;
 // AVX2 + F16C decoding, beside the portable loop below.
 mod x86;
 
-/// Version of the quantized payload format written; [`VERSION_2`] and [`VERSION_1`] are still
-/// read.
-const VERSION: u8 = 3;
-/// No head tokens (byte 1 reserved, zero).
+/// Version of the quantized payload format written; versions 3, 2 and 1 are still read.
+const VERSION: u8 = 4;
+/// No plane in [`Mode::Q4ChannelWide`].
+const VERSION_3: u8 = 3;
+/// No head tokens (byte 1 reserved, zero); read as [`VERSION_1`]..=[`VERSION`], named for
+/// the tests.
+#[cfg(test)]
 const VERSION_2: u8 = 2;
 /// The first version: no head tokens, no plane in [`Mode::Q8Channel`].
 const VERSION_1: u8 = 1;
@@ -80,6 +95,7 @@ pub(crate) enum Mode {
     Q4Channel = 1,
     Q4Token = 2,
     Q8Channel = 3,
+    Q4ChannelWide = 4,
 }
 
 impl Mode {
@@ -89,6 +105,7 @@ impl Mode {
             Mode::Q4Channel,
             Mode::Q4Token,
             Mode::Q8Channel,
+            Mode::Q4ChannelWide,
         ]
         .get(b as usize)
         .copied()
@@ -120,6 +137,7 @@ fn body_len(mode: Mode, n: usize, c: usize) -> usize {
         Mode::Q4Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c / 2,
         Mode::Q4Token => n * (c / q4_group(c)) * 4 + n * c / 2,
         Mode::Q8Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c,
+        Mode::Q4ChannelWide => body_len(Mode::Q4Channel, n, c) + wide::tail_len(n, c),
     }
 }
 
@@ -244,7 +262,11 @@ pub(crate) fn encode(
             // `MIN_CHANNEL_TOKENS` tokens they would outweigh the codes (and the payload grow
             // past the raw bytes), so short blocks quantize keys per token too.
             let mode = if p % 2 == 0 && tokens >= MIN_CHANNEL_TOKENS {
-                Mode::Q4Channel
+                if wide::wide_channels(c) > 0 {
+                    Mode::Q4ChannelWide
+                } else {
+                    Mode::Q4Channel
+                }
             } else {
                 Mode::Q4Token
             };
@@ -315,8 +337,15 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                 }
             }
         }
-        Mode::Q4Channel | Mode::Q8Channel => {
-            let levels = if mode == Mode::Q8Channel { 255.0 } else { 15.0 };
+        Mode::Q4Channel | Mode::Q8Channel | Mode::Q4ChannelWide => {
+            let base = if mode == Mode::Q8Channel { 255.0 } else { 15.0 };
+            let k = if mode == Mode::Q4ChannelWide {
+                wide::wide_channels(c)
+            } else {
+                0
+            };
+            // Mode 4's groups' wide channels and high nibbles, after the whole base body.
+            let mut tail = Vec::new();
             for rows in x.chunks(KEY_TOKEN_GROUP * c) {
                 let t = rows.len() / c;
                 let (mut lo, mut hi) = (vec![f32::INFINITY; c], vec![f32::NEG_INFINITY; c]);
@@ -326,22 +355,31 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                         hi[j] = hi[j].max(*v);
                     }
                 }
+                let wide = wide::widest(&lo, &hi, k);
+                let mut levels = vec![base; c];
+                wide.iter().for_each(|&j| levels[j] = 255.0);
                 let (scales, mins): (Vec<f16>, Vec<f16>) =
-                    (0..c).map(|j| scale_min(lo[j], hi[j], levels)).unzip();
+                    (0..c).map(|j| scale_min(lo[j], hi[j], levels[j])).unzip();
                 scales
                     .iter()
                     .chain(&mins)
                     .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
-                let sm = |j: usize| (scales[j].to_f32(), mins[j].to_f32());
-                for i in 0..t {
-                    let row = &rows[i * c..(i + 1) * c];
+                let mut high = Vec::with_capacity(t * k);
+                for row in rows.chunks_exact(c) {
+                    let q =
+                        |j: usize| code(row[j], (scales[j].to_f32(), mins[j].to_f32()), levels[j]);
                     if mode == Mode::Q8Channel {
-                        out.extend((0..c).map(|j| code(row[j], sm(j), levels)));
+                        out.extend((0..c).map(q));
                     } else {
-                        pack4(row, sm, out);
+                        pack4(c, q, out);
+                        high.extend(wide.iter().map(|&j| q(j) >> 4));
                     }
                 }
+                if k > 0 {
+                    wide::push_tail(&wide, &high, &mut tail);
+                }
             }
+            out.extend_from_slice(&tail);
         }
         Mode::Q4Token => {
             let g = q4_group(c);
@@ -359,11 +397,8 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                 .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
             for (r, row) in x.chunks_exact(c).enumerate() {
                 let k = r * (c / g);
-                pack4(
-                    row,
-                    |j| (scales[k + j / g].to_f32(), mins[k + j / g].to_f32()),
-                    out,
-                );
+                let sm = |j: usize| (scales[k + j / g].to_f32(), mins[k + j / g].to_f32());
+                pack4(c, |j| code(row[j], sm(j), 15.0), out);
             }
         }
     }
@@ -391,168 +426,10 @@ fn code(x: f32, (s, m): (f32, f32), levels: f32) -> u8 {
     }
 }
 
-/// Packs a row's 4-bit codes, element `2i` in the low nibble; `sm(j)` is element `j`'s
-/// (scale, min).
-fn pack4(row: &[f32], sm: impl Fn(usize) -> (f32, f32), out: &mut Vec<u8>) {
-    let q = |j: usize| code(row[j], sm(j), 15.0);
-    for j in (0..row.len()).step_by(2) {
-        out.push(q(j) | (q(j + 1) << 4));
-    }
-}
-
-/// One plane of a payload: its head tokens' mode-`0` body, its mode and the other tokens' body.
-struct Plane<'a> {
-    head: &'a [u8],
-    mode: Mode,
-    body: &'a [u8],
-}
-
-/// Splits a payload into its head token count and planes, checking every length.
-fn planes<'a>(
-    layout: &KvLayout,
-    tokens: usize,
-    enc: &'a [u8],
-) -> Result<(usize, Vec<Plane<'a>>), String> {
-    let c = layout.kv_heads as usize * layout.head_dim as usize;
-    let n = layout.planes();
-    let known = |v: u8| v == VERSION || v == VERSION_2 || v == VERSION_1;
-    if enc.len() < 2 + n || !known(enc[0]) {
-        return Err(match enc.first() {
-            Some(&v) if !known(v) => format!("quantized payload version {v} is not known"),
-            _ => format!("quantized payload of {} bytes is truncated", enc.len()),
-        });
-    }
-    let head = if enc[0] == VERSION {
-        enc[1] as usize
-    } else {
-        0
-    };
-    if head > 0 && head >= tokens {
-        return Err(format!("{head} head tokens in a block of {tokens}"));
-    }
-    let mut at = 2 + n;
-    let mut out = Vec::with_capacity(n);
-    let mut take = |len: usize, p: usize| {
-        let body = enc
-            .get(at..at + len)
-            .ok_or_else(|| format!("plane {p}: body truncated"));
-        at += len;
-        body
-    };
-    for p in 0..n {
-        let mode = Mode::from_byte(enc[2 + p])
-            .filter(|&m| enc[0] != VERSION_1 || m != Mode::Q8Channel)
-            .ok_or_else(|| format!("plane {p}: mode {} in version {}", enc[2 + p], enc[0]))?;
-        let head_body = take(body_len(Mode::Q8Token, head, c), p)?;
-        let body = take(body_len(mode, tokens - head, c), p)?;
-        out.push(Plane {
-            head: head_body,
-            mode,
-            body,
-        });
-    }
-    if at != enc.len() {
-        return Err(format!("{} bytes after the last plane", enc.len() - at));
-    }
-    Ok((head, out))
-}
-
-/// Decodes a payload into `out`, where plane `p`'s `tokens` rows go at element offset
-/// `(p × total + start) × C` (the block's place in a layer-major buffer of `total` tokens).
-pub(crate) fn decode_into_place(
-    layout: &KvLayout,
-    tokens: usize,
-    enc: &[u8],
-    out: &mut [u8],
-    total: usize,
-    start: usize,
-) -> Result<(), String> {
-    let c = layout.kv_heads as usize * layout.head_dim as usize;
-    let tb = layout.plane_token_bytes();
-    let (head, parts) = planes(layout, tokens, enc)?;
-    if out.len() < layout.planes() * total * tb || start + tokens > total {
-        return Err("output buffer too small".into());
-    }
-    for (p, plane) in parts.into_iter().enumerate() {
-        let at = (p * total + start) * tb;
-        let (dh, dst) = out[at..at + tokens * tb].split_at_mut(head * tb);
-        if head > 0 {
-            decode_plane(Mode::Q8Token, plane.head, head, c, layout.dtype, dh);
-        }
-        decode_plane(plane.mode, plane.body, tokens - head, c, layout.dtype, dst);
-    }
-    Ok(())
-}
-
-/// One plane's body into `dst` (`n × c` elements of `dtype`): SIMD for f16 where the CPU has
-/// it, else the portable loop.
-fn decode_plane(mode: Mode, body: &[u8], n: usize, c: usize, dtype: DType, dst: &mut [u8]) {
-    if dtype == DType::F16 && x86::decode_f16(mode, body, n, c, dst) {
-        return;
-    }
-    decode_plane_portable(mode, body, n, c, dtype, dst);
-}
-
-/// The portable decoder: every element through f32, `q × scale + min` as one fused
-/// multiply-add (what the SIMD decoder computes, so both agree bit for bit).
-pub(crate) fn decode_plane_portable(
-    mode: Mode,
-    body: &[u8],
-    n: usize,
-    c: usize,
-    dtype: DType,
-    dst: &mut [u8],
-) {
-    let mut y = vec![0f32; n * c];
-    decode_plane_f32(mode, body, n, c, &mut y);
-    let size = dtype.size();
-    for (i, v) in y.iter().enumerate() {
-        write_elem(dtype, *v, &mut dst[i * size..(i + 1) * size]);
-    }
-}
-
-fn h(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
-}
-
-fn decode_plane_f32(mode: Mode, body: &[u8], n: usize, c: usize, y: &mut [f32]) {
-    let nib = |b: &[u8], j: usize| f32::from((b[j / 2] >> ((j % 2) * 4)) & 15);
-    match mode {
-        Mode::Q8Token => {
-            let g = q8_group(c);
-            let (scales, q) = body.split_at(n * (c / g) * 2);
-            for (i, v) in y.iter_mut().enumerate() {
-                *v = f32::from(q[i] as i8) * h(scales, i / g);
-            }
-        }
-        Mode::Q4Channel | Mode::Q8Channel => {
-            let wide = mode == Mode::Q8Channel;
-            let mut at = 0;
-            for rows in y.chunks_mut(KEY_TOKEN_GROUP * c) {
-                let t = rows.len() / c;
-                let len = if wide { t * c } else { t * c / 2 };
-                let sm = &body[at..at + 4 * c];
-                let codes = &body[at + 4 * c..at + 4 * c + len];
-                for (i, v) in rows.iter_mut().enumerate() {
-                    let j = i % c;
-                    let q = if wide {
-                        f32::from(codes[i])
-                    } else {
-                        nib(codes, i)
-                    };
-                    *v = q.mul_add(h(sm, j), h(sm, c + j));
-                }
-                at += 4 * c + len;
-            }
-        }
-        Mode::Q4Token => {
-            let g = q4_group(c);
-            let groups = n * (c / g);
-            let (sm, codes) = body.split_at(groups * 4);
-            for (i, v) in y.iter_mut().enumerate() {
-                *v = nib(codes, i).mul_add(h(sm, i / g), h(sm, groups + i / g));
-            }
-        }
+/// Packs the low 4 bits of a row's `c` codes `q(j)`, element `2i` in the low nibble.
+fn pack4(c: usize, q: impl Fn(usize) -> u8, out: &mut Vec<u8>) {
+    for j in (0..c).step_by(2) {
+        out.push((q(j) & 15) | (q(j + 1) << 4));
     }
 }
 

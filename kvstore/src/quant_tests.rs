@@ -54,10 +54,14 @@ fn modes(l: &KvLayout, n: usize, enc: &[u8]) -> Vec<Mode> {
 fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
     let groups = match mode {
         Mode::Q8Token => n * c / q8_group(c),
-        Mode::Q4Channel | Mode::Q8Channel => 0,
+        Mode::Q4Channel | Mode::Q8Channel | Mode::Q4ChannelWide => 0,
         Mode::Q4Token => n * c / q4_group(c),
     };
-    if matches!(mode, Mode::Q4Channel | Mode::Q8Channel) {
+    // A mode-4 body starts with its mode-1 body, whose scales are every channel's.
+    if matches!(
+        mode,
+        Mode::Q4Channel | Mode::Q8Channel | Mode::Q4ChannelWide
+    ) {
         let mut at = 0;
         let mut m = 0f32;
         for start in (0..n).step_by(KEY_TOKEN_GROUP) {
@@ -134,9 +138,9 @@ proptest! {
                 let mut a = vec![0u8; n * c * 2];
                 let mut b = vec![0u8; n * c * 2];
                 decode_plane_portable(mode, body, n, c, DType::F16, &mut a);
-                if super::x86::decode_f16(mode, body, n, c, &mut b) {
-                    prop_assert_eq!(&a, &b, "{:?}", mode);
-                }
+                // SIMD where this CPU has it (mode 4: its base, then the wide channels).
+                decode_plane(mode, body, n, c, DType::F16, &mut b);
+                prop_assert_eq!(&a, &b, "{:?}", mode);
             }
         }
     }
@@ -200,6 +204,9 @@ fn sizes_are_what_the_format_table_says() {
     let q4 = encode(&l, 64, &raw, 4, false).unwrap();
     let q4_first = encode(&l, 64, &raw, 4, true).unwrap();
     let c = 192;
+    // q4 keys: 6 wide channels per group, their 16-bit indices and high nibbles after the
+    // base body (64 and 63 tokens).
+    let (tail64, tail63) = (6 * 2 + 64 * 6 / 2, 6 * 2 + 63 * 6 / 2);
     // Keys per channel (their offsets measure finer so), values per token.
     assert_eq!(
         q8.len(),
@@ -207,13 +214,13 @@ fn sizes_are_what_the_format_table_says() {
     );
     assert_eq!(
         q4.len(),
-        2 + 4 + 2 * (c * 4 + 64 * c / 2) + 2 * (64 * 2 * 4 + 64 * c / 2)
+        2 + 4 + 2 * (c * 4 + 64 * c / 2 + tail64) + 2 * (64 * 2 * 4 + 64 * c / 2)
     );
     // A chunk's first block: token 0 of every plane at 8 bits (3 scales, 192 codes), the other
     // 63 in the plane's mode.
     assert_eq!(
         q4_first.len(),
-        2 + 4 + 4 * (3 * 2 + c) + 2 * (c * 4 + 63 * c / 2) + 2 * (63 * 2 * 4 + 63 * c / 2)
+        2 + 4 + 4 * (3 * 2 + c) + 2 * (c * 4 + 63 * c / 2 + tail63) + 2 * (63 * 2 * 4 + 63 * c / 2)
     );
     assert!(raw.len() as f64 / q8.len() as f64 > 1.9);
     assert!(raw.len() as f64 / q4.len() as f64 > 3.5);
@@ -235,9 +242,9 @@ fn an_outlier_heavy_plane_falls_back_to_8_bits() {
     assert_eq!(
         modes,
         [
-            Mode::Q4Channel,
+            Mode::Q4ChannelWide,
             Mode::Q8Token,
-            Mode::Q4Channel,
+            Mode::Q4ChannelWide,
             Mode::Q4Token
         ]
     );
@@ -314,21 +321,54 @@ fn q8_keys_with_an_offset_channel_go_per_channel_and_stay_fine() {
     assert!(worst < 0.25, "worst key error {worst}");
 }
 
-/// Stores written before head tokens (payload version 2) or mode 3 (version 1) existed decode
-/// as they did; a version 1 payload naming mode 3 is refused, and so is a head as long as the
+/// q4 keys: in every group the channels of widest range get 255 levels, so their error is
+/// within half of their range / 255 while the other channels keep range / 15 steps.
+#[test]
+fn the_widest_key_channels_of_a_group_go_to_8_bits() {
+    use rand::{Rng, SeedableRng};
+    let l = layout(DType::F32, 1, 64);
+    let (n, c) = (100, 64);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(9);
+    // Key plane 0: channels 5 and 40 range over ±40, the others over ±1.
+    let mut raw = kv(&l, n, 2);
+    for t in 0..n {
+        for j in [5, 40] {
+            let i = (t * c + j) * 4;
+            raw[i..i + 4].copy_from_slice(&rng.gen_range(-40.0f32..40.0).to_le_bytes());
+        }
+    }
+    let enc = encode(&l, n, &raw, 4, false).unwrap();
+    assert_eq!(modes(&l, n, &enc)[0], Mode::Q4ChannelWide);
+    let out = decode_all(&l, n, &enc);
+    let err = |t: usize, j: usize| {
+        let i = (t * c + j) * 4;
+        (read_elem(DType::F32, &raw[i..]) - read_elem(DType::F32, &out[i..])).abs()
+    };
+    // At 4 bits their bound would be 80 / 15 / 2 ≈ 2.7; at 8 bits it is 80 / 255 / 2.
+    for t in 0..n {
+        for j in [5, 40] {
+            let e = err(t, j);
+            assert!(e <= 80.0 / 255.0 / 2.0 * 1.01, "token {t} channel {j}: {e}");
+        }
+    }
+}
+
+/// Stores written before mode 4 (payload version 3), head tokens (version 2) or mode 3
+/// (version 1) existed decode as they did; a version 1 payload naming mode 3 is refused, a
+/// version 3 one naming mode 4, a wide channel outside the row, and a head as long as the
 /// block.
 #[test]
-fn version_1_and_2_payloads_still_decode() {
+fn version_1_2_and_3_payloads_still_decode() {
     let l = layout(DType::F16, 3, 64);
     let n = MIN_CHANNEL_TOKENS - 1; // keys per token: a payload version 1 could hold
     let raw = kv(&l, n, 4);
     let mut enc = encode(&l, n, &raw, 8, false).unwrap();
     assert_eq!(enc[..2], [VERSION, 0]);
-    let v3 = decode_all(&l, n, &enc);
-    enc[0] = VERSION_2;
-    assert_eq!(decode_all(&l, n, &enc), v3);
-    enc[0] = VERSION_1;
-    assert_eq!(decode_all(&l, n, &enc), v3);
+    let v4 = decode_all(&l, n, &enc);
+    for v in [VERSION_3, VERSION_2, VERSION_1] {
+        enc[0] = v;
+        assert_eq!(decode_all(&l, n, &enc), v4, "version {v}");
+    }
     let mut headed = encode(&l, 2, &kv(&l, 2, 4), 4, true).unwrap();
     assert_eq!(headed[1], 1);
     headed[1] = 2;
@@ -341,4 +381,15 @@ fn version_1_and_2_payloads_still_decode() {
     let mut out = vec![0u8; l.bytes_for(64)];
     let e = decode_into_place(&l, 64, &wide, &mut out, 64, 0).unwrap_err();
     assert!(e.contains("mode 3"), "{e}");
+    let mut q4 = encode(&l, 64, &kv(&l, 64, 4), 4, false).unwrap();
+    assert_eq!(q4[2], Mode::Q4ChannelWide as u8);
+    q4[0] = VERSION_3;
+    let e = decode_into_place(&l, 64, &q4, &mut out, 64, 0).unwrap_err();
+    assert!(e.contains("mode 4"), "{e}");
+    // Plane 0's tail starts right after its mode-1 body: its first wide channel, made 192.
+    q4[0] = VERSION;
+    let at = 2 + l.planes() + body_len(Mode::Q4Channel, 64, 192);
+    q4[at..at + 2].copy_from_slice(&192u16.to_le_bytes());
+    let e = decode_into_place(&l, 64, &q4, &mut out, 64, 0).unwrap_err();
+    assert!(e.contains("wide key channel 192"), "{e}");
 }

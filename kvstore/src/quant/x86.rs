@@ -2,6 +2,7 @@
 //! 16 elements per step, codes widened to f32, `q × scale (+ min)` in one fused multiply-add,
 //! rounded to f16 with the hardware conversion. Bit for bit what the portable decoder writes.
 
+use crate::quant::wide::Column;
 use crate::quant::Mode;
 
 /// Decodes one plane into `dst` (`n × c` f16) if this CPU and shape allow; `false`: use the
@@ -10,6 +11,7 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
     #[cfg(target_arch = "x86_64")]
     {
         if c.is_multiple_of(16)
+            && mode != Mode::Q4ChannelWide
             && dst.len() == n * c * 2
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
@@ -24,11 +26,53 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
     false
 }
 
+/// Writes one wide key channel's values ([`Column`]) into `dst` (a plane of rows of `c` f16)
+/// if this CPU allows; `false`: use the portable loop.
+pub(crate) fn column_f16(col: &Column, c: usize, dst: &mut [u8]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if col.channel < c
+            && (col.start + col.len) * c * 2 <= dst.len()
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            // SAFETY: the CPU has every feature the kernel is compiled for (checked above).
+            unsafe { avx2::column(col, c, dst) };
+            return true;
+        }
+    }
+    let _ = (col, c, dst);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use crate::quant::wide::Column;
     use crate::quant::{q4_group, q8_group, Mode, KEY_TOKEN_GROUP};
+
+    /// Eight tokens per step: codes widened to f32, one fused multiply-add, rounded to f16 by
+    /// the hardware, each element stored in its row (`c` apart; the caller checked that every
+    /// row is in `dst`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn column(col: &Column, c: usize, dst: &mut [u8]) {
+        let (s, m) = (_mm256_set1_ps(col.scale), _mm256_set1_ps(col.min));
+        let mut at = (col.start * c + col.channel) * 2;
+        for q8 in col.codes[..col.len].chunks(8) {
+            let mut q = [0u8; 16];
+            q[..q8.len()].copy_from_slice(q8);
+            let (lo, _) = bytes16::<false>(&q);
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_fmadd_ps(lo, s, m));
+            let mut v = [0u16; 8];
+            // SAFETY: eight u16 are writable at `v`.
+            unsafe { _mm_storeu_si128(v.as_mut_ptr().cast(), h) };
+            for x in &v[..q8.len()] {
+                dst[at..at + 2].copy_from_slice(&x.to_le_bytes());
+                at += 2 * c;
+            }
+        }
+    }
 
     /// Lengths are the caller's: `dst` holds `n × c` f16 and `body` is the plane's whole body
     /// (checked against the format before decoding), `c` a multiple of 16. Scales and
@@ -88,6 +132,7 @@ mod avx2 {
                     }
                 }
             }
+            Mode::Q4ChannelWide => unreachable!("mode 4 decodes as mode 1, then its tail"),
             Mode::Q4Token => {
                 let g = q4_group(c);
                 let groups = n * (c / g);

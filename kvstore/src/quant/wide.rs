@@ -1,0 +1,144 @@
+//! `q4` key planes with their widest channels at 8 bits (plane mode `4`, payload version 4).
+//!
+//! A per-channel key group's error is half its step, and its step is the channel's range over
+//! the group's tokens divided by 15: the few channels with the widest range (RoPE's slow
+//! dimensions, which carry most of a head's attention logits) lose the most. In every group
+//! of up to [`KEY_TOKEN_GROUP`] tokens the [`wide_channels`] channels of widest range get 255
+//! levels instead of 15. Their codes' low nibbles sit in the mode-`1` body like every other
+//! channel's, so the plane decodes as a mode-`1` plane first (the SIMD loop, unchanged), and
+//! a second pass rewrites the wide channels' elements from the high nibbles kept after it.
+//!
+//! Body of a mode-`4` plane of `n` tokens, `C` channels, `k = wide_channels(C)`:
+//!
+//! | part | bytes | field |
+//! |---|---:|---|
+//! | base | `body_len(1, n, C)` | a mode-`1` body; a wide channel's scale spans 255 levels and its nibble is its code's low 4 bits |
+//! | per group of `t ≤ T` tokens, in order | `2k` | the wide channels, u16 little-endian, each `< C` |
+//! | | `⌈t × k / 2⌉` | their codes' high 4 bits, token-major (`t` rows of `k`), two per byte, the first in the low nibble |
+//!
+//! Measured (docs/BENCHMARKS.md): on Qwen2.5-0.5B a 32nd of the channels at 8 bits cut the
+//! KL of next-token distributions from q4 KV by ~10 % for +1.4 % of a chunk's bytes.
+
+use crate::quant::KEY_TOKEN_GROUP;
+
+/// Channels of each key group that go to 8 bits: a 32nd of the row (SmolLM2's 192: 6,
+/// Qwen2.5-0.5B's 128: 4); rows under 32 channels have none (the plane stays mode `1`).
+pub(crate) fn wide_channels(c: usize) -> usize {
+    c / 32
+}
+
+/// Bytes after the base body of a mode-`4` plane of `n` tokens.
+pub(crate) fn tail_len(n: usize, c: usize) -> usize {
+    let k = wide_channels(c);
+    (0..n)
+        .step_by(KEY_TOKEN_GROUP)
+        .map(|start| 2 * k + (KEY_TOKEN_GROUP.min(n - start) * k).div_ceil(2))
+        .sum()
+}
+
+/// The `k` channels of widest range `hi − lo` (ties: the lower channel), ascending.
+pub(crate) fn widest(lo: &[f32], hi: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lo.len()).collect();
+    order.sort_by(|&a, &b| (hi[b] - lo[b]).total_cmp(&(hi[a] - lo[a])).then(a.cmp(&b)));
+    order.truncate(k);
+    order.sort_unstable();
+    order
+}
+
+/// Appends one group's tail: its wide channels, then the high nibbles `high` (`t` rows of
+/// `wide.len()` codes' high halves, each `< 16`).
+pub(crate) fn push_tail(wide: &[usize], high: &[u8], tail: &mut Vec<u8>) {
+    for &j in wide {
+        let j = u16::try_from(j).expect("a row holds fewer than 65,536 channels");
+        tail.extend_from_slice(&j.to_le_bytes());
+    }
+    tail.extend(
+        high.chunks(2)
+            .map(|p| p[0] | p.get(1).map_or(0, |h| h << 4)),
+    );
+}
+
+/// Checks that every wide channel named in `tail` lies within the row (lengths are the
+/// caller's, from [`tail_len`]).
+pub(crate) fn check(tail: &[u8], n: usize, c: usize) -> Result<(), String> {
+    let k = wide_channels(c);
+    let mut at = 0;
+    for start in (0..n).step_by(KEY_TOKEN_GROUP) {
+        let t = KEY_TOKEN_GROUP.min(n - start);
+        for w in tail[at..at + 2 * k].chunks_exact(2) {
+            let j = usize::from(u16::from_le_bytes([w[0], w[1]]));
+            if j >= c {
+                return Err(format!("wide key channel {j} in a row of {c}"));
+            }
+        }
+        at += 2 * k + (t * k).div_ceil(2);
+    }
+    Ok(())
+}
+
+/// One wide channel of one key group: its full 8-bit codes, token by token.
+pub(crate) struct Column {
+    /// The group's first token in the plane.
+    pub start: usize,
+    /// The channel.
+    pub channel: usize,
+    pub scale: f32,
+    pub min: f32,
+    /// Codes of the group's tokens (`len()` of them used).
+    pub codes: [u8; KEY_TOKEN_GROUP],
+    pub len: usize,
+}
+
+impl Column {
+    /// `(element, value)` of every token, the element `token × c + channel`, the value
+    /// `q × scale + min` as one fused multiply-add, as the base decoders compute every other
+    /// element.
+    pub(crate) fn values(&self, c: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+        self.codes[..self.len]
+            .iter()
+            .enumerate()
+            .map(move |(i, &q)| {
+                (
+                    (self.start + i) * c + self.channel,
+                    f32::from(q).mul_add(self.scale, self.min),
+                )
+            })
+    }
+}
+
+/// Calls `f` with every wide channel of every group of a mode-`4` plane of `n` tokens: `base`
+/// is its mode-`1` body, `tail` what follows it (both checked).
+pub(crate) fn columns(base: &[u8], tail: &[u8], n: usize, c: usize, mut f: impl FnMut(&Column)) {
+    let k = wide_channels(c);
+    let f16_at = |b: &[u8], i: usize| half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32();
+    let (mut at, mut wat) = (0, 0);
+    for start in (0..n).step_by(KEY_TOKEN_GROUP) {
+        let t = KEY_TOKEN_GROUP.min(n - start);
+        let sm = &base[at..at + 4 * c];
+        let rows = &base[at + 4 * c..at + 4 * c + t * c / 2];
+        let wide = &tail[wat..wat + 2 * k];
+        let high = &tail[wat + 2 * k..wat + 2 * k + (t * k).div_ceil(2)];
+        for (w, jb) in wide.chunks_exact(2).enumerate() {
+            let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
+            let mut col = Column {
+                start,
+                channel: j,
+                scale: f16_at(sm, j),
+                min: f16_at(sm, c + j),
+                codes: [0; KEY_TOKEN_GROUP],
+                len: t,
+            };
+            let shift = (j % 2) * 4;
+            let lows = rows
+                .chunks_exact(c / 2)
+                .map(|row| (row[j / 2] >> shift) & 15);
+            for (i, (q, lo)) in col.codes.iter_mut().zip(lows).enumerate() {
+                let e = i * k + w;
+                *q = lo | ((high[e / 2] >> ((e % 2) * 4)) & 15) << 4;
+            }
+            f(&col);
+        }
+        at += 4 * c + t * c / 2;
+        wat += 2 * k + (t * k).div_ceil(2);
+    }
+}
