@@ -110,21 +110,6 @@ pub(super) fn decode_plane(
     dtype: DType,
     dst: &mut [u8],
 ) {
-    if mode == Mode::Q4ChannelWide {
-        // The base body as mode 1, then the wide channels rewritten.
-        let (base, tail) = body.split_at(body_len(Mode::Q4Channel, n, c));
-        decode_plane(Mode::Q4Channel, base, n, c, dtype, dst);
-        let size = dtype.size();
-        wide::columns(base, tail, n, c, |col| {
-            if dtype == DType::F16 && x86::column_f16(col, c, dst) {
-                return;
-            }
-            for (i, v) in col.values(c) {
-                write_elem(dtype, v, &mut dst[i * size..(i + 1) * size]);
-            }
-        });
-        return;
-    }
     if dtype == DType::F16 && x86::decode_f16(mode, body, n, c, dst) {
         return;
     }

@@ -5,8 +5,10 @@
 //! dimensions, which carry most of a head's attention logits) lose the most. In every group
 //! of up to [`KEY_TOKEN_GROUP`] tokens the [`wide_channels`] channels of widest range get 255
 //! levels instead of 15. Their codes' low nibbles sit in the mode-`1` body like every other
-//! channel's, so the plane decodes as a mode-`1` plane first (the SIMD loop, unchanged), and
-//! a second pass rewrites the wide channels' elements from the high nibbles kept after it.
+//! channel's, their high nibbles after it. The SIMD decoder ([`super::x86`]) ORs the high
+//! nibbles into the low ones of the 16-channel blocks that hold a wide channel, in its one
+//! pass; the portable one decodes the mode-`1` body, then rewrites the wide channels column
+//! by column ([`columns`]).
 //!
 //! Body of a mode-`4` plane of `n` tokens, `C` channels, `k = wide_channels(C)`:
 //!
@@ -16,8 +18,8 @@
 //! | per group of `t ≤ T` tokens, in order | `2k` | the wide channels, u16 little-endian, each `< C` |
 //! | | `⌈t × k / 2⌉` | their codes' high 4 bits, token-major (`t` rows of `k`), two per byte, the first in the low nibble |
 //!
-//! Measured (docs/BENCHMARKS.md): on Qwen2.5-0.5B a 32nd of the channels at 8 bits cut the
-//! KL of next-token distributions from q4 KV by ~10 % for +1.4 % of a chunk's bytes.
+//! Measured (docs/BENCHMARKS.md): +1.5 % of a q4 chunk's bytes (3.51x / 3.53x smaller than
+//! f16 for SmolLM2 / Qwen2.5-0.5B), the KL of next-token distributions from q4 KV −23 % / −10 %.
 
 use crate::quant::KEY_TOKEN_GROUP;
 
@@ -112,12 +114,19 @@ pub(crate) fn columns(base: &[u8], tail: &[u8], n: usize, c: usize, mut f: impl 
     let k = wide_channels(c);
     let f16_at = |b: &[u8], i: usize| half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32();
     let (mut at, mut wat) = (0, 0);
+    let mut highs = vec![0u8; 2 * (KEY_TOKEN_GROUP * k).div_ceil(2)];
     for start in (0..n).step_by(KEY_TOKEN_GROUP) {
         let t = KEY_TOKEN_GROUP.min(n - start);
         let sm = &base[at..at + 4 * c];
         let rows = &base[at + 4 * c..at + 4 * c + t * c / 2];
         let wide = &tail[wat..wat + 2 * k];
         let high = &tail[wat + 2 * k..wat + 2 * k + (t * k).div_ceil(2)];
+        // The group's high nibbles unpacked once: `t` rows of `k`.
+        let highs = &mut highs[..2 * high.len()];
+        for (pair, b) in highs.chunks_exact_mut(2).zip(high) {
+            pair[0] = b & 15;
+            pair[1] = b >> 4;
+        }
         for (w, jb) in wide.chunks_exact(2).enumerate() {
             let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
             let mut col = Column {
@@ -132,9 +141,9 @@ pub(crate) fn columns(base: &[u8], tail: &[u8], n: usize, c: usize, mut f: impl 
             let lows = rows
                 .chunks_exact(c / 2)
                 .map(|row| (row[j / 2] >> shift) & 15);
-            for (i, (q, lo)) in col.codes.iter_mut().zip(lows).enumerate() {
-                let e = i * k + w;
-                *q = lo | ((high[e / 2] >> ((e % 2) * 4)) & 15) << 4;
+            let his = highs[w..].iter().step_by(k);
+            for ((q, lo), hi) in col.codes.iter_mut().zip(lows).zip(his) {
+                *q = lo | hi << 4;
             }
             f(&col);
         }

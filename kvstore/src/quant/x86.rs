@@ -2,7 +2,6 @@
 //! 16 elements per step, codes widened to f32, `q × scale (+ min)` in one fused multiply-add,
 //! rounded to f16 with the hardware conversion. Bit for bit what the portable decoder writes.
 
-use crate::quant::wide::Column;
 use crate::quant::Mode;
 
 /// Decodes one plane into `dst` (`n × c` f16) if this CPU and shape allow; `false`: use the
@@ -11,7 +10,6 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
     #[cfg(target_arch = "x86_64")]
     {
         if c.is_multiple_of(16)
-            && mode != Mode::Q4ChannelWide
             && dst.len() == n * c * 2
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
@@ -26,52 +24,17 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
     false
 }
 
-/// Writes one wide key channel's values ([`Column`]) into `dst` (a plane of rows of `c` f16)
-/// if this CPU allows; `false`: use the portable loop.
-pub(crate) fn column_f16(col: &Column, c: usize, dst: &mut [u8]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if col.channel < c
-            && (col.start + col.len) * c * 2 <= dst.len()
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
-            // SAFETY: the CPU has every feature the kernel is compiled for (checked above).
-            unsafe { avx2::column(col, c, dst) };
-            return true;
-        }
-    }
-    let _ = (col, c, dst);
-    false
-}
-
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use crate::quant::wide::Column;
-    use crate::quant::{q4_group, q8_group, Mode, KEY_TOKEN_GROUP};
+    use crate::quant::wide::wide_channels;
+    use crate::quant::{body_len, q4_group, q8_group, Mode, KEY_TOKEN_GROUP};
 
-    /// Eight tokens per step: codes widened to f32, one fused multiply-add, rounded to f16 by
-    /// the hardware, each element stored in its row (`c` apart; the caller checked that every
-    /// row is in `dst`).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn column(col: &Column, c: usize, dst: &mut [u8]) {
-        let (s, m) = (_mm256_set1_ps(col.scale), _mm256_set1_ps(col.min));
-        let mut at = (col.start * c + col.channel) * 2;
-        for q8 in col.codes[..col.len].chunks(8) {
-            let mut q = [0u8; 16];
-            q[..q8.len()].copy_from_slice(q8);
-            let (lo, _) = bytes16::<false>(&q);
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_fmadd_ps(lo, s, m));
-            let mut v = [0u16; 8];
-            // SAFETY: eight u16 are writable at `v`.
-            unsafe { _mm_storeu_si128(v.as_mut_ptr().cast(), h) };
-            for x in &v[..q8.len()] {
-                dst[at..at + 2].copy_from_slice(&x.to_le_bytes());
-                at += 2 * c;
-            }
-        }
+    std::thread_local! {
+        /// A mode-4 key group's high nibbles in place (`KEY_TOKEN_GROUP × c`), all zero
+        /// between uses.
+        static HIGH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
 
     /// Lengths are the caller's: `dst` holds `n × c` f16 and `body` is the plane's whole body
@@ -97,31 +60,66 @@ mod avx2 {
                     }
                 }
             }
-            Mode::Q4Channel | Mode::Q8Channel => {
-                let wide = mode == Mode::Q8Channel;
+            Mode::Q4Channel | Mode::Q8Channel | Mode::Q4ChannelWide => {
+                let bytes = mode == Mode::Q8Channel;
                 // Code bytes per row, and per 16 channels.
-                let (per_row, per16) = if wide { (c, 16) } else { (c / 2, 8) };
-                let mut rest = body;
+                let (per_row, per16) = if bytes { (c, 16) } else { (c / 2, 8) };
+                // Mode 4: its base body, then per group the wide channels' high nibbles
+                // (`tail`), laid out as a group's `t × c` codes (`high`: the nibble shifted
+                // into place, zero elsewhere) and OR-ed into the low nibbles of the channel
+                // blocks that hold one (`marked`).
+                let (k, (mut rest, mut tail)) = if mode == Mode::Q4ChannelWide {
+                    let k = wide_channels(c);
+                    (k, body.split_at(body_len(Mode::Q4Channel, n, c)))
+                } else {
+                    (0, (body, &[][..]))
+                };
+                // Kept zeroed between groups and calls: only the wide channels' entries are
+                // written, and cleared again after their group.
+                let mut high = HIGH.with(|h| std::mem::take(&mut *h.borrow_mut()));
+                if high.len() < KEY_TOKEN_GROUP * c && k > 0 {
+                    high.resize(KEY_TOKEN_GROUP * c, 0);
+                }
+                let mut marked = vec![false; c / 16];
                 for rows in dst.chunks_mut(KEY_TOKEN_GROUP * 2 * c) {
                     let t = rows.len() / (2 * c);
-                    let (head, tail) = rest.split_at(4 * c);
-                    let (codes, tail) = tail.split_at(t * per_row);
-                    rest = tail;
+                    let (head, after) = rest.split_at(4 * c);
+                    let (codes, after) = after.split_at(t * per_row);
+                    rest = after;
                     widen(head, &mut sm);
                     let (s, m) = sm.split_at(c);
+                    let mut wide = &[][..];
+                    if k > 0 {
+                        let (w, after) = tail.split_at(2 * k);
+                        let (nibbles, after) = after.split_at((t * k).div_ceil(2));
+                        (wide, tail) = (w, after);
+                        marked.fill(false);
+                        for (w, jb) in wide.chunks_exact(2).enumerate() {
+                            // Below `c`: checked with the payload's lengths.
+                            let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
+                            marked[j / 16] = true;
+                            for (i, h) in high[j..].iter_mut().step_by(c).take(t).enumerate() {
+                                let e = i * k + w;
+                                *h = ((nibbles[e / 2] >> ((e % 2) * 4)) & 15) << 4;
+                            }
+                        }
+                    }
                     // Channel-outer: a channel block's scales and minimums stay in registers
                     // over the group's rows.
                     let blocks = s.chunks_exact(16).zip(m.chunks_exact(16));
                     for (jb, (s16, m16)) in blocks.enumerate() {
                         let (s0, s1) = (load8(&s16[..8]), load8(&s16[8..]));
                         let (m0, m1) = (load8(&m16[..8]), load8(&m16[8..]));
+                        let or_high = k > 0 && marked[jb];
                         let cols = codes
                             .chunks_exact(per_row)
                             .zip(rows.chunks_exact_mut(2 * c));
-                        for (row_codes, row) in cols {
+                        for (i, (row_codes, row)) in cols.enumerate() {
                             let q = &row_codes[jb * per16..][..per16];
-                            let (q0, q1) = if wide {
+                            let (q0, q1) = if bytes {
                                 bytes16::<false>(q)
+                            } else if or_high {
+                                nibbles16_or(q, &high[i * c + 16 * jb..][..16])
                             } else {
                                 nibbles16(q)
                             };
@@ -130,9 +128,13 @@ mod avx2 {
                             store16(&mut row[32 * jb..][..32], y0, y1);
                         }
                     }
+                    for jb in wide.chunks_exact(2) {
+                        let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
+                        high[j..].iter_mut().step_by(c).take(t).for_each(|h| *h = 0);
+                    }
                 }
+                HIGH.with(|h| *h.borrow_mut() = high);
             }
-            Mode::Q4ChannelWide => unreachable!("mode 4 decodes as mode 1, then its tail"),
             Mode::Q4Token => {
                 let g = q4_group(c);
                 let groups = n * (c / g);
@@ -215,6 +217,24 @@ mod avx2 {
         let lo = _mm_and_si128(b, mask);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
         let q = _mm_unpacklo_epi8(lo, hi);
+        (
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q))),
+        )
+    }
+
+    /// Sixteen 4-bit codes (`b.len() == 8`) OR-ed with sixteen bytes `h` (8-bit codes' high
+    /// nibbles, shifted), in element order, as two vectors of f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn nibbles16_or(b: &[u8], h: &[u8]) -> (__m256, __m256) {
+        let b: &[u8; 8] = b.try_into().expect("eight bytes");
+        // SAFETY: eight bytes are readable at `b`.
+        let b = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(b, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+        let q = _mm_or_si128(_mm_unpacklo_epi8(lo, hi), codes16(h));
         (
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q))),
