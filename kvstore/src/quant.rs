@@ -59,7 +59,7 @@ use schema::{DType, KvLayout};
 pub(crate) use decode::decode_into_place;
 use decode::decode_plane_f32;
 #[cfg(test)]
-use decode::{decode_plane, decode_plane_portable, h, planes};
+use decode::{decode_plane, decode_plane_portable, planes};
 
 // Payloads split into planes and decoded.
 mod decode;
@@ -176,6 +176,11 @@ fn next_toward(h: f16, dir: f32) -> f16 {
         b - 1
     };
     f16::from_bits(bits)
+}
+
+/// Element `i` of little-endian f16 bytes `b`, widened.
+fn h(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
 }
 
 pub(crate) fn read_elem(dtype: DType, b: &[u8]) -> f32 {

@@ -3,12 +3,11 @@
 //! SIMD where the CPU and dtype allow ([`super::x86`]) and through the portable loop
 //! otherwise.
 
-use half::f16;
 use schema::{DType, KvLayout};
 
 use super::{
-    body_len, q4_group, q8_group, wide, write_elem, x86, Mode, KEY_TOKEN_GROUP, VERSION, VERSION_1,
-    VERSION_3,
+    body_len, h, q4_group, q8_group, wide, write_elem, x86, Mode, KEY_TOKEN_GROUP, VERSION,
+    VERSION_1, VERSION_3,
 };
 
 /// One plane of a payload: its head tokens' mode-`0` body, its mode and the other tokens' body.
@@ -132,10 +131,6 @@ pub(crate) fn decode_plane_portable(
     for (i, v) in y.iter().enumerate() {
         write_elem(dtype, *v, &mut dst[i * size..(i + 1) * size]);
     }
-}
-
-pub(super) fn h(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
 }
 
 pub(super) fn decode_plane_f32(mode: Mode, body: &[u8], n: usize, c: usize, y: &mut [f32]) {
