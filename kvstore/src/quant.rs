@@ -19,9 +19,11 @@
 //!   later token of the prompt attends to most, and at 4 bits it alone doubled the KL of
 //!   SmolLM2's next-token distributions over the rest of the chunk's KV (docs/BENCHMARKS.md).
 //!
-//! Scales are rounded up and minimums down to f16, so every value lies in the range its
-//! group's codes cover and the error of a value is at most half a step (plus the rounding to
-//! the layout's dtype). No rotation is applied: stored keys are quantized after RoPE at
+//! 8-bit groups' scales are rounded up and minimums down to f16, so every value lies in the
+//! range its group's codes cover and the error of a value is at most half a step (plus the
+//! rounding to the layout's dtype). 4-bit groups' scale and minimum are fitted to the least
+//! squared error over the group ([`fit`]; the range's own pair is among the candidates), which
+//! may clip a group's extremes by less than a step: a value's error is at most one step. No rotation is applied: stored keys are quantized after RoPE at
 //! positions `0..n` and re-positioned (rotated by the chunk's offset) only after they are
 //! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
 //! tames the outlier channels a Hadamard rotation would otherwise be needed for.
@@ -63,6 +65,8 @@ use decode::{decode_plane, decode_plane_portable, planes};
 
 // Payloads split into planes and decoded.
 mod decode;
+// 4-bit groups' scales and minimums chosen by squared error.
+mod fit;
 // Mode 4: the widest key channels at 8 bits.
 mod wide;
 // AVX2 + F16C decoding, beside the portable loop below.
@@ -241,16 +245,16 @@ pub(crate) fn encode(
             }
         }
         // The head tokens at 8 bits, then the others in the plane's mode.
-        encode_plane(Mode::Q8Token, &all[..head * c], c, &mut out);
+        encode_plane(Mode::Q8Token, &all[..head * c], c, false, &mut out);
         let (x, tokens) = (&all[head * c..], tokens - head);
         let start = out.len();
         let mode = if bits == 8 {
             if p % 2 == 0 && tokens >= MIN_CHANNEL_TOKENS {
                 // Keys: per channel where that measures finer than per token.
-                encode_plane(Mode::Q8Channel, x, c, &mut out);
+                encode_plane(Mode::Q8Channel, x, c, false, &mut out);
                 let channel = channel_rel_error(Mode::Q8Channel, x, tokens, c, &out[start..]);
                 let mid = out.len();
-                encode_plane(Mode::Q8Token, x, c, &mut out);
+                encode_plane(Mode::Q8Token, x, c, false, &mut out);
                 let token = channel_rel_error(Mode::Q8Token, x, tokens, c, &out[mid..]);
                 if channel <= token {
                     out.truncate(mid);
@@ -275,15 +279,19 @@ pub(crate) fn encode(
             } else {
                 Mode::Q4Token
             };
-            encode_plane(mode, x, c, &mut out);
+            // Whether 4 bits suit the plane is judged on its groups' ranges (the threshold
+            // was measured so); what is written has its groups fitted ([`fit`]).
+            encode_plane(mode, x, c, false, &mut out);
             if channel_rel_error(mode, x, tokens, c, &out[start..]) <= Q4_MAX_REL_ERROR {
+                out.truncate(start);
+                encode_plane(mode, x, c, true, &mut out);
                 out[2 + p] = mode as u8;
                 continue;
             }
             out.truncate(start);
             Mode::Q8Token
         };
-        encode_plane(mode, x, c, &mut out);
+        encode_plane(mode, x, c, false, &mut out);
         out[2 + p] = mode as u8;
     }
     Ok(out)
@@ -323,7 +331,9 @@ pub(crate) fn channel_rel_error(mode: Mode, x: &[f32], n: usize, c: usize, body:
     mean.sqrt() as f32
 }
 
-fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
+/// Appends the body of `x` (`n × c`) in `mode`; `fitted`: 4-bit groups' scales and minimums
+/// chosen by [`fit::fit`], else by their ranges.
+fn encode_plane(mode: Mode, x: &[f32], c: usize, fitted: bool, out: &mut Vec<u8>) {
     match mode {
         Mode::Q8Token => {
             let g = q8_group(c);
@@ -363,8 +373,17 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
                 let wide = wide::widest(&lo, &hi, k);
                 let mut levels = vec![base; c];
                 wide.iter().for_each(|&j| levels[j] = 255.0);
-                let (scales, mins): (Vec<f16>, Vec<f16>) =
-                    (0..c).map(|j| scale_min(lo[j], hi[j], levels[j])).unzip();
+                let (scales, mins): (Vec<f16>, Vec<f16>) = (0..c)
+                    .map(|j| {
+                        if fitted && levels[j] == 15.0 {
+                            let column: Vec<f32> =
+                                rows.iter().skip(j).step_by(c).copied().collect();
+                            fit::fit(&column, 15.0)
+                        } else {
+                            scale_min(lo[j], hi[j], levels[j])
+                        }
+                    })
+                    .unzip();
                 scales
                     .iter()
                     .chain(&mins)
@@ -391,9 +410,13 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, out: &mut Vec<u8>) {
             let (scales, mins): (Vec<f16>, Vec<f16>) = x
                 .chunks_exact(g)
                 .map(|grp| {
-                    let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
-                    let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    scale_min(lo, hi, 15.0)
+                    if fitted {
+                        fit::fit(grp, 15.0)
+                    } else {
+                        let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
+                        let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        scale_min(lo, hi, 15.0)
+                    }
                 })
                 .unzip();
             scales

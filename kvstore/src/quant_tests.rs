@@ -50,7 +50,8 @@ fn modes(l: &KvLayout, n: usize, enc: &[u8]) -> Vec<Mode> {
         .collect()
 }
 
-/// The largest step of any group of plane `p`'s body: the error bound is half of it.
+/// The largest step of any group of plane `p`'s body: the error bound is half of it at 8
+/// bits (the group's range), one step at 4 (a fitted scale and minimum, `fit`).
 fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
     let groups = match mode {
         Mode::Q8Token => n * c / q8_group(c),
@@ -84,7 +85,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn every_value_within_half_a_step_of_its_group(
+    fn every_value_within_its_groups_bound(
         dt in 0u8..3, heads in 1u16..4, dim in prop::sample::select(vec![16u16, 32, 48, 64, 6]),
         tokens in 1usize..150, seed in any::<u64>(), bits in prop::sample::select(vec![4u8, 8]),
         first in any::<bool>(),
@@ -106,7 +107,8 @@ proptest! {
                 prop_assert!(matches!(mode, Mode::Q8Token | Mode::Q8Channel), "{:?}", mode);
             }
             let head_bound = max_step(Mode::Q8Token, plane.head, head, c) / 2.0;
-            let rest_bound = max_step(mode, plane.body, tokens - head, c) / 2.0;
+            let fitted = matches!(mode, Mode::Q4Channel | Mode::Q4Token | Mode::Q4ChannelWide);
+            let rest_bound = max_step(mode, plane.body, tokens - head, c) / if fitted { 1.0 } else { 2.0 };
             for e in 0..tokens * c {
                 let bound = if e < head * c { head_bound } else { rest_bound };
                 let i = p * tokens * c + e;
@@ -355,8 +357,8 @@ fn the_widest_key_channels_of_a_group_go_to_8_bits() {
 
 /// Stores written before mode 4 (payload version 3), head tokens (version 2) or mode 3
 /// (version 1) existed decode as they did; a version 1 payload naming mode 3 is refused, a
-/// version 3 one naming mode 4, a wide channel outside the row, and a head as long as the
-/// block.
+/// version 3 one naming mode 4, a wide channel outside the row or out of order, and a head as
+/// long as the block.
 #[test]
 fn version_1_2_and_3_payloads_still_decode() {
     let l = layout(DType::F16, 3, 64);
@@ -392,4 +394,12 @@ fn version_1_2_and_3_payloads_still_decode() {
     q4[at..at + 2].copy_from_slice(&192u16.to_le_bytes());
     let e = decode_into_place(&l, 64, &q4, &mut out, 64, 0).unwrap_err();
     assert!(e.contains("wide key channel 192"), "{e}");
+    // The same channel named twice: the list must ascend.
+    let second = u16::from_le_bytes([q4[at + 2], q4[at + 3]]);
+    q4[at..at + 2].copy_from_slice(&second.to_le_bytes());
+    let e = decode_into_place(&l, 64, &q4, &mut out, 64, 0).unwrap_err();
+    assert!(
+        e.contains(&format!("wide key channel {second} after channel {second}")),
+        "{e}"
+    );
 }

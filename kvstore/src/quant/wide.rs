@@ -5,9 +5,10 @@
 //! dimensions, which carry most of a head's attention logits) lose the most. In every group
 //! of up to [`KEY_TOKEN_GROUP`] tokens the [`wide_channels`] channels of widest range get 255
 //! levels instead of 15. Their codes' low nibbles sit in the mode-`1` body like every other
-//! channel's, their high nibbles after it. The SIMD decoder ([`super::x86`]) ORs the high
-//! nibbles into the low ones of the 16-channel blocks that hold a wide channel, in its one
-//! pass; the portable one decodes the mode-`1` body, then rewrites the wide channels column
+//! channel's, their high nibbles after it. The SIMD decoder ([`super::x86`]) unpacks a
+//! group's high nibbles once, then, in its one pass, ORs them into the low ones of the
+//! 16-channel blocks that hold a wide channel with one byte shuffle per row and block (the
+//! channels ascend, so a block's wide channels are consecutive in the list); the portable one decodes the mode-`1` body, then rewrites the wide channels column
 //! by column ([`columns`]).
 //!
 //! Body of a mode-`4` plane of `n` tokens, `C` channels, `k = wide_channels(C)`:
@@ -15,7 +16,7 @@
 //! | part | bytes | field |
 //! |---|---:|---|
 //! | base | `body_len(1, n, C)` | a mode-`1` body; a wide channel's scale spans 255 levels and its nibble is its code's low 4 bits |
-//! | per group of `t ≤ T` tokens, in order | `2k` | the wide channels, u16 little-endian, each `< C` |
+//! | per group of `t ≤ T` tokens, in order | `2k` | the wide channels, u16 little-endian, ascending, each `< C` |
 //! | | `⌈t × k / 2⌉` | their codes' high 4 bits, token-major (`t` rows of `k`), two per byte, the first in the low nibble |
 //!
 //! Measured (docs/BENCHMARKS.md): +1.5 % of a q4 chunk's bytes (3.51x / 3.53x smaller than
@@ -60,18 +61,27 @@ pub(crate) fn push_tail(wide: &[usize], high: &[u8], tail: &mut Vec<u8>) {
     );
 }
 
-/// Checks that every wide channel named in `tail` lies within the row (lengths are the
-/// caller's, from [`tail_len`]).
+/// Checks that the wide channels named in `tail` lie within the row, ascending, as
+/// [`widest`] writes them (lengths are the caller's, from [`tail_len`]): the SIMD decoder
+/// relies on a 16-channel block's wide channels being consecutive in the list.
 pub(crate) fn check(tail: &[u8], n: usize, c: usize) -> Result<(), String> {
     let k = wide_channels(c);
     let mut at = 0;
     for start in (0..n).step_by(KEY_TOKEN_GROUP) {
         let t = KEY_TOKEN_GROUP.min(n - start);
+        let mut last = None;
         for w in tail[at..at + 2 * k].chunks_exact(2) {
             let j = usize::from(u16::from_le_bytes([w[0], w[1]]));
             if j >= c {
                 return Err(format!("wide key channel {j} in a row of {c}"));
             }
+            if last.is_some_and(|l| l >= j) {
+                return Err(format!(
+                    "wide key channel {j} after channel {}",
+                    last.unwrap_or(0)
+                ));
+            }
+            last = Some(j);
         }
         at += 2 * k + (t * k).div_ceil(2);
     }

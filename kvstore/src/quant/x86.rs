@@ -31,12 +31,6 @@ mod avx2 {
     use crate::quant::wide::wide_channels;
     use crate::quant::{body_len, q4_group, q8_group, Mode, KEY_TOKEN_GROUP};
 
-    std::thread_local! {
-        /// A mode-4 key group's high nibbles in place (`KEY_TOKEN_GROUP × c`), all zero
-        /// between uses.
-        static HIGH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
     /// Lengths are the caller's: `dst` holds `n × c` f16 and `body` is the plane's whole body
     /// (checked against the format before decoding), `c` a multiple of 16. Scales and
     /// minimums are widened to f32 once per plane (or key group), not per step. The loops
@@ -64,23 +58,22 @@ mod avx2 {
                 let bytes = mode == Mode::Q8Channel;
                 // Code bytes per row, and per 16 channels.
                 let (per_row, per16) = if bytes { (c, 16) } else { (c / 2, 8) };
-                // Mode 4: its base body, then per group the wide channels' high nibbles
-                // (`tail`), laid out as a group's `t × c` codes (`high`: the nibble shifted
-                // into place, zero elsewhere) and OR-ed into the low nibbles of the channel
-                // blocks that hold one (`marked`).
+                // Mode 4: its base body, then per group the wide channels and their codes'
+                // high nibbles (`tail`, see `wide`).
                 let (k, (mut rest, mut tail)) = if mode == Mode::Q4ChannelWide {
                     let k = wide_channels(c);
                     (k, body.split_at(body_len(Mode::Q4Channel, n, c)))
                 } else {
                     (0, (body, &[][..]))
                 };
-                // Kept zeroed between groups and calls: only the wide channels' entries are
-                // written, and cleared again after their group.
-                let mut high = HIGH.with(|h| std::mem::take(&mut *h.borrow_mut()));
-                if high.len() < KEY_TOKEN_GROUP * c && k > 0 {
-                    high.resize(KEY_TOKEN_GROUP * c, 0);
-                }
-                let mut marked = vec![false; c / 16];
+                // A group's high nibbles, one byte each, shifted into place (`t` rows of `k`,
+                // then 16 bytes of slack for the last row's window).
+                let mut high = vec![0u8; KEY_TOKEN_GROUP * k + 16];
+                // Per 16-channel block holding a wide channel: the index of its first wide
+                // channel among the group's, and the shuffle that moves a row's window of
+                // high nibbles from there onto the block's lanes (0x80: a lane of no wide
+                // channel, zero).
+                let mut shuffles: Vec<Option<(usize, [u8; 16])>> = vec![None; c / 16];
                 for rows in dst.chunks_mut(KEY_TOKEN_GROUP * 2 * c) {
                     let t = rows.len() / (2 * c);
                     let (head, after) = rest.split_at(4 * c);
@@ -88,20 +81,21 @@ mod avx2 {
                     rest = after;
                     widen(head, &mut sm);
                     let (s, m) = sm.split_at(c);
-                    let mut wide = &[][..];
                     if k > 0 {
-                        let (w, after) = tail.split_at(2 * k);
+                        let (wide, after) = tail.split_at(2 * k);
                         let (nibbles, after) = after.split_at((t * k).div_ceil(2));
-                        (wide, tail) = (w, after);
-                        marked.fill(false);
+                        tail = after;
+                        for (pair, b) in high.chunks_exact_mut(2).zip(nibbles) {
+                            pair[0] = b << 4;
+                            pair[1] = b & 0xf0;
+                        }
+                        shuffles.fill(None);
                         for (w, jb) in wide.chunks_exact(2).enumerate() {
-                            // Below `c`: checked with the payload's lengths.
+                            // Below `c` and ascending: checked with the payload's lengths,
+                            // so a block's wide channels are consecutive and at most 16.
                             let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
-                            marked[j / 16] = true;
-                            for (i, h) in high[j..].iter_mut().step_by(c).take(t).enumerate() {
-                                let e = i * k + w;
-                                *h = ((nibbles[e / 2] >> ((e % 2) * 4)) & 15) << 4;
-                            }
+                            let (first, lanes) = shuffles[j / 16].get_or_insert((w, [0x80; 16]));
+                            lanes[j % 16] = (w - *first) as u8;
                         }
                     }
                     // Channel-outer: a channel block's scales and minimums stay in registers
@@ -110,30 +104,32 @@ mod avx2 {
                     for (jb, (s16, m16)) in blocks.enumerate() {
                         let (s0, s1) = (load8(&s16[..8]), load8(&s16[8..]));
                         let (m0, m1) = (load8(&m16[..8]), load8(&m16[8..]));
-                        let or_high = k > 0 && marked[jb];
+                        let (s, m) = ((s0, s1), (m0, m1));
+                        // No closure in these loops: one would not inherit the target features,
+                        // and the iterator calling it would not be inlined.
                         let cols = codes
                             .chunks_exact(per_row)
                             .zip(rows.chunks_exact_mut(2 * c));
-                        for (i, (row_codes, row)) in cols.enumerate() {
-                            let q = &row_codes[jb * per16..][..per16];
-                            let (q0, q1) = if bytes {
-                                bytes16::<false>(q)
-                            } else if or_high {
-                                nibbles16_or(q, &high[i * c + 16 * jb..][..16])
-                            } else {
-                                nibbles16(q)
-                            };
-                            let (y0, y1) =
-                                (_mm256_fmadd_ps(q0, s0, m0), _mm256_fmadd_ps(q1, s1, m1));
-                            store16(&mut row[32 * jb..][..32], y0, y1);
+                        let at = jb * per16;
+                        if bytes {
+                            for (q, row) in cols {
+                                let q = bytes16::<false>(&q[at..][..16]);
+                                fma16(&mut row[32 * jb..][..32], q, s, m);
+                            }
+                        } else if let Some((first, lanes)) = shuffles[jb] {
+                            let lanes = codes16(&lanes);
+                            for (i, (q, row)) in cols.enumerate() {
+                                let window = &high[i * k + first..][..16];
+                                let q = nibbles16_or(&q[at..][..8], window, lanes);
+                                fma16(&mut row[32 * jb..][..32], q, s, m);
+                            }
+                        } else {
+                            for (q, row) in cols {
+                                fma16(&mut row[32 * jb..][..32], nibbles16(&q[at..][..8]), s, m);
+                            }
                         }
                     }
-                    for jb in wide.chunks_exact(2) {
-                        let j = usize::from(u16::from_le_bytes([jb[0], jb[1]]));
-                        high[j..].iter_mut().step_by(c).take(t).for_each(|h| *h = 0);
-                    }
                 }
-                HIGH.with(|h| *h.borrow_mut() = high);
             }
             Mode::Q4Token => {
                 let g = q4_group(c);
@@ -223,22 +219,37 @@ mod avx2 {
         )
     }
 
-    /// Sixteen 4-bit codes (`b.len() == 8`) OR-ed with sixteen bytes `h` (8-bit codes' high
-    /// nibbles, shifted), in element order, as two vectors of f32.
+    /// Sixteen 4-bit codes (`b.len() == 8`) OR-ed with the bytes of `window` (16: high
+    /// nibbles, shifted) that `lanes` picks for each element (`0x80`: none), in element
+    /// order, as two vectors of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn nibbles16_or(b: &[u8], h: &[u8]) -> (__m256, __m256) {
+    fn nibbles16_or(b: &[u8], window: &[u8], lanes: __m128i) -> (__m256, __m256) {
         let b: &[u8; 8] = b.try_into().expect("eight bytes");
         // SAFETY: eight bytes are readable at `b`.
         let b = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
         let mask = _mm_set1_epi8(0x0f);
         let lo = _mm_and_si128(b, mask);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-        let q = _mm_or_si128(_mm_unpacklo_epi8(lo, hi), codes16(h));
+        let high = _mm_shuffle_epi8(codes16(window), lanes);
+        let q = _mm_or_si128(_mm_unpacklo_epi8(lo, hi), high);
         (
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q))),
         )
+    }
+
+    /// `q × s + m` for 16 codes `q` (two vectors of f32, and their scales and minimums), as
+    /// f16 into `d` (`d.len() == 32` bytes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fma16(
+        d: &mut [u8],
+        (q0, q1): (__m256, __m256),
+        (s0, s1): (__m256, __m256),
+        (m0, m1): (__m256, __m256),
+    ) {
+        store16(d, _mm256_fmadd_ps(q0, s0, m0), _mm256_fmadd_ps(q1, s1, m1));
     }
 
     /// Rounds 16 values to f16 into `d` (`d.len() == 32` bytes).
