@@ -23,10 +23,12 @@
 //! range its group's codes cover and the error of a value is at most half a step (plus the
 //! rounding to the layout's dtype). 4-bit groups' scale and minimum are fitted to the least
 //! squared error over the group ([`fit`]; the range's own pair is among the candidates), which
-//! may clip a group's extremes by less than a step: a value's error is at most one step. No rotation is applied: stored keys are quantized after RoPE at
-//! positions `0..n` and re-positioned (rotated by the chunk's offset) only after they are
-//! decoded, so the codec never has to commute with RoPE; per-channel key groups are what
-//! tames the outlier channels a Hadamard rotation would otherwise be needed for.
+//! may clip a group's extremes by less than a step: a value's error is at most one step.
+//!
+//! No rotation is applied: stored keys are quantized after RoPE at positions `0..n` and
+//! re-positioned (rotated by the chunk's offset) only after they are decoded, so the codec
+//! never has to commute with RoPE; per-channel key groups are what tames the outlier channels
+//! a Hadamard rotation would otherwise be needed for.
 //!
 //! Payload of a `q8` or `q4` record, version 4 (little-endian; `P` planes, `n` tokens,
 //! `C = kv_heads × head_dim` elements per token and plane). Version 3 is the same without
