@@ -20,6 +20,7 @@ use schema::{Codec, KvLayout, Location, NamespaceId};
 
 use super::inner::{bump, now_ms, Inner};
 use super::planes::{gather, scatter};
+use super::verify::entry_in_bounds;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::hot::HotBlock;
@@ -591,15 +592,4 @@ pub(super) fn with_run_buffer<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> 
         }
         f(&mut buf[..len])
     })
-}
-
-/// Whether an index entry's record length is possible for its key, token count and layout
-/// (at least the fixed parts, at most the raw payload plus any codec's worst-case growth) and
-/// its end fits in a file offset: a damaged entry must not size a read or an allocation.
-pub(super) fn entry_in_bounds(loc: &Location, key_len: usize) -> bool {
-    let fixed = RECORD_HEADER_LEN + key_len + RECORD_TRAILER_LEN;
-    let raw = loc.layout.bytes_for(loc.tokens as usize);
-    let max = fixed + raw + raw / 8 + 4096;
-    let len = loc.length as usize;
-    (fixed..=max).contains(&len) && loc.offset.checked_add(loc.length as u64).is_some()
 }

@@ -4,12 +4,11 @@
 use schema::Location;
 
 use super::inner::Inner;
-use super::read::entry_in_bounds;
 use super::reports::VerifyReport;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::index::Family;
-use crate::record;
+use crate::record::{self, RECORD_HEADER_LEN, RECORD_TRAILER_LEN};
 use crate::segment;
 
 impl Inner {
@@ -69,10 +68,20 @@ impl Inner {
     }
 }
 
+/// Whether an index entry's record length is possible for its key, token count and layout
+/// (at least the fixed parts, at most the raw payload plus any codec's worst-case growth) and
+/// its end fits in a file offset: a damaged entry must not size a read or an allocation.
+pub(super) fn entry_in_bounds(loc: &Location, key_len: usize) -> bool {
+    let fixed = RECORD_HEADER_LEN + key_len + RECORD_TRAILER_LEN;
+    let raw = loc.layout.bytes_for(loc.tokens as usize);
+    let max = fixed + raw + raw / 8 + 4096;
+    let len = loc.length as usize;
+    (fixed..=max).contains(&len) && loc.offset.checked_add(loc.length as u64).is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{RECORD_HEADER_LEN, RECORD_TRAILER_LEN};
     use schema::{Codec, DType, KvLayout, TokenDigest};
 
     #[test]
