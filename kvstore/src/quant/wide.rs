@@ -8,8 +8,8 @@
 //! channel's, their high nibbles after it. The SIMD decoder ([`super::x86`]) unpacks a
 //! group's high nibbles once, then, in its one pass, ORs them into the low ones of the
 //! 16-channel blocks that hold a wide channel with one byte shuffle per row and block (the
-//! channels ascend, so a block's wide channels are consecutive in the list); the portable one decodes the mode-`1` body, then rewrites the wide channels column
-//! by column ([`columns`]).
+//! channels ascend, so a block's wide channels are consecutive in the list); the portable one
+//! decodes the mode-`1` body, then rewrites the wide channels column by column ([`columns`]).
 //!
 //! Body of a mode-`4` plane of `n` tokens, `C` channels, `k = wide_channels(C)`:
 //!
@@ -75,11 +75,8 @@ pub(crate) fn check(tail: &[u8], n: usize, c: usize) -> Result<(), String> {
             if j >= c {
                 return Err(format!("wide key channel {j} in a row of {c}"));
             }
-            if last.is_some_and(|l| l >= j) {
-                return Err(format!(
-                    "wide key channel {j} after channel {}",
-                    last.unwrap_or(0)
-                ));
+            if let Some(l) = last.filter(|&l| l >= j) {
+                return Err(format!("wide key channel {j} after channel {l}"));
             }
             last = Some(j);
         }
