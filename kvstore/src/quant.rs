@@ -415,9 +415,7 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, fitted: bool, out: &mut Vec<u8>
                     if fitted {
                         fit::fit(grp, 15.0)
                     } else {
-                        let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
-                        let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        scale_min(lo, hi, 15.0)
+                        fit::range(grp, 15.0)
                     }
                 })
                 .unzip();

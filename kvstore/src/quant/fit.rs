@@ -28,8 +28,7 @@ const STEP_BY: f32 = 0.1;
 /// `0..=levels`: the range's pair unless a least-squares candidate measures a smaller sum of
 /// squared errors and keeps every value within one step.
 pub(super) fn fit(x: &[f32], levels: f32) -> (f16, f16) {
-    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
-    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let (lo, hi) = bounds(x);
     let range = scale_min(lo, hi, levels);
     if hi <= lo || x.len() < 3 {
         return range;
@@ -70,6 +69,19 @@ pub(super) fn fit(x: &[f32], levels: f32) -> (f16, f16) {
     best
 }
 
+/// The f16 (scale, minimum) of the group `x` from its range alone.
+pub(super) fn range(x: &[f32], levels: f32) -> (f16, f16) {
+    let (lo, hi) = bounds(x);
+    scale_min(lo, hi, levels)
+}
+
+/// The smallest and largest of `x`.
+fn bounds(x: &[f32]) -> (f32, f32) {
+    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    (lo, hi)
+}
+
 /// The sum of squared errors of `x` coded with (scale, min), or `None` where a value would
 /// land more than one step from its decoded value.
 fn sse(x: &[f32], (s, m): (f16, f16), levels: f32) -> Option<f64> {
@@ -95,11 +107,7 @@ mod tests {
         fn never_worse_than_the_range_and_within_a_step(
             x in prop::collection::vec(-50f32..50.0, 3..130),
         ) {
-            let range = scale_min(
-                x.iter().copied().fold(f32::INFINITY, f32::min),
-                x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-                15.0,
-            );
+            let range = range(&x, 15.0);
             let fitted = fit(&x, 15.0);
             let base = sse(&x, range, 15.0).unwrap();
             let got = sse(&x, fitted, 15.0);
@@ -121,9 +129,7 @@ mod tests {
         let x: Vec<f32> = (0..64)
             .map(|_| (0..4).map(|_| uniform()).sum::<f32>() - 2.0)
             .collect();
-        let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
-        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let base = sse(&x, scale_min(lo, hi, 15.0), 15.0).unwrap();
+        let base = sse(&x, range(&x, 15.0), 15.0).unwrap();
         let got = sse(&x, fit(&x, 15.0), 15.0).unwrap();
         assert!(got < base * 0.95, "{got} vs {base}");
     }
