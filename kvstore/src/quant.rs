@@ -375,11 +375,12 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, fitted: bool, out: &mut Vec<u8>
                 let wide = wide::widest(&lo, &hi, k);
                 let mut levels = vec![base; c];
                 wide.iter().for_each(|&j| levels[j] = 255.0);
+                let mut column = Vec::with_capacity(t);
                 let (scales, mins): (Vec<f16>, Vec<f16>) = (0..c)
                     .map(|j| {
                         if fitted && levels[j] == 15.0 {
-                            let column: Vec<f32> =
-                                rows.iter().skip(j).step_by(c).copied().collect();
+                            column.clear();
+                            column.extend(rows.iter().skip(j).step_by(c));
                             fit::fit(&column, 15.0)
                         } else {
                             scale_min(lo[j], hi[j], levels[j])
