@@ -15,9 +15,10 @@
 //! 64, 128 or 256 elements on AVX-512 CPUs in [`avx512`] (queries and outputs held in
 //! registers), other shapes
 //! with AVX2+FMA loops (and a vectorized `exp`, ggml's) where the CPU has them, a portable
-//! loop otherwise ([`loops`]). Caches in f32 or f16 (half the bytes a decode step reads; the AVX-512
-//! kernel widens f16 rows as it loads them, the other loops widen a task's rows into a
-//! scratch buffer), f32 queries, on the CPU; other dtypes and devices take the general path.
+//! loop otherwise ([`loops`]). Caches in f32, f16 (half the bytes a decode step reads) or q8
+//! (about a quarter), read in place by every kernel: rows are widened to f32 as they are
+//! loaded, q8 codes times their block's scale; f32 queries, on the CPU; other dtypes and
+//! devices take the general path.
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use half::f16;
@@ -120,21 +121,6 @@ pub(crate) fn takes(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | crate::kv_q8::Q8_CACHE)
 }
 
-/// Rows `rows` of `d` elements widened to f32 one after the other into `dst`, `row(j, out)`
-/// writing row `j`: the scratch the loops read for f16 and q8 caches.
-fn widen(
-    rows: std::ops::RangeInclusive<usize>,
-    d: usize,
-    dst: &mut Vec<f32>,
-    row: impl Fn(usize, &mut [f32]),
-) {
-    dst.clear();
-    dst.resize(rows.clone().count() * d, 0.0);
-    for (out, j) in dst.chunks_exact_mut(d).zip(rows) {
-        row(j, out);
-    }
-}
-
 /// Attention of the queries `q` `(1, heads, rows, d)` (any strides) over each sequence's
 /// own keys and values, causal, within `window` if set, scaled by `scale`:
 /// `(rows, heads * d)`, the rows of `q` that `seqs` cover (the others left zero).
@@ -220,7 +206,6 @@ pub(crate) fn attend(
         let dst = &dst;
         let mut qg = vec![0f32; rep * d];
         let mut p = Vec::new();
-        let (mut kw, mut vw) = (Vec::new(), Vec::new());
         for &(i, g, r0, r1) in &tasks[range] {
             let (k, v, t) = views[i];
             let s = &seqs[i];
@@ -289,42 +274,20 @@ pub(crate) fn attend(
                     continue;
                 }
                 let n = pos + 1 - from;
+                let (krows, vrows) = (
+                    (from..=pos).map(|j| j * k.row),
+                    (from..=pos).map(|j| j * v.row),
+                );
+                let (qg, p) = (&qg[..], &mut p);
                 match (k.data, v.data) {
-                    (Elems::F32(kd), Elems::F32(vd)) => kernel.group(
-                        &qg,
-                        &kd[k0..],
-                        (from..=pos).map(|j| j * k.row),
-                        &vd[v0..],
-                        (from..=pos).map(|j| j * v.row),
-                        n,
-                        d,
-                        scale,
-                        &mut p,
-                        o,
-                    ),
+                    (Elems::F32(kd), Elems::F32(vd)) => {
+                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
+                    }
                     (Elems::F16(kd), Elems::F16(vd)) => {
-                        use half::slice::HalfFloatSliceExt;
-                        let (ks, vs) = (&kd[k0..], &vd[v0..]);
-                        widen(from..=pos, d, &mut kw, |j, out| {
-                            ks[j * k.row..j * k.row + d].convert_to_f32_slice(out)
-                        });
-                        widen(from..=pos, d, &mut vw, |j, out| {
-                            vs[j * v.row..j * v.row + d].convert_to_f32_slice(out)
-                        });
-                        let rows = || (0..n).map(|j| j * d);
-                        kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
+                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
                     }
                     (Elems::Q8(kd), Elems::Q8(vd)) => {
-                        use crate::kv_q8::{dequantize_row, row_bytes};
-                        let (ks, vs, w) = (&kd[k0..], &vd[v0..], row_bytes(d));
-                        widen(from..=pos, d, &mut kw, |j, out| {
-                            dequantize_row(&ks[j * k.row..j * k.row + w], out)
-                        });
-                        widen(from..=pos, d, &mut vw, |j, out| {
-                            dequantize_row(&vs[j * v.row..j * v.row + w], out)
-                        });
-                        let rows = || (0..n).map(|j| j * d);
-                        kernel.group(&qg, &kw, rows(), &vw, rows(), n, d, scale, &mut p, o);
+                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
                     }
                     _ => unreachable!("keys and values share a dtype (checked)"),
                 }

@@ -1,5 +1,6 @@
 //! Unit tests of `attention.rs` (a module of it, kept in its own file).
 
+use super::loops::Elem;
 use super::*;
 use crate::test_util::max_diff;
 use candle_core::{Device, Tensor};
@@ -191,13 +192,9 @@ fn wide_heads_match_the_reference() {
     }
 }
 
-/// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
-/// equals the f32 path over the same values widened, for heads of 64, 128 and 256
-/// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
-/// ones (rows widened into scratch); keys and values of different dtypes are refused.
 /// Attention over caches that `store` makes from f32 values equals the f32 path over
 /// what `widen` reads back from them, for heads of each of `dims` elements, with and
-/// without a window; returns the stored keys and values of the last shape.
+/// without a window; keys and values of different dtypes are refused.
 fn matches_the_f32_path(
     dims: &[usize],
     store: impl Fn(Tensor) -> Tensor,
@@ -235,8 +232,8 @@ fn matches_the_f32_path(
 
 /// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
 /// equals the f32 path over the same values widened, for heads of 64, 128 and 256
-/// elements (the AVX-512 kernel where the CPU has it, widening as it loads) and 20-element
-/// ones (rows widened into scratch); keys and values of different dtypes are refused.
+/// elements (the AVX-512 kernel where the CPU has it, else the loops; both widen rows as
+/// they load them) and 20-element ones (the loops, with a tail shorter than a vector).
 #[test]
 fn f16_caches_match_the_f32_path_over_their_values() {
     matches_the_f32_path(
@@ -247,7 +244,8 @@ fn f16_caches_match_the_f32_path_over_their_values() {
 }
 
 /// q8 caches (`serve.cache_dtype = "q8"`): the same, over the values the codes and
-/// scales stand for (AVX-512 scaling in registers for 64-256, scratch widening for 96).
+/// scales stand for (AVX-512 for 64-256 where the CPU has it, the loops for 96 and
+/// elsewhere; both apply a block's scale in registers).
 #[test]
 fn q8_caches_match_the_f32_path_over_their_values() {
     matches_the_f32_path(
@@ -274,6 +272,42 @@ fn kernels_agree() {
         best.axpy(&mut o1, 0.7, &a[..n]);
         Kernel::Portable.axpy(&mut o2, 0.7, &a[..n]);
         assert!(o1.iter().zip(&o2).all(|(x, y)| (x - y).abs() < 1e-6));
+    }
+    // Rows read in place: f16 (odd lengths too) and q8 (whole blocks of 32).
+    let h: Vec<f16> = b.iter().map(|x| f16::from_f32(*x)).collect();
+    for n in [0, 1, 8, 15, 16, 37] {
+        let (x, y) = (
+            f16::dot(best, &a[..n], &h[..n]),
+            f16::dot(Kernel::Portable, &a[..n], &h[..n]),
+        );
+        assert!((x - y).abs() < 1e-5, "f16 dot {n}: {x} vs {y}");
+        let (mut o1, mut o2) = (b[..n].to_vec(), b[..n].to_vec());
+        f16::axpy(best, &mut o1, 0.7, &h[..n]);
+        f16::axpy(Kernel::Portable, &mut o2, 0.7, &h[..n]);
+        assert!(o1.iter().zip(&o2).all(|(x, y)| (x - y).abs() < 1e-6));
+    }
+    let long: Vec<f32> = (0..96).map(|i| (i as f32 * 0.29).sin() * 3.0).collect();
+    for d in [32, 64, 96] {
+        let mut row = vec![0u8; crate::kv_q8::row_bytes(d)];
+        crate::kv_q8::quantize_row(&long[..d], &mut row);
+        let mut widened = vec![0f32; d];
+        crate::kv_q8::dequantize_row(&row, &mut widened);
+        let q = &long[96 - d..];
+        let want = Kernel::Portable.dot(q, &widened);
+        for kernel in [best, Kernel::Portable] {
+            let got = u8::dot(kernel, q, &row);
+            assert!(
+                (got - want).abs() < 1e-4 * want.abs().max(1.0),
+                "q8 dot {d}: {got} vs {want}"
+            );
+            let (mut o1, mut o2) = (q.to_vec(), q.to_vec());
+            u8::axpy(kernel, &mut o1, 0.7, &row);
+            Kernel::Portable.axpy(&mut o2, 0.7, &widened);
+            assert!(
+                o1.iter().zip(&o2).all(|(x, y)| (x - y).abs() < 1e-5),
+                "q8 axpy {d}"
+            );
+        }
     }
     // exp over the softmax's whole range, down to where f32 underflows.
     let xs: Vec<f32> = (0..400).map(|i| -(i as f32) * 0.25 + 3.0).collect();

@@ -1,6 +1,11 @@
 //! The scalar-and-vector loops of one attention group for shapes the AVX-512 kernel does not
 //! take: AVX2+FMA where the CPU has them (with ggml's vectorized `exp`), a portable loop
-//! otherwise; [`super::attend`] picks with [`Kernel::best`].
+//! otherwise; [`super::attend`] picks with [`Kernel::best`]. Cache rows are read where they
+//! are, in the cache's own dtype ([`Elem`]): an f16 row is widened as it is loaded
+//! (`vcvtph2ps`), a q8 row's codes likewise (`vpmovsxbd`), their block's scale applied once
+//! per block of 32, so a decode step reads the cache's bytes once and writes no scratch copy.
+
+use half::f16;
 
 /// The loops of one group, for the CPU's instruction set.
 #[derive(Clone, Copy)]
@@ -13,24 +18,22 @@ pub(super) enum Kernel {
 impl Kernel {
     pub(super) fn best() -> Kernel {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::allows_avx2()
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-        {
+        if crate::simd::avx2() {
             return Kernel::Avx2;
         }
         Kernel::Portable
     }
 
     /// Heads `q` (`rep` rows of `d`) over `n` keys at offsets `krows` of `k` and values at
-    /// `vrows` of `v`: the weighted sums into `o` (zeroed), `p` scratch.
+    /// `vrows` of `v` (rows of [`Elem::row_len`] elements): the weighted sums into `o`
+    /// (zeroed), `p` scratch.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn group(
+    pub(super) fn group<E: Elem>(
         self,
         q: &[f32],
-        k: &[f32],
+        k: &[E],
         krows: impl Iterator<Item = usize>,
-        v: &[f32],
+        v: &[E],
         vrows: impl Iterator<Item = usize>,
         n: usize,
         d: usize,
@@ -39,13 +42,14 @@ impl Kernel {
         o: &mut [f32],
     ) {
         let rep = q.len() / d;
+        let w = E::row_len(d);
         p.clear();
         p.resize(rep * n, 0.0);
         // Scores, head-major: p[r * n + j].
         for (j, at) in krows.enumerate() {
-            let key = &k[at..at + d];
+            let key = &k[at..at + w];
             for r in 0..rep {
-                p[r * n + j] = self.dot(&q[r * d..(r + 1) * d], key) * scale;
+                p[r * n + j] = E::dot(self, &q[r * d..(r + 1) * d], key) * scale;
             }
         }
         for r in 0..rep {
@@ -57,9 +61,9 @@ impl Kernel {
         }
         o.fill(0.0);
         for (j, at) in vrows.enumerate() {
-            let val = &v[at..at + d];
+            let val = &v[at..at + w];
             for r in 0..rep {
-                self.axpy(&mut o[r * d..(r + 1) * d], p[r * n + j], val);
+                E::axpy(self, &mut o[r * d..(r + 1) * d], p[r * n + j], val);
             }
         }
     }
@@ -96,7 +100,85 @@ impl Kernel {
     }
 }
 
+/// Cache elements the loops read in place.
+pub(super) trait Elem: Copy {
+    /// Elements a row of `d` values takes (more than `d` where scales follow the codes).
+    fn row_len(d: usize) -> usize {
+        d
+    }
+
+    /// `q · row`, `row` of [`Elem::row_len`]`(q.len())` elements.
+    fn dot(kernel: Kernel, q: &[f32], row: &[Self]) -> f32;
+
+    /// `o += w × row`, `row` of [`Elem::row_len`]`(o.len())` elements.
+    fn axpy(kernel: Kernel, o: &mut [f32], w: f32, row: &[Self]);
+}
+
+impl Elem for f32 {
+    #[inline]
+    fn dot(kernel: Kernel, q: &[f32], row: &[f32]) -> f32 {
+        kernel.dot(q, row)
+    }
+
+    #[inline]
+    fn axpy(kernel: Kernel, o: &mut [f32], w: f32, row: &[f32]) {
+        kernel.axpy(o, w, row)
+    }
+}
+
+impl Elem for f16 {
+    #[inline]
+    fn dot(kernel: Kernel, q: &[f32], row: &[f16]) -> f32 {
+        match kernel {
+            // SAFETY: `best` checked the CPU features.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::dot_f16(q, row) },
+            Kernel::Portable => portable::dot_f16(q, row),
+        }
+    }
+
+    #[inline]
+    fn axpy(kernel: Kernel, o: &mut [f32], w: f32, row: &[f16]) {
+        match kernel {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::axpy_f16(o, w, row) },
+            Kernel::Portable => portable::axpy_f16(o, w, row),
+        }
+    }
+}
+
+/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then an f32 scale per block of 32.
+impl Elem for u8 {
+    fn row_len(d: usize) -> usize {
+        crate::kv_q8::row_bytes(d)
+    }
+
+    #[inline]
+    fn dot(kernel: Kernel, q: &[f32], row: &[u8]) -> f32 {
+        match kernel {
+            // SAFETY: `best` checked the CPU features.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::dot_q8(q, row) },
+            Kernel::Portable => portable::dot_q8(q, row),
+        }
+    }
+
+    #[inline]
+    fn axpy(kernel: Kernel, o: &mut [f32], w: f32, row: &[u8]) {
+        match kernel {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::axpy_q8(o, w, row) },
+            Kernel::Portable => portable::axpy_q8(o, w, row),
+        }
+    }
+}
+
 mod portable {
+    use half::f16;
+
+    use crate::kv_q8::{block_scale, BLOCK};
     /// `a · b`, eight lanes at a time (a form the compiler vectorizes).
     pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
@@ -129,6 +211,63 @@ mod portable {
         }
         sum
     }
+
+    pub(super) fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let mut acc = [0f32; 8];
+        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+        let tail: f32 = ac
+            .remainder()
+            .iter()
+            .zip(bc.remainder())
+            .map(|(x, y)| x * y.to_f32())
+            .sum();
+        for (x, y) in ac.zip(bc) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l].to_f32();
+            }
+        }
+        acc.iter().sum::<f32>() + tail
+    }
+
+    pub(super) fn axpy_f16(o: &mut [f32], w: f32, x: &[f16]) {
+        for (o, x) in o.iter_mut().zip(x) {
+            *o += w * x.to_f32();
+        }
+    }
+
+    /// Per block: the codes' products summed, times the block's scale.
+    pub(super) fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
+        let d = a.len();
+        let mut sum = 0f32;
+        for (k, (x, q)) in a
+            .chunks_exact(BLOCK)
+            .zip(row[..d].chunks_exact(BLOCK))
+            .enumerate()
+        {
+            let mut acc = [0f32; 8];
+            for (x, q) in x.chunks_exact(8).zip(q.chunks_exact(8)) {
+                for l in 0..8 {
+                    acc[l] += x[l] * f32::from(q[l] as i8);
+                }
+            }
+            sum += acc.iter().sum::<f32>() * block_scale(row, d, k);
+        }
+        sum
+    }
+
+    pub(super) fn axpy_q8(o: &mut [f32], w: f32, row: &[u8]) {
+        let d = o.len();
+        for (k, (o, q)) in o
+            .chunks_exact_mut(BLOCK)
+            .zip(row[..d].chunks_exact(BLOCK))
+            .enumerate()
+        {
+            let ws = w * block_scale(row, d, k);
+            for (o, q) in o.iter_mut().zip(q) {
+                *o += ws * f32::from(*q as i8);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -140,6 +279,9 @@ mod avx2 {
     #![allow(unused_unsafe)]
     use std::arch::x86_64::*;
 
+    use half::f16;
+
+    use crate::kv_q8::BLOCK;
     use crate::simd::x86::{exp8, hsum256 as hsum};
 
     #[target_feature(enable = "avx2,fma")]
@@ -216,6 +358,115 @@ mod avx2 {
                 i += 1;
             }
             sum
+        }
+    }
+
+    /// Eight f16 at `p` as f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8_f16(p: *const f16) -> __m256 {
+        // SAFETY: the caller's contract: eight f16 readable at `p`.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    /// Eight signed codes at `p` as f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8_q8(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract: eight bytes readable at `p`.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load is below `n`, the
+        // shorter length.
+        unsafe {
+            let (mut c0, mut c1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i + 16 <= n {
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8_f16(pb.add(i)), c0);
+                c1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), load8_f16(pb.add(i + 8)), c1);
+                i += 16;
+            }
+            if i + 8 <= n {
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8_f16(pb.add(i)), c0);
+                i += 8;
+            }
+            let mut s = hsum(_mm256_add_ps(c0, c1));
+            while i < n {
+                s += a[i] * b[i].to_f32();
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_f16(o: &mut [f32], w: f32, x: &[f16]) {
+        let n = o.len().min(x.len());
+        let (po, px) = (o.as_mut_ptr(), x.as_ptr());
+        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load and store is below
+        // `n`, the shorter length.
+        unsafe {
+            let wv = _mm256_set1_ps(w);
+            let mut i = 0;
+            while i + 8 <= n {
+                let y = _mm256_fmadd_ps(wv, load8_f16(px.add(i)), _mm256_loadu_ps(po.add(i)));
+                _mm256_storeu_ps(po.add(i), y);
+                i += 8;
+            }
+            while i < n {
+                o[i] += w * x[i].to_f32();
+                i += 1;
+            }
+        }
+    }
+
+    /// `a · row` for a q8 row of `a.len()` codes (a multiple of 32) and their scales: each
+    /// block's products summed in two accumulators, then added times the block's scale.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
+        let d = a.len();
+        assert!(d.is_multiple_of(BLOCK) && row.len() >= crate::kv_q8::row_bytes(d));
+        let (pa, pq) = (a.as_ptr(), row.as_ptr());
+        let scales = row[d..].as_ptr();
+        // SAFETY: the caller's contract (AVX2, FMA); block `k` reads elements and codes
+        // `32k..32k + 32` and scale bytes `d + 4k..d + 4k + 4`, all in bounds (asserted).
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            for k in 0..d / BLOCK {
+                let (x, q) = (pa.add(BLOCK * k), pq.add(BLOCK * k));
+                let mut b0 = _mm256_mul_ps(_mm256_loadu_ps(x), load8_q8(q));
+                let mut b1 = _mm256_mul_ps(_mm256_loadu_ps(x.add(8)), load8_q8(q.add(8)));
+                b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(16)), load8_q8(q.add(16)), b0);
+                b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(24)), load8_q8(q.add(24)), b1);
+                let s = _mm256_set1_ps(scales.add(4 * k).cast::<f32>().read_unaligned());
+                acc = _mm256_fmadd_ps(_mm256_add_ps(b0, b1), s, acc);
+            }
+            hsum(acc)
+        }
+    }
+
+    /// `o += w × row` for a q8 row of `o.len()` codes (a multiple of 32) and their scales.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy_q8(o: &mut [f32], w: f32, row: &[u8]) {
+        let d = o.len();
+        assert!(d.is_multiple_of(BLOCK) && row.len() >= crate::kv_q8::row_bytes(d));
+        let (po, pq) = (o.as_mut_ptr(), row.as_ptr());
+        let scales = row[d..].as_ptr();
+        // SAFETY: as in `dot_q8`; the stores are to elements `32k..32k + 32` of `o`.
+        unsafe {
+            for k in 0..d / BLOCK {
+                let ws = _mm256_set1_ps(w * scales.add(4 * k).cast::<f32>().read_unaligned());
+                for i in (0..BLOCK).step_by(8) {
+                    let at = BLOCK * k + i;
+                    let y = _mm256_fmadd_ps(ws, load8_q8(pq.add(at)), _mm256_loadu_ps(po.add(at)));
+                    _mm256_storeu_ps(po.add(at), y);
+                }
+            }
         }
     }
 }
