@@ -301,7 +301,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             why: "each client count and the rounds must be ≥ 1".into(),
         });
     }
-    let llama_bin = crate::llama::binary(args.llama_server.as_deref(), "llama-server")?;
+    // Found first, so that a missing binary fails before the minutes of indexing; not
+    // needed at all with `--skip-llama`.
+    let llama_bin = if args.skip_llama {
+        None
+    } else {
+        Some(crate::llama::binary(
+            args.llama_server.as_deref(),
+            "llama-server",
+        )?)
+    };
     let model_path = args
         .llm
         .model
@@ -409,9 +418,9 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     };
     crate::engine::close(engine);
 
-    if args.skip_llama {
+    let Some(llama_bin) = llama_bin else {
         return Ok(scaling(args, &ours).into_iter().chain(versus).collect());
-    }
+    };
     let ctx_per_slot = (longest + args.max_tokens + 64).div_ceil(256) * 256;
     let theirs = {
         let log = work_dir.path().join("llama-server.log");

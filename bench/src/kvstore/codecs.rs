@@ -6,6 +6,8 @@ use super::*;
 
 /// Cold reads of each codec's store, taken in turns with the other codecs'.
 const COLD_PASSES: usize = 5;
+/// Tokens per block of the encode and decode figures (the store's default block).
+const BLOCK: usize = 64;
 
 /// Synthetic KV shaped like SmolLM2-135M's (30 layers, 3 KV heads, head dim 64) in f16: Gaussian
 /// values with a per-channel scale (keys have a few large channels, as real keys do). Used by
@@ -90,12 +92,37 @@ pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<Toke
     Ok((layout, chunks))
 }
 
+/// Seconds the model of the report takes to prefill `items`' chunks as `ragkv ingest` does
+/// (weights kept quantized, the default `model.weights`), each from position 0, the load
+/// left out: the rate at which ingestion hands KV to the encoder.
+fn ingest_prefill_secs(args: &Args, items: &[TokensKv]) -> Result<f64, Error> {
+    use crate::model::merr;
+    let path = args
+        .codec_model
+        .clone()
+        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let source = model::ModelSource::from_path(&path).map_err(merr)?;
+    let options = model::LoadOptions {
+        quantized: true,
+        ..Default::default()
+    };
+    let m = model::Model::load(&source, &options).map_err(merr)?;
+    let t = Instant::now();
+    for (tokens, _) in items {
+        m.decoder().prefill(tokens, 0).map_err(merr)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
 /// Stored size and warm get bandwidth of each codec, through the store's public API.
 pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
     let tokens = args.codec_tokens;
+    // The model's prefill of the chunks, timed: the rate at which ingest produces KV to encode.
+    let mut prefill_secs = None;
     let (l, items, base) = match args.codec_kv.as_str() {
         "real" => {
             let (l, items) = model_kv(args, tokens)?;
+            prefill_secs = Some(ingest_prefill_secs(args, &items)?);
             (l, items, "codec none (real model f16 KV of dataset text)")
         }
         "synthetic" => {
@@ -198,20 +225,31 @@ pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
         ));
     }
     for codec in [schema::Codec::Q8, schema::Codec::Q4] {
-        lines.push(decode_speed(codec, &l, &items, none_gbps)?);
+        let t = Instant::now();
+        let blocks = encode_blocks(codec, &l, &items)?;
+        let encode_secs = t.elapsed().as_secs_f64();
+        if let Some(prefill) = prefill_secs {
+            lines.push(Line::higher(
+                &format!("kvstore.codec_encode.{codec}"),
+                raw as f64 / encode_secs / 1e6,
+                raw as f64 / prefill / 1e6,
+                "MB/s of f16 KV in",
+                "encode only, one thread; baseline: KV written per second by the model's \
+                 prefill of the same chunks, quantized weights as ingest runs it, all threads",
+            ));
+        }
+        lines.push(decode_speed(codec, &l, &blocks, none_gbps)?);
     }
     Ok(lines)
 }
 
-/// Decoding alone, one thread: the chunks' 64-token blocks encoded with `codec`, then decoded
-/// into f16 again and again; GB/s of f16 written. Against the warm get of `none` (a copy).
-fn decode_speed(
+/// The chunks cut into the store's 64-token blocks, each encoded with `codec` (as `put` does):
+/// per block, its tokens and its encoded payload.
+fn encode_blocks(
     codec: schema::Codec,
     l: &KvLayout,
     items: &[TokensKv],
-    none_gbps: f64,
-) -> Result<Line, Error> {
-    const BLOCK: usize = 64;
+) -> Result<Vec<(usize, Vec<u8>)>, Error> {
     let tb = l.bytes_per_token();
     let mut blocks = Vec::new();
     for (t, kv) in items {
@@ -227,10 +265,21 @@ fn decode_speed(
             blocks.push((n, kvstore::encode_block(codec, l, n, &raw, start)?));
         }
     }
+    Ok(blocks)
+}
+
+/// Decoding alone, one thread: `blocks` (from [`encode_blocks`]) decoded into f16 again and
+/// again; GB/s of f16 written. Against the warm get of `none` (a copy).
+fn decode_speed(
+    codec: schema::Codec,
+    l: &KvLayout,
+    blocks: &[(usize, Vec<u8>)],
+    none_gbps: f64,
+) -> Result<Line, Error> {
     let mut out = vec![0u8; l.bytes_for(BLOCK)];
     let mut run = || -> Result<usize, Error> {
         let mut bytes = 0;
-        for (n, enc) in &blocks {
+        for (n, enc) in blocks {
             let dst = &mut out[..l.bytes_for(*n)];
             kvstore::decode_block(codec, l, *n, enc, dst)?;
             bytes += dst.len();
