@@ -45,10 +45,7 @@ pub(super) fn synthetic_kv(tokens: usize) -> (KvLayout, Vec<u8>) {
 /// in f16, and its path.
 pub(super) fn codec_model(args: &Args) -> Result<(model::Model, KvLayout, PathBuf), Error> {
     use crate::model::merr;
-    let path = args
-        .codec_model
-        .clone()
-        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
+    let path = codec_model_path(args);
     let source = model::ModelSource::from_path(&path).map_err(merr)?;
     let m = model::Model::load(&source, &model::LoadOptions::default()).map_err(merr)?;
     let layout = KvLayout {
@@ -56,6 +53,13 @@ pub(super) fn codec_model(args: &Args) -> Result<(model::Model, KvLayout, PathBu
         ..m.kv_layout().map_err(merr)?
     };
     Ok((m, layout, path))
+}
+
+/// The GGUF file or HF directory of the codec report: `--codec-model`, else SmolLM2-135M.
+fn codec_model_path(args: &Args) -> PathBuf {
+    args.codec_model
+        .clone()
+        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE))
 }
 
 /// A token sequence and its KV bytes.
@@ -97,11 +101,7 @@ pub(super) fn model_kv(args: &Args, tokens: usize) -> Result<(KvLayout, Vec<Toke
 /// left out: the rate at which ingestion hands KV to the encoder.
 fn ingest_prefill_secs(args: &Args, items: &[TokensKv]) -> Result<f64, Error> {
     use crate::model::merr;
-    let path = args
-        .codec_model
-        .clone()
-        .unwrap_or_else(|| model::models_dir().join(model::SMOLLM2_FILE));
-    let source = model::ModelSource::from_path(&path).map_err(merr)?;
+    let source = model::ModelSource::from_path(codec_model_path(args)).map_err(merr)?;
     let options = model::LoadOptions {
         quantized: true,
         ..Default::default()
@@ -244,7 +244,7 @@ pub(super) fn codecs(root: &Path, args: &Args) -> Result<Vec<Line>, Error> {
 }
 
 /// The chunks cut into the store's 64-token blocks, each encoded with `codec` (as `put` does):
-/// per block, its tokens and its encoded payload.
+/// per block, its number of tokens and its encoded payload.
 fn encode_blocks(
     codec: schema::Codec,
     l: &KvLayout,

@@ -166,7 +166,7 @@ fn code_sums(x: &[f32], lo: f32, inv: f32, levels: f32) -> (f64, f64, f64) {
 }
 
 /// The sum of squared errors of `x` coded with (scale, min), or `None` where a value would
-/// land more than one step from its decoded value. Codes as [`code`] gives them.
+/// land more than one step from its decoded value. Codes as [`super::code`] gives them.
 #[inline(always)]
 fn sse(x: &[f32], (s, m): (f16, f16), levels: f32) -> Option<f64> {
     let (s, m) = (s.to_f32(), m.to_f32());
