@@ -132,8 +132,8 @@ impl Elem for f16 {
         match kernel {
             // SAFETY: `best` checked the CPU features.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::dot_f16(q, row) },
-            Kernel::Portable => portable::dot_f16(q, row),
+            Kernel::Avx2 => unsafe { avx2::dot(q, row) },
+            Kernel::Portable => portable::dot(q, row),
         }
     }
 
@@ -142,8 +142,8 @@ impl Elem for f16 {
         match kernel {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::axpy_f16(o, w, row) },
-            Kernel::Portable => portable::axpy_f16(o, w, row),
+            Kernel::Avx2 => unsafe { avx2::axpy(o, w, row) },
+            Kernel::Portable => portable::axpy(o, w, row),
         }
     }
 }
@@ -175,31 +175,50 @@ impl Elem for u8 {
     }
 }
 
-mod portable {
-    use half::f16;
+/// Row elements read as f32 one at a time: f32 and f16 (the portable loops, and the AVX2
+/// ones' tails).
+pub(super) trait Widen: Copy {
+    fn widen(self) -> f32;
+}
 
+impl Widen for f32 {
+    #[inline]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for f16 {
+    #[inline]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+mod portable {
+    use super::Widen;
     use crate::kv_q8::{block_scale, BLOCK};
     /// `a · b`, eight lanes at a time (a form the compiler vectorizes).
-    pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    pub(super) fn dot<T: Widen>(a: &[f32], b: &[T]) -> f32 {
         let mut acc = [0f32; 8];
         let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
         let tail: f32 = ac
             .remainder()
             .iter()
             .zip(bc.remainder())
-            .map(|(x, y)| x * y)
+            .map(|(x, y)| x * y.widen())
             .sum();
         for (x, y) in ac.zip(bc) {
             for l in 0..8 {
-                acc[l] += x[l] * y[l];
+                acc[l] += x[l] * y[l].widen();
             }
         }
         acc.iter().sum::<f32>() + tail
     }
 
-    pub(super) fn axpy(o: &mut [f32], w: f32, x: &[f32]) {
+    pub(super) fn axpy<T: Widen>(o: &mut [f32], w: f32, x: &[T]) {
         for (o, x) in o.iter_mut().zip(x) {
-            *o += w * x;
+            *o += w * x.widen();
         }
     }
 
@@ -210,29 +229,6 @@ mod portable {
             sum += *v;
         }
         sum
-    }
-
-    pub(super) fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
-        let mut acc = [0f32; 8];
-        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-        let tail: f32 = ac
-            .remainder()
-            .iter()
-            .zip(bc.remainder())
-            .map(|(x, y)| x * y.to_f32())
-            .sum();
-        for (x, y) in ac.zip(bc) {
-            for l in 0..8 {
-                acc[l] += x[l] * y[l].to_f32();
-            }
-        }
-        acc.iter().sum::<f32>() + tail
-    }
-
-    pub(super) fn axpy_f16(o: &mut [f32], w: f32, x: &[f16]) {
-        for (o, x) in o.iter_mut().zip(x) {
-            *o += w * x.to_f32();
-        }
     }
 
     /// Per block: the codes' products summed, times the block's scale.
@@ -281,56 +277,81 @@ mod avx2 {
 
     use half::f16;
 
+    use super::Widen;
     use crate::kv_q8::BLOCK;
     use crate::simd::x86::{exp8, hsum256 as hsum};
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    /// Row elements the loops load eight at a time as f32 lanes: f32, and f16 widened as it
+    /// loads (`vcvtph2ps`).
+    pub(super) trait Load8: Widen {
+        /// Eight elements from `p` as f32 lanes.
+        ///
+        /// # Safety
+        /// The CPU has AVX2, FMA and F16C; eight elements are readable at `p`.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Load8 for f32 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            // SAFETY: the caller's contract: eight f32 readable at `p`.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+    }
+
+    impl Load8 for f16 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const f16) -> __m256 {
+            // SAFETY: the caller's contract: eight f16 readable at `p`.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot<T: Load8>(a: &[f32], b: &[T]) -> f32 {
         let n = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        // SAFETY: the caller's contract (AVX2, FMA); every load is below `n`, the shorter
-        // length.
+        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load is below `n`, the
+        // shorter length.
         unsafe {
             let (mut c0, mut c1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             let mut i = 0;
             while i + 16 <= n {
-                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), c0);
-                c1 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i + 8)),
-                    _mm256_loadu_ps(pb.add(i + 8)),
-                    c1,
-                );
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), c0);
+                c1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), T::load8(pb.add(i + 8)), c1);
                 i += 16;
             }
             if i + 8 <= n {
-                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), c0);
+                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), c0);
                 i += 8;
             }
             let mut s = hsum(_mm256_add_ps(c0, c1));
             while i < n {
-                s += a[i] * b[i];
+                s += a[i] * b[i].widen();
                 i += 1;
             }
             s
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy(o: &mut [f32], w: f32, x: &[f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy<T: Load8>(o: &mut [f32], w: f32, x: &[T]) {
         let n = o.len().min(x.len());
         let (po, px) = (o.as_mut_ptr(), x.as_ptr());
-        // SAFETY: the caller's contract (AVX2, FMA); every load and store is below `n`, the
-        // shorter length.
+        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load and store is below
+        // `n`, the shorter length.
         unsafe {
             let wv = _mm256_set1_ps(w);
             let mut i = 0;
             while i + 8 <= n {
-                let y = _mm256_fmadd_ps(wv, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(po.add(i)));
+                let y = _mm256_fmadd_ps(wv, T::load8(px.add(i)), _mm256_loadu_ps(po.add(i)));
                 _mm256_storeu_ps(po.add(i), y);
                 i += 8;
             }
             while i < n {
-                o[i] += w * x[i];
+                o[i] += w * x[i].widen();
                 i += 1;
             }
         }
@@ -361,68 +382,12 @@ mod avx2 {
         }
     }
 
-    /// Eight f16 at `p` as f32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8_f16(p: *const f16) -> __m256 {
-        // SAFETY: the caller's contract: eight f16 readable at `p`.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
-    }
-
     /// Eight signed codes at `p` as f32 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn load8_q8(p: *const u8) -> __m256 {
         // SAFETY: the caller's contract: eight bytes readable at `p`.
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load is below `n`, the
-        // shorter length.
-        unsafe {
-            let (mut c0, mut c1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut i = 0;
-            while i + 16 <= n {
-                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8_f16(pb.add(i)), c0);
-                c1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), load8_f16(pb.add(i + 8)), c1);
-                i += 16;
-            }
-            if i + 8 <= n {
-                c0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8_f16(pb.add(i)), c0);
-                i += 8;
-            }
-            let mut s = hsum(_mm256_add_ps(c0, c1));
-            while i < n {
-                s += a[i] * b[i].to_f32();
-                i += 1;
-            }
-            s
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_f16(o: &mut [f32], w: f32, x: &[f16]) {
-        let n = o.len().min(x.len());
-        let (po, px) = (o.as_mut_ptr(), x.as_ptr());
-        // SAFETY: the caller's contract (AVX2, FMA, F16C); every load and store is below
-        // `n`, the shorter length.
-        unsafe {
-            let wv = _mm256_set1_ps(w);
-            let mut i = 0;
-            while i + 8 <= n {
-                let y = _mm256_fmadd_ps(wv, load8_f16(px.add(i)), _mm256_loadu_ps(po.add(i)));
-                _mm256_storeu_ps(po.add(i), y);
-                i += 8;
-            }
-            while i < n {
-                o[i] += w * x[i].to_f32();
-                i += 1;
-            }
-        }
     }
 
     /// `a · row` for a q8 row of `a.len()` codes (a multiple of 32) and their scales: each
