@@ -268,7 +268,7 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! AVX2 + FMA loops. Every function needs those features: callers check first. They
+    //! AVX2 + FMA + F16C loops. Every function needs those features: callers check first. They
     //! stay `unsafe fn`s over raw pointers with one block per body: as safe
     //! `#[target_feature]` functions over bounds-checked slices they ran SmolLM2's AVX2
     //! decode ~20 % slower in the dev profile.
