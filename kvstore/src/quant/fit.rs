@@ -65,19 +65,9 @@ fn fit_lanes(x: &[f32], levels: f32) -> (f16, f16) {
         let inv = (levels + STEP_FROM + STEP_BY * i as f32) / (hi - lo);
         // Codes of this step, then the scale and minimum that fit them best.
         let (sl, sl2, slx) = code_sums(x, lo, inv, levels);
-        let d = n * sl2 - sl * sl;
-        if d <= 0.0 {
+        let Some((s, m)) = least_squares(n, sl, sl2, sx, slx) else {
             continue;
-        }
-        let scale = (n * slx - sl * sx) / d;
-        let min = (sl2 * sx - sl * slx) / d;
-        if !(scale > 0.0 && scale.is_finite() && min.is_finite()) {
-            continue;
-        }
-        let (s, m) = (f16::from_f64(scale), f16::from_f64(min));
-        if !(s.to_f32() > 0.0 && s.is_finite() && m.is_finite()) {
-            continue;
-        }
+        };
         if let Some(err) = sse(x, (s, m), levels) {
             if err < best_err {
                 (best, best_err) = ((s, m), err);
@@ -85,6 +75,23 @@ fn fit_lanes(x: &[f32], levels: f32) -> (f16, f16) {
         }
     }
     best
+}
+
+/// The scale and minimum (rounded to f16) that fit `n` values `x` best to their codes `l` by
+/// least squares, from the sums of `l`, `l²`, `x` and `l × x`; `None` where the codes do not
+/// determine a positive, finite scale.
+fn least_squares(n: f64, sl: f64, sl2: f64, sx: f64, slx: f64) -> Option<(f16, f16)> {
+    let d = n * sl2 - sl * sl;
+    if d <= 0.0 {
+        return None;
+    }
+    let scale = (n * slx - sl * sx) / d;
+    let min = (sl2 * sx - sl * slx) / d;
+    if !(scale > 0.0 && scale.is_finite() && min.is_finite()) {
+        return None;
+    }
+    let (s, m) = (f16::from_f64(scale), f16::from_f64(min));
+    (s.to_f32() > 0.0 && s.is_finite() && m.is_finite()).then_some((s, m))
 }
 
 /// The f16 (scale, minimum) of the group `x` from its range alone.
@@ -205,7 +212,7 @@ mod tests {
     use proptest::prelude::*;
 
     /// The search as first written: one value at a time, every sum in f64 in order, codes
-    /// from the encoder's own [`code`].
+    /// from the encoder's own [`code`] (the least-squares solve from the sums is shared).
     fn fit_in_order(x: &[f32], levels: f32) -> (f16, f16) {
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -238,19 +245,9 @@ mod tests {
                 sx += v;
                 slx += l * v;
             }
-            let d = n * sl2 - sl * sl;
-            if d <= 0.0 {
+            let Some((s, m)) = least_squares(n, sl, sl2, sx, slx) else {
                 continue;
-            }
-            let scale = (n * slx - sl * sx) / d;
-            let min = (sl2 * sx - sl * slx) / d;
-            if !(scale > 0.0 && scale.is_finite() && min.is_finite()) {
-                continue;
-            }
-            let (s, m) = (f16::from_f64(scale), f16::from_f64(min));
-            if !(s.to_f32() > 0.0 && s.is_finite() && m.is_finite()) {
-                continue;
-            }
+            };
             if let Some(err) = sse((s, m)) {
                 if err < best_err {
                     (best, best_err) = ((s, m), err);
