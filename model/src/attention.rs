@@ -26,12 +26,83 @@ use half::f16;
 use crate::quant::SharedOut;
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod loops;
 
 use loops::Kernel;
+
+/// Cache elements every kernel reads in place.
+#[cfg(target_arch = "x86_64")]
+trait Cell: loops::Elem + avx512::Lanes + avx2::WidenRow {}
+/// Cache elements every kernel reads in place.
+#[cfg(not(target_arch = "x86_64"))]
+trait Cell: loops::Elem {}
+impl Cell for f32 {}
+impl Cell for f16 {}
+impl Cell for u8 {}
+
+/// The kernel one call's groups take, chosen once for its head size and the CPU.
+#[derive(Clone, Copy)]
+enum How {
+    /// Heads of 64, 128 or 256 elements where the CPU has AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// Heads of a multiple of eight elements where it has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// Everything else.
+    Loops(Kernel),
+}
+
+impl How {
+    fn best(d: usize) -> How {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::takes(d) && avx512::available() {
+            return How::Avx512;
+        }
+        let kernel = Kernel::best();
+        #[cfg(target_arch = "x86_64")]
+        if matches!(kernel, Kernel::Avx2) && avx2::takes(d) {
+            return How::Avx2;
+        }
+        How::Loops(kernel)
+    }
+
+    /// Heads `q` (rows of `d`) over the key and value rows `span` (first and last
+    /// position, inclusive) of `k` and `v` (elements, row stride): the softmax-weighted
+    /// sums of values into `o`; `p` and `wide` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn group<T: Cell>(
+        self,
+        q: &[f32],
+        d: usize,
+        (k, ks): (&[T], usize),
+        (v, vs): (&[T], usize),
+        (from, pos): (usize, usize),
+        scale: f32,
+        p: &mut Vec<f32>,
+        wide: &mut Vec<f32>,
+        o: &mut [f32],
+    ) {
+        match self {
+            // SAFETY: `best` checked `avx512::available()`.
+            #[cfg(target_arch = "x86_64")]
+            How::Avx512 => unsafe { avx512::group(q, d, k, ks, v, vs, (from, pos), scale, p, o) },
+            // SAFETY: `best` checked the AVX2 kernels' features (`Kernel::best`).
+            #[cfg(target_arch = "x86_64")]
+            How::Avx2 => unsafe { avx2::group(q, d, k, ks, v, vs, (from, pos), scale, p, wide, o) },
+            How::Loops(kernel) => {
+                let _ = wide;
+                let (krows, vrows) = ((from..=pos).map(|j| j * ks), (from..=pos).map(|j| j * vs));
+                kernel.group(q, k, krows, v, vrows, pos + 1 - from, d, scale, p, o)
+            }
+        }
+    }
+}
 
 /// Query rows per task: enough work per hand-off, enough tasks to share among threads.
 const ROWS_PER_TASK: usize = 16;
@@ -196,16 +267,13 @@ pub(crate) fn attend(
     // last ones taken are the shortest and the threads finish together (a step's sequences
     // differ in length: a decoding token over 1,800 cached rows costs 1.6x one over 1,100).
     tasks.sort_by_key(|&(i, _, r0, r1)| std::cmp::Reverse((r1 - r0) * guards[i].2));
-    let kernel = Kernel::best();
-    // Heads of 64, 128 or 256 elements take the AVX-512 kernel where the CPU has it.
-    #[cfg(target_arch = "x86_64")]
-    let wide = avx512::takes(d) && avx512::available();
+    let how = How::best(d);
     let mut out = vec![0f32; rows * heads * d];
     let dst = SharedOut(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
         let dst = &dst;
         let mut qg = vec![0f32; rep * d];
-        let mut p = Vec::new();
+        let (mut p, mut wide) = (Vec::new(), Vec::new());
         for &(i, g, r0, r1) in &tasks[range] {
             let (k, v, t) = views[i];
             let s = &seqs[i];
@@ -226,69 +294,42 @@ pub(crate) fn attend(
                 let o = unsafe {
                     std::slice::from_raw_parts_mut(dst.0.add((row * heads + g * rep) * d), rep * d)
                 };
-                #[cfg(target_arch = "x86_64")]
-                if wide {
-                    let span = (from, pos);
-                    // SAFETY: `avx512::available()` was checked.
-                    unsafe {
-                        match (k.data, v.data) {
-                            (Elems::F32(kd), Elems::F32(vd)) => avx512::group(
-                                &qg,
-                                d,
-                                &kd[k0..],
-                                k.row,
-                                &vd[v0..],
-                                v.row,
-                                span,
-                                scale,
-                                &mut p,
-                                o,
-                            ),
-                            (Elems::F16(kd), Elems::F16(vd)) => avx512::group(
-                                &qg,
-                                d,
-                                &kd[k0..],
-                                k.row,
-                                &vd[v0..],
-                                v.row,
-                                span,
-                                scale,
-                                &mut p,
-                                o,
-                            ),
-                            (Elems::Q8(kd), Elems::Q8(vd)) => avx512::group(
-                                &qg,
-                                d,
-                                &kd[k0..],
-                                k.row,
-                                &vd[v0..],
-                                v.row,
-                                span,
-                                scale,
-                                &mut p,
-                                o,
-                            ),
-                            _ => unreachable!("keys and values share a dtype (checked)"),
-                        }
-                    }
-                    continue;
-                }
-                let n = pos + 1 - from;
-                let (krows, vrows) = (
-                    (from..=pos).map(|j| j * k.row),
-                    (from..=pos).map(|j| j * v.row),
-                );
-                let (qg, p) = (&qg[..], &mut p);
+                let span = (from, pos);
+                let (qg, p, wide) = (&qg[..], &mut p, &mut wide);
                 match (k.data, v.data) {
-                    (Elems::F32(kd), Elems::F32(vd)) => {
-                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
-                    }
-                    (Elems::F16(kd), Elems::F16(vd)) => {
-                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
-                    }
-                    (Elems::Q8(kd), Elems::Q8(vd)) => {
-                        kernel.group(qg, &kd[k0..], krows, &vd[v0..], vrows, n, d, scale, p, o)
-                    }
+                    (Elems::F32(kd), Elems::F32(vd)) => how.group(
+                        qg,
+                        d,
+                        (&kd[k0..], k.row),
+                        (&vd[v0..], v.row),
+                        span,
+                        scale,
+                        p,
+                        wide,
+                        o,
+                    ),
+                    (Elems::F16(kd), Elems::F16(vd)) => how.group(
+                        qg,
+                        d,
+                        (&kd[k0..], k.row),
+                        (&vd[v0..], v.row),
+                        span,
+                        scale,
+                        p,
+                        wide,
+                        o,
+                    ),
+                    (Elems::Q8(kd), Elems::Q8(vd)) => how.group(
+                        qg,
+                        d,
+                        (&kd[k0..], k.row),
+                        (&vd[v0..], v.row),
+                        span,
+                        scale,
+                        p,
+                        wide,
+                        o,
+                    ),
                     _ => unreachable!("keys and values share a dtype (checked)"),
                 }
             }

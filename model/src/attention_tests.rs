@@ -321,3 +321,81 @@ fn kernels_agree() {
     }
     assert!((s1 - s2).abs() < 1e-5 * s2);
 }
+
+/// Every kernel's group (AVX2's widened chunks, AVX-512's registers, where the CPU has
+/// them) equals the portable loops' over f32, f16 and q8 rows: head sizes with and
+/// without whole column blocks of eight vectors, spans shorter than a block of eight
+/// keys, not a whole number of chunks, and starting past the first row.
+#[test]
+fn every_kernel_matches_the_portable_loops() {
+    let (rep, stride) = (3, 2);
+    for d in [32, 64, 96, 128, 160] {
+        let w = crate::kv_q8::row_bytes(d);
+        let rows = 80;
+        let val = |i: usize| ((i as f32) * 0.37).sin() * 2.0;
+        let q: Vec<f32> = (0..rep * d).map(|i| ((i as f32) * 0.13).cos()).collect();
+        let f: Vec<f32> = (0..rows * stride * d).map(val).collect();
+        let h: Vec<f16> = f.iter().map(|&x| f16::from_f32(x)).collect();
+        let mut q8 = vec![0u8; rows * stride * w];
+        for (x, o) in f.chunks_exact(d).zip(q8.chunks_exact_mut(w)) {
+            crate::kv_q8::quantize_row(x, o);
+        }
+        for span in [(0, 0), (3, 9), (0, 31), (5, 72), (0, 79)] {
+            let run = |how: How| {
+                let (mut p, mut wide) = (Vec::new(), Vec::new());
+                let mut outs = Vec::new();
+                let mut o = vec![0f32; rep * d];
+                let (s, ds) = (stride * d, stride * w);
+                how.group(
+                    &q,
+                    d,
+                    (&f, s),
+                    (&f[d..], s),
+                    span,
+                    0.2,
+                    &mut p,
+                    &mut wide,
+                    &mut o,
+                );
+                outs.push(o.clone());
+                how.group(
+                    &q,
+                    d,
+                    (&h, s),
+                    (&h[d..], s),
+                    span,
+                    0.2,
+                    &mut p,
+                    &mut wide,
+                    &mut o,
+                );
+                outs.push(o.clone());
+                let (k, v) = (&q8[..], &q8[w..]);
+                how.group(
+                    &q,
+                    d,
+                    (k, ds),
+                    (v, ds),
+                    span,
+                    0.2,
+                    &mut p,
+                    &mut wide,
+                    &mut o,
+                );
+                outs.push(o);
+                outs
+            };
+            let want = run(How::Loops(Kernel::Portable));
+            for (got, want) in run(How::best(d)).iter().zip(&want) {
+                let diff = got
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    diff < 1e-5,
+                    "heads of {d}, span {span:?}: differs by {diff}"
+                );
+            }
+        }
+    }
+}
