@@ -2,9 +2,11 @@
 //! decoding-cache dtype against another on the same engine, prompts and clients, and how
 //! closely the two answer alike: teacher-forced (the `versus` caches' greedy answer to each
 //! question fed through both kinds of caches the same way, the share of token decisions on
-//! which they agree) and free-running (the share of each answer both produce
-//! from its start: greedy answers of 64 tokens drift apart after any near-tie, so this one
-//! is low even between f32 and f16 caches).
+//! which they agree, over all `--max-tokens` decisions and up to the end of the answer
+//! proper) and free-running (the share of each answer both produce from its start: greedy
+//! answers of 64 tokens drift apart after any near-tie, so this one is low even between f32
+//! and f16 caches). The f32 caches' teacher-forced agreement with the same `versus` caches
+//! comes with it: the floor rounding alone sets for this measure.
 
 use std::sync::Arc;
 
@@ -65,15 +67,39 @@ pub(crate) fn measure_versus(
     side
 }
 
-/// Teacher-forced agreement of `args.cache_dtype` caches with `versus` ones over
-/// `questions`: (agreeing decisions, decisions).
+/// Teacher-forced decisions compared: all of them, and those of the answer proper.
+#[derive(Debug, Default, Clone, Copy)]
+struct Forced {
+    agree: usize,
+    total: usize,
+    /// Decisions up to and including the first one where the reference's own caches choose
+    /// an end-of-turn token (answers run on past it: end-of-turn tokens are banned so that
+    /// every answer is `--max-tokens` long, and what follows is the model rambling through
+    /// near-ties).
+    answer_agree: usize,
+    answer_total: usize,
+}
+
+impl Forced {
+    fn share(self) -> f64 {
+        self.agree as f64 / self.total.max(1) as f64
+    }
+
+    fn answer_share(self) -> f64 {
+        self.answer_agree as f64 / self.answer_total.max(1) as f64
+    }
+}
+
+/// Teacher-forced agreement of caches of each of `sides` with `versus` ones over
+/// `questions`: the `versus` caches' greedy answer fed through both the same way.
 fn forced_agreement(
     engine: &Arc<ingest::Engine>,
     config: &ServeConfig,
     versus: CacheDtype,
+    sides: &[CacheDtype],
     questions: &[String],
     args: &Args,
-) -> Result<(usize, usize), Error> {
+) -> Result<Vec<Forced>, Error> {
     let start = |cache_dtype| {
         let c = ServeConfig {
             cache_dtype,
@@ -81,8 +107,13 @@ fn forced_agreement(
         };
         serve::Rag::start(engine.clone(), c).map_err(|e| Error::Check(e.to_string()))
     };
-    let (reference, ours) = (start(versus)?, start(args.cache_dtype)?);
-    let (mut agree, mut total) = (0, 0);
+    let reference = start(versus)?;
+    let others = sides
+        .iter()
+        .map(|&d| start(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    let eos = &engine.corpus().model().tokenizer().eos;
+    let mut out = vec![Forced::default(); sides.len()];
     for q in questions {
         let query = serve::Query {
             question: q.clone(),
@@ -96,13 +127,13 @@ fn forced_agreement(
             kv: serve::KvMode::On,
             assembly: serve::Assembly::default(),
         };
-        let hits = ours
+        let hits = reference
             .retrieve(&query)
             .map_err(|e| Error::Check(e.to_string()))?;
         let r = reference
             .reference(&query, hits.clone())
             .map_err(|e| Error::Check(e.to_string()))?;
-        // Both sides teacher-forced the same way on the same answer, so that only the caches
+        // Every side teacher-forced the same way on the same answer, so that only the caches
         // differ (the forced pass itself rounds differently from the greedy one).
         let decisions = |rag: &serve::Rag| -> Result<Vec<u32>, Error> {
             let logits = rag
@@ -113,11 +144,21 @@ fn forced_agreement(
                 .and_then(|t| t.to_vec1())
                 .map_err(|e| Error::Check(format!("argmax: {e}")))
         };
-        let (want, got) = (decisions(&reference)?, decisions(&ours)?);
-        agree += got.iter().zip(&want).filter(|(a, b)| a == b).count();
-        total += want.len();
+        let want = decisions(&reference)?;
+        let end = want
+            .iter()
+            .position(|t| eos.contains(t))
+            .map_or(want.len(), |i| i + 1);
+        for (rag, f) in others.iter().zip(&mut out) {
+            let got = decisions(rag)?;
+            let same: Vec<bool> = got.iter().zip(&want).map(|(a, b)| a == b).collect();
+            f.agree += same.iter().filter(|&&x| x).count();
+            f.total += want.len();
+            f.answer_agree += same[..end.min(same.len())].iter().filter(|&&x| x).count();
+            f.answer_total += end;
+        }
     }
-    Ok((agree, total))
+    Ok(out)
 }
 
 /// Queries/s at the most clients, and the answers' token agreement, of `ours` (cache
@@ -131,7 +172,13 @@ pub(crate) fn lines(
     ours: &Side,
     theirs: &Side,
 ) -> Result<Vec<Line>, Error> {
-    let (forced_agree, forced_total) = forced_agreement(engine, config, versus, questions, args)?;
+    // f32 caches against `versus` too, unless one of the two is f32: the agreement that
+    // rounding the cache to f16 alone leaves, the floor this measure can show.
+    let mut sides = vec![args.cache_dtype];
+    if args.cache_dtype != CacheDtype::F32 && versus != CacheDtype::F32 {
+        sides.push(CacheDtype::F32);
+    }
+    let forced = forced_agreement(engine, config, versus, &sides, questions, args)?;
     let tok = engine.corpus().model().tokenizer();
     let (mut common, mut total, mut identical) = (0usize, 0usize, 0usize);
     for (a, b) in ours.answers.iter().zip(&theirs.answers) {
@@ -157,18 +204,27 @@ pub(crate) fn lines(
     qps.detail = Some(serde_json::json!({
         "qps_by_clients": {"clients": args.clients, "ours": ours.qps, "baseline": theirs.qps},
     }));
-    let share = forced_agree as f64 / forced_total.max(1) as f64;
+    let f = forced[0];
     let mut agree = Line::higher(
         &format!("peer.cache_answer_tokens.{}", name(args.cache_dtype)),
-        share,
+        f.share(),
         1.0,
         "teacher-forced share of the baseline's answer-token decisions",
         &base,
     );
-    agree.detail = Some(serde_json::json!({
-        "forced_tokens": forced_total,
+    let mut detail = serde_json::json!({
+        "forced_tokens": f.total,
+        "to_end_of_answer": {"share": f.answer_share(), "tokens": f.answer_total},
         "free_running": {"identical_answers": identical, "of": theirs.answers.len(),
                          "common_prefix_tokens": common, "tokens": total},
-    }));
+    });
+    if let Some(floor) = forced.get(1) {
+        detail["f32_caches"] = serde_json::json!({
+            "share": floor.share(),
+            "to_end_of_answer": floor.answer_share(),
+            "to_end_tokens": floor.answer_total,
+        });
+    }
+    agree.detail = Some(detail);
     Ok(vec![qps, agree])
 }
