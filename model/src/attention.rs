@@ -13,12 +13,14 @@
 //! cache index `t - s + i` and sees keys up to it, within the sliding window if any (HF's
 //! rule: `q - k < window`). Scores, softmax and the weighted sum of values in f32: heads of
 //! 64, 128 or 256 elements on AVX-512 CPUs in [`avx512`] (queries and outputs held in
-//! registers), other shapes
-//! with AVX2+FMA loops (and a vectorized `exp`, ggml's) where the CPU has them, a portable
-//! loop otherwise ([`loops`]). Caches in f32, f16 (half the bytes a decode step reads) or q8
-//! (about a quarter), read in place by every kernel: rows are widened to f32 as they are
-//! loaded, q8 codes times their block's scale; f32 queries, on the CPU; other dtypes and
-//! devices take the general path.
+//! registers), heads of a multiple of eight elements on other AVX2+FMA CPUs in [`avx2`]
+//! (a chunk of rows widened once for every query head of the group, scores eight keys at a
+//! time), other shapes with loops (AVX2+FMA with ggml's vectorized `exp` where the CPU has
+//! them, portable otherwise: [`loops`]); [`How`] picks once per call. Caches in f32, f16
+//! (half the bytes a decode step reads) or q8 (about a quarter), read in place by every
+//! kernel: rows are widened to f32 as they are loaded (by the AVX2 kernel into a scratch
+//! block of 32 rows that stays in L1), q8 codes times their block's scale; f32 queries, on
+//! the CPU; other dtypes and devices take the general path.
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use half::f16;
@@ -72,9 +74,10 @@ impl How {
         How::Loops(kernel)
     }
 
-    /// Heads `q` (rows of `d`) over the key and value rows `span` (first and last
-    /// position, inclusive) of `k` and `v` (elements, row stride): the softmax-weighted
-    /// sums of values into `o`; `p` and `wide` are scratch.
+    /// Query rows of one sequence, `rep` heads `q` each (rows of `rep d`), over the key and
+    /// value rows of their spans (first and last position, inclusive) of `k` and `v`
+    /// (elements, row stride): the softmax-weighted sums of values into `o` (like `q`); `p`
+    /// and `wide` are scratch.
     #[allow(clippy::too_many_arguments)]
     fn group<T: Cell>(
         self,
@@ -82,23 +85,33 @@ impl How {
         d: usize,
         (k, ks): (&[T], usize),
         (v, vs): (&[T], usize),
-        (from, pos): (usize, usize),
+        spans: &[(usize, usize)],
         scale: f32,
         p: &mut Vec<f32>,
         wide: &mut Vec<f32>,
         o: &mut [f32],
     ) {
-        match self {
-            // SAFETY: `best` checked `avx512::available()`.
-            #[cfg(target_arch = "x86_64")]
-            How::Avx512 => unsafe { avx512::group(q, d, k, ks, v, vs, (from, pos), scale, p, o) },
+        #[cfg(target_arch = "x86_64")]
+        if let How::Avx2 = self {
             // SAFETY: `best` checked the AVX2 kernels' features (`Kernel::best`).
-            #[cfg(target_arch = "x86_64")]
-            How::Avx2 => unsafe { avx2::group(q, d, k, ks, v, vs, (from, pos), scale, p, wide, o) },
-            How::Loops(kernel) => {
-                let _ = wide;
-                let (krows, vrows) = ((from..=pos).map(|j| j * ks), (from..=pos).map(|j| j * vs));
-                kernel.group(q, k, krows, v, vrows, pos + 1 - from, d, scale, p, o)
+            return unsafe { avx2::group(q, d, k, ks, v, vs, spans, scale, p, wide, o) };
+        }
+        let _ = wide;
+        let w = q.len() / spans.len().max(1);
+        for ((q, o), &(from, pos)) in q.chunks_exact(w).zip(o.chunks_exact_mut(w)).zip(spans) {
+            match self {
+                // SAFETY: `best` checked `avx512::available()`.
+                #[cfg(target_arch = "x86_64")]
+                How::Avx512 => unsafe {
+                    avx512::group(q, d, k, ks, v, vs, (from, pos), scale, p, o)
+                },
+                #[cfg(target_arch = "x86_64")]
+                How::Avx2 => unreachable!("taken above"),
+                How::Loops(kernel) => {
+                    let krows = (from..=pos).map(|j| j * ks);
+                    let vrows = (from..=pos).map(|j| j * vs);
+                    kernel.group(q, k, krows, v, vrows, pos + 1 - from, d, scale, p, o)
+                }
             }
         }
     }
@@ -272,65 +285,50 @@ pub(crate) fn attend(
     let dst = SharedOut(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
         let dst = &dst;
-        let mut qg = vec![0f32; rep * d];
+        let (mut qg, mut og, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         let (mut p, mut wide) = (Vec::new(), Vec::new());
         for &(i, g, r0, r1) in &tasks[range] {
             let (k, v, t) = views[i];
             let s = &seqs[i];
             let (k0, v0) = (k.start + g * k.head, v.start + g * v.head);
+            // The task's query rows, each with its group's heads, and the positions each sees.
+            qg.clear();
+            spans.clear();
             for r in r0..r1 {
                 let row = s.row + r;
-                for h in 0..rep {
-                    let head = g * rep + h;
-                    for (x, at) in qg[h * d..(h + 1) * d].iter_mut().zip(0..d) {
-                        *x = qd[q0 + head * qst[1] + row * qst[2] + at * qst[3]];
-                    }
+                for head in g * rep..(g + 1) * rep {
+                    let at = q0 + head * qst[1] + row * qst[2];
+                    qg.extend((0..d).map(|x| qd[at + x * qst[3]]));
                 }
                 let pos = s.pos.map_or(t - s.len + r, |p| p[r]);
-                let from = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                spans.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+            }
+            og.clear();
+            og.resize(qg.len(), 0.0);
+            let (qg, og, sp, p, wide) = (&qg[..], &mut og[..], &spans[..], &mut p, &mut wide);
+            match (k.data, v.data) {
+                (Elems::F32(kd), Elems::F32(vd)) => {
+                    let (kv, vv) = ((&kd[k0..], k.row), (&vd[v0..], v.row));
+                    how.group(qg, d, kv, vv, sp, scale, p, wide, og)
+                }
+                (Elems::F16(kd), Elems::F16(vd)) => {
+                    let (kv, vv) = ((&kd[k0..], k.row), (&vd[v0..], v.row));
+                    how.group(qg, d, kv, vv, sp, scale, p, wide, og)
+                }
+                (Elems::Q8(kd), Elems::Q8(vd)) => {
+                    let (kv, vv) = ((&kd[k0..], k.row), (&vd[v0..], v.row));
+                    how.group(qg, d, kv, vv, sp, scale, p, wide, og)
+                }
+                _ => unreachable!("keys and values share a dtype (checked)"),
+            }
+            for (r, o) in (r0..r1).zip(og.chunks_exact(rep * d)) {
+                let row = s.row + r;
                 // SAFETY: the tasks are disjoint (sequence, KV head, rows); the pair
                 // (row, head group) owns `rep * d` contiguous outputs, written only here,
                 // and `out` outlives `execute_chunked`.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(dst.0.add((row * heads + g * rep) * d), rep * d)
-                };
-                let span = (from, pos);
-                let (qg, p, wide) = (&qg[..], &mut p, &mut wide);
-                match (k.data, v.data) {
-                    (Elems::F32(kd), Elems::F32(vd)) => how.group(
-                        qg,
-                        d,
-                        (&kd[k0..], k.row),
-                        (&vd[v0..], v.row),
-                        span,
-                        scale,
-                        p,
-                        wide,
-                        o,
-                    ),
-                    (Elems::F16(kd), Elems::F16(vd)) => how.group(
-                        qg,
-                        d,
-                        (&kd[k0..], k.row),
-                        (&vd[v0..], v.row),
-                        span,
-                        scale,
-                        p,
-                        wide,
-                        o,
-                    ),
-                    (Elems::Q8(kd), Elems::Q8(vd)) => how.group(
-                        qg,
-                        d,
-                        (&kd[k0..], k.row),
-                        (&vd[v0..], v.row),
-                        span,
-                        scale,
-                        p,
-                        wide,
-                        o,
-                    ),
-                    _ => unreachable!("keys and values share a dtype (checked)"),
+                unsafe {
+                    let at = dst.0.add((row * heads + g * rep) * d);
+                    std::ptr::copy_nonoverlapping(o.as_ptr(), at, rep * d);
                 }
             }
         }

@@ -325,63 +325,46 @@ fn kernels_agree() {
 /// Every kernel's group (AVX2's widened chunks, AVX-512's registers, where the CPU has
 /// them) equals the portable loops' over f32, f16 and q8 rows: head sizes with and
 /// without whole column blocks of eight vectors, spans shorter than a block of eight
-/// keys, not a whole number of chunks, and starting past the first row.
+/// keys, not a whole number of chunks, starting past the first row, and several query
+/// rows at once (a prompt's, causal, and a window's).
 #[test]
 fn every_kernel_matches_the_portable_loops() {
     let (rep, stride) = (3, 2);
+    let cases: [&[(usize, usize)]; 7] = [
+        &[(0, 0)],
+        &[(3, 9)],
+        &[(0, 31)],
+        &[(5, 72)],
+        &[(0, 79)],
+        &[(0, 40), (0, 41), (0, 42), (0, 43)],
+        &[(10, 30), (11, 31), (12, 32)],
+    ];
     for d in [32, 64, 96, 128, 160] {
         let w = crate::kv_q8::row_bytes(d);
         let rows = 80;
         let val = |i: usize| ((i as f32) * 0.37).sin() * 2.0;
-        let q: Vec<f32> = (0..rep * d).map(|i| ((i as f32) * 0.13).cos()).collect();
         let f: Vec<f32> = (0..rows * stride * d).map(val).collect();
         let h: Vec<f16> = f.iter().map(|&x| f16::from_f32(x)).collect();
         let mut q8 = vec![0u8; rows * stride * w];
         for (x, o) in f.chunks_exact(d).zip(q8.chunks_exact_mut(w)) {
             crate::kv_q8::quantize_row(x, o);
         }
-        for span in [(0, 0), (3, 9), (0, 31), (5, 72), (0, 79)] {
+        for spans in cases {
+            let n = spans.len() * rep * d;
+            let q: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.13).cos()).collect();
             let run = |how: How| {
                 let (mut p, mut wide) = (Vec::new(), Vec::new());
                 let mut outs = Vec::new();
-                let mut o = vec![0f32; rep * d];
-                let (s, ds) = (stride * d, stride * w);
-                how.group(
-                    &q,
-                    d,
-                    (&f, s),
-                    (&f[d..], s),
-                    span,
-                    0.2,
-                    &mut p,
-                    &mut wide,
-                    &mut o,
-                );
+                let mut o = vec![0f32; n];
+                let (s, ds, sc) = (stride * d, stride * w, 0.2);
+                let (f, h) = ((&f[..], s), (&h[..], s));
+                let (fv, hv) = ((&f.0[d..], s), (&h.0[d..], s));
+                how.group(&q, d, f, fv, spans, sc, &mut p, &mut wide, &mut o);
                 outs.push(o.clone());
-                how.group(
-                    &q,
-                    d,
-                    (&h, s),
-                    (&h[d..], s),
-                    span,
-                    0.2,
-                    &mut p,
-                    &mut wide,
-                    &mut o,
-                );
+                how.group(&q, d, h, hv, spans, sc, &mut p, &mut wide, &mut o);
                 outs.push(o.clone());
-                let (k, v) = (&q8[..], &q8[w..]);
-                how.group(
-                    &q,
-                    d,
-                    (k, ds),
-                    (v, ds),
-                    span,
-                    0.2,
-                    &mut p,
-                    &mut wide,
-                    &mut o,
-                );
+                let (k, v) = ((&q8[..], ds), (&q8[w..], ds));
+                how.group(&q, d, k, v, spans, sc, &mut p, &mut wide, &mut o);
                 outs.push(o);
                 outs
             };
@@ -393,7 +376,7 @@ fn every_kernel_matches_the_portable_loops() {
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(
                     diff < 1e-5,
-                    "heads of {d}, span {span:?}: differs by {diff}"
+                    "heads of {d}, spans {spans:?}: differs by {diff}"
                 );
             }
         }

@@ -5,7 +5,8 @@
 //! a scratch block that stays in L1 (16 KB for heads of 128), and every query head of the
 //! KV group reads them from there; likewise the value rows. A decode step therefore converts
 //! each f16 or q8 row once per group instead of once per query head (three times for
-//! SmolLM2, seven for Qwen2.5-0.5B), and reads the cache's bytes from memory once.
+//! SmolLM2, seven for Qwen2.5-0.5B), and reads the cache's bytes from memory once; a
+//! prompt's rows (up to a task's sixteen) share each widened chunk of their prefix too.
 //!
 //! Scores go eight keys at a time: a head's query against eight widened keys in eight
 //! accumulators (one multiply-add per vector and key, the key's lanes read straight from
@@ -91,9 +92,11 @@ impl WidenRow for u8 {
     }
 }
 
-/// Heads `q` (`rep` rows of `d`, [`takes`]) over the key and value rows `from..=pos` of `k`
-/// and `v` (row strides `ks`, `vs`): the softmax-weighted sums of values into `o` (`rep` rows
-/// of `d`), scores scaled by `scale`; `p` and `wide` are scratch.
+/// Query rows of one sequence, each with `rep` heads `q` (rows of `rep d`, [`takes`]), over
+/// the key and value rows of their spans (`spans[i]` = first and last position of row `i`)
+/// of `k` and `v` (row strides `ks`, `vs`): the softmax-weighted sums of values into `o`
+/// (like `q`), scores scaled by `scale`; `p` and `wide` are scratch. Each chunk of rows is
+/// widened once for every query row that sees it (a prompt's rows share their prefix).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C (`crate::simd::avx2`).
@@ -106,44 +109,69 @@ pub(super) unsafe fn group<T: WidenRow>(
     ks: usize,
     v: &[T],
     vs: usize,
-    (from, pos): (usize, usize),
+    spans: &[(usize, usize)],
     scale: f32,
     p: &mut Vec<f32>,
     wide: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let rep = q.len() / d;
+    let rows = spans.len();
+    let rep = q.len() / (d * rows.max(1));
+    let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
+    let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
     assert!(
         takes(d)
-            && from <= pos
+            && rows > 0
+            && q.len() == rows * rep * d
             && o.len() == q.len()
-            && pos * ks + T::row_len(d) <= k.len()
-            && pos * vs + T::row_len(d) <= v.len()
+            && spans.iter().all(|&(from, pos)| from <= pos)
+            && hi * ks + T::row_len(d) <= k.len()
+            && hi * vs + T::row_len(d) <= v.len()
     );
-    let n = pos + 1 - from;
+    // Scores of query row `i`, head `h`, at position `lo + j`: p[(i rep + h) n + j], written
+    // for the row's own span only.
+    let n = hi + 1 - lo;
     p.clear();
-    p.resize(rep * n, 0.0);
+    p.resize(rows * rep * n, 0.0);
     wide.clear();
     wide.resize(CHUNK * d, 0.0);
     let (pp, wp) = (p.as_mut_ptr(), wide.as_mut_ptr());
+    // The part of chunk `c0..c0 + m` (positions from `lo`) that row `i` sees.
+    let seen = |i: usize, c0: usize, m: usize| {
+        let (from, pos) = spans[i];
+        let (a, b) = ((from - lo).max(c0), (pos - lo + 1).min(c0 + m));
+        (a < b).then_some((a, b))
+    };
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
         for r in 0..m {
-            // SAFETY: row `from + c0 + r <= pos` is in bounds (asserted); the scratch
+            // SAFETY: position `lo + c0 + r <= hi` is in bounds (asserted); the scratch
             // block holds `CHUNK` rows of `d`.
-            unsafe { T::widen_row(k.as_ptr().add((from + c0 + r) * ks), d, wp.add(r * d)) };
+            unsafe { T::widen_row(k.as_ptr().add((lo + c0 + r) * ks), d, wp.add(r * d)) };
         }
-        for h in 0..rep {
-            // SAFETY: head `h` of `q`; scores `h n + c0 .. + m` of `p` (resized to `rep n`);
-            // the chunk's `m` widened rows.
-            unsafe { scores(q.as_ptr().add(h * d), d, wp, m, scale, pp.add(h * n + c0)) };
+        for i in 0..rows {
+            let Some((a, b)) = seen(i, c0, m) else {
+                continue;
+            };
+            for h in 0..rep {
+                let at = (i * rep + h) * n;
+                // SAFETY: head `h` of row `i` of `q`; scores `a..b` of its line of `p`
+                // (resized to `rows rep n`); widened rows `a - c0..b - c0 <= m`.
+                unsafe {
+                    let (qh, keys) = (q.as_ptr().add((i * rep + h) * d), wp.add((a - c0) * d));
+                    scores(qh, d, keys, b - a, scale, pp.add(at + a));
+                }
+            }
         }
     }
-    for h in 0..rep {
-        let s = &mut p[h * n..(h + 1) * n];
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let inv = 1.0 / Kernel::Avx2.exp_sub(s, max);
-        s.iter_mut().for_each(|x| *x *= inv);
+    for (i, &(from, pos)) in spans.iter().enumerate() {
+        for h in 0..rep {
+            let at = (i * rep + h) * n;
+            let s = &mut p[at + from - lo..at + pos - lo + 1];
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let inv = 1.0 / Kernel::Avx2.exp_sub(s, max);
+            s.iter_mut().for_each(|x| *x *= inv);
+        }
     }
     o.fill(0.0);
     let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
@@ -151,24 +179,31 @@ pub(super) unsafe fn group<T: WidenRow>(
         let m = CHUNK.min(n - c0);
         for r in 0..m {
             // SAFETY: as for the keys.
-            unsafe { T::widen_row(v.as_ptr().add((from + c0 + r) * vs), d, wp.add(r * d)) };
+            unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
         }
-        for h in 0..rep {
-            let (oh, ph) = (op.wrapping_add(h * d), pp.wrapping_add(h * n + c0));
-            // Up to eight output vectors at a time stay in registers over the chunk.
-            let mut c = 0;
-            while c < d {
-                let left = (d - c) / 8;
-                // SAFETY: columns `c..c + 8 NV <= d` of head `h`'s output and of the
-                // chunk's `m` widened rows; weights `h n + c0 .. + m`.
-                unsafe {
-                    let (oc, wc) = (oh.add(c), wp.add(c));
-                    c += 8 * match left {
-                        8.. => weighted::<8>(oc, wc, d, ph, m),
-                        4..=7 => weighted::<4>(oc, wc, d, ph, m),
-                        2..=3 => weighted::<2>(oc, wc, d, ph, m),
-                        _ => weighted::<1>(oc, wc, d, ph, m),
-                    };
+        for i in 0..rows {
+            let Some((a, b)) = seen(i, c0, m) else {
+                continue;
+            };
+            for h in 0..rep {
+                let line = i * rep + h;
+                let (oh, ph) = (op.wrapping_add(line * d), pp.wrapping_add(line * n + a));
+                let wr = wp.wrapping_add((a - c0) * d);
+                // Up to eight output vectors at a time stay in registers over the chunk.
+                let mut c = 0;
+                while c < d {
+                    let left = (d - c) / 8;
+                    // SAFETY: columns `c..c + 8 NV <= d` of the head's output and of the
+                    // widened rows `a - c0..b - c0`; weights `a..b` of the head's line.
+                    unsafe {
+                        let (oc, wc, m) = (oh.add(c), wr.add(c), b - a);
+                        c += 8 * match left {
+                            8.. => weighted::<8>(oc, wc, d, ph, m),
+                            4..=7 => weighted::<4>(oc, wc, d, ph, m),
+                            2..=3 => weighted::<2>(oc, wc, d, ph, m),
+                            _ => weighted::<1>(oc, wc, d, ph, m),
+                        };
+                    }
                 }
             }
         }
