@@ -2,10 +2,10 @@
 //! decoding-cache dtype against another on the same engine, prompts and clients, and how
 //! closely the two answer alike: teacher-forced (the `versus` caches' greedy answer to each
 //! question fed through both kinds of caches the same way, the share of token decisions on
-//! which they agree, over all `--max-tokens` decisions and up to the end of the answer
-//! proper) and free-running (the share of each answer both produce from its start: greedy
-//! answers of 64 tokens drift apart after any near-tie, so this one is low even between f32
-//! and f16 caches). The f32 caches' teacher-forced agreement with the same `versus` caches
+//! which they agree, and the mean KL divergence of their next-token distributions, over all
+//! `--max-tokens` decisions and up to the end of the answer proper) and free-running (the
+//! share of each answer both produce from its start: greedy answers of 64 tokens drift apart
+//! after any near-tie, so this one is low even between f32 and f16 caches). The f32 caches' teacher-forced agreement with the same `versus` caches
 //! comes with it: the floor rounding alone sets for this measure.
 
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serve::{CacheDtype, ServeConfig};
 
 use crate::peer::{measure, Args, Ragkv, Side};
-use crate::{Error, Line};
+use crate::{score, Error, Line};
 
 /// Parses `f16`, `f32` or `q8`.
 pub(crate) fn parse_cache(s: &str) -> Result<CacheDtype, String> {
@@ -70,24 +70,26 @@ pub(crate) fn measure_versus(
 /// Teacher-forced decisions compared: all of them, and those of the answer proper.
 #[derive(Debug, Default, Clone, Copy)]
 struct Forced {
-    agree: usize,
-    total: usize,
+    all: score::Forced,
     /// Decisions up to and including the first one where the reference's own caches choose
     /// an end-of-turn token (answers run on past it: end-of-turn tokens are banned so that
     /// every answer is `--max-tokens` long, and what follows is the model rambling through
     /// near-ties).
-    answer_agree: usize,
-    answer_total: usize,
+    answer: score::Forced,
 }
 
-impl Forced {
-    fn share(self) -> f64 {
-        self.agree as f64 / self.total.max(1) as f64
-    }
+fn share(f: score::Forced) -> f64 {
+    f.agree as f64 / f.tokens.max(1) as f64
+}
 
-    fn answer_share(self) -> f64 {
-        self.answer_agree as f64 / self.answer_total.max(1) as f64
-    }
+fn kl_mean(f: score::Forced) -> f64 {
+    f.kl_sum / f.tokens.max(1) as f64
+}
+
+fn add(a: &mut score::Forced, b: score::Forced) {
+    a.tokens += b.tokens;
+    a.agree += b.agree;
+    a.kl_sum += b.kl_sum;
 }
 
 /// Teacher-forced agreement of caches of each of `sides` with `versus` ones over
@@ -135,27 +137,23 @@ fn forced_agreement(
             .map_err(|e| Error::Check(e.to_string()))?;
         // Every side teacher-forced the same way on the same answer, so that only the caches
         // differ (the forced pass itself rounds differently from the greedy one).
-        let decisions = |rag: &serve::Rag| -> Result<Vec<u32>, Error> {
+        let rows = |rag: &serve::Rag| -> Result<Vec<Vec<f32>>, Error> {
             let logits = rag
                 .forced(&query, hits.clone(), &r.targets)
                 .map_err(|e| Error::Check(e.to_string()))?;
-            logits
-                .argmax(model::D::Minus1)
-                .and_then(|t| t.to_vec1())
-                .map_err(|e| Error::Check(format!("argmax: {e}")))
+            crate::qa::rows(&logits)
         };
-        let want = decisions(&reference)?;
-        let end = want
+        let want = rows(&reference)?;
+        let decisions: Vec<u32> = want.iter().map(|r| score::argmax(r) as u32).collect();
+        let end = decisions
             .iter()
             .position(|t| eos.contains(t))
-            .map_or(want.len(), |i| i + 1);
+            .map_or(decisions.len(), |i| i + 1);
         for (rag, f) in others.iter().zip(&mut out) {
-            let got = decisions(rag)?;
-            let same: Vec<bool> = got.iter().zip(&want).map(|(a, b)| a == b).collect();
-            f.agree += same.iter().filter(|&&x| x).count();
-            f.total += want.len();
-            f.answer_agree += same[..end.min(same.len())].iter().filter(|&&x| x).count();
-            f.answer_total += end;
+            let got = rows(rag)?;
+            add(&mut f.all, score::forced(&want, &got, &decisions));
+            let (w, g, t) = (&want[..end], &got[..end], &decisions[..end]);
+            add(&mut f.answer, score::forced(w, g, t));
         }
     }
     Ok(out)
@@ -207,22 +205,25 @@ pub(crate) fn lines(
     let f = forced[0];
     let mut agree = Line::higher(
         &format!("peer.cache_answer_tokens.{}", name(args.cache_dtype)),
-        f.share(),
+        share(f.all),
         1.0,
         "teacher-forced share of the baseline's answer-token decisions",
         &base,
     );
     let mut detail = serde_json::json!({
-        "forced_tokens": f.total,
-        "to_end_of_answer": {"share": f.answer_share(), "tokens": f.answer_total},
+        "forced_tokens": f.all.tokens,
+        "kl_mean": kl_mean(f.all),
+        "to_end_of_answer": {"share": share(f.answer), "tokens": f.answer.tokens,
+                             "kl_mean": kl_mean(f.answer)},
         "free_running": {"identical_answers": identical, "of": theirs.answers.len(),
                          "common_prefix_tokens": common, "tokens": total},
     });
     if let Some(floor) = forced.get(1) {
         detail["f32_caches"] = serde_json::json!({
-            "share": floor.share(),
-            "to_end_of_answer": floor.answer_share(),
-            "to_end_tokens": floor.answer_total,
+            "share": share(floor.all),
+            "kl_mean": kl_mean(floor.all),
+            "to_end_of_answer": share(floor.answer),
+            "to_end_kl_mean": kl_mean(floor.answer),
         });
     }
     agree.detail = Some(detail);
