@@ -303,6 +303,12 @@ pub(crate) fn attend(
                 let pos = s.pos.map_or(t - s.len + r, |p| p[r]);
                 spans.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
             }
+            // q8 rows hold `R x` (`kv_q8::rotation`): scores against `R q`, and the weighted
+            // sum of values comes out as `R o`.
+            let q8 = matches!(k.data, Elems::Q8(_));
+            if q8 {
+                crate::kv_q8::rotate(&mut qg, d);
+            }
             og.clear();
             og.resize(qg.len(), 0.0);
             let (qg, og, sp, p, wide) = (&qg[..], &mut og[..], &spans[..], &mut p, &mut wide);
@@ -320,6 +326,9 @@ pub(crate) fn attend(
                     how.group(qg, d, kv, vv, sp, scale, p, wide, og)
                 }
                 _ => unreachable!("keys and values share a dtype (checked)"),
+            }
+            if q8 {
+                crate::kv_q8::unrotate(og, d);
             }
             for (r, o) in (r0..r1).zip(og.chunks_exact(rep * d)) {
                 let row = s.row + r;
