@@ -232,8 +232,8 @@ fn matches_the_f32_path(
 
 /// f16 caches (`serve.cache_dtype`): every row, decoding or prompt, windowed or not,
 /// equals the f32 path over the same values widened, for heads of 64, 128 and 256
-/// elements (the AVX-512 kernel where the CPU has it, else the loops; both widen rows as
-/// they load them) and 20-element ones (the loops, with a tail shorter than a vector).
+/// elements (the AVX-512 kernel where the CPU has it, else the AVX2 one or the loops) and
+/// 20-element ones (the loops, with a tail shorter than a vector).
 #[test]
 fn f16_caches_match_the_f32_path_over_their_values() {
     matches_the_f32_path(
@@ -244,8 +244,8 @@ fn f16_caches_match_the_f32_path_over_their_values() {
 }
 
 /// q8 caches (`serve.cache_dtype = "q8"`): the same, over the values the codes and
-/// scales stand for (AVX-512 for 64-256 where the CPU has it, the loops for 96 and
-/// elsewhere; both apply a block's scale in registers).
+/// scales stand for, rotation included (AVX-512 for 64-256 where the CPU has it, the AVX2
+/// kernel for 96 and elsewhere, the portable loops without either).
 #[test]
 fn q8_caches_match_the_f32_path_over_their_values() {
     matches_the_f32_path(

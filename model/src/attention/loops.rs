@@ -2,8 +2,9 @@
 //! take: AVX2+FMA where the CPU has them (with ggml's vectorized `exp`), a portable loop
 //! otherwise; [`super::attend`] picks with [`Kernel::best`]. Cache rows are read where they
 //! are, in the cache's own dtype ([`Elem`]): an f16 row is widened as it is loaded
-//! (`vcvtph2ps`), a q8 row's codes likewise (`vpmovsxbd`), their block's scale applied once
-//! per block of 32, so a decode step reads the cache's bytes once and writes no scratch copy.
+//! (`vcvtph2ps`), a q8 row's codes times their block's scale, so a decode step reads the
+//! cache's bytes once and writes no scratch copy. On AVX2 CPUs these loops only see heads
+//! that are not a multiple of eight elements (`super::avx2` takes the rest).
 
 use half::f16;
 
@@ -148,30 +149,22 @@ impl Elem for f16 {
     }
 }
 
-/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then an f32 scale per block of 32.
+/// q8 cache rows (`crate::kv_q8`): `d` signed codes, then an f32 scale per block of 32. Only
+/// the portable path reaches these loops with them: q8 heads are whole blocks of 32, which
+/// the AVX2 and AVX-512 kernels take.
 impl Elem for u8 {
     fn row_len(d: usize) -> usize {
         crate::kv_q8::row_bytes(d)
     }
 
     #[inline]
-    fn dot(kernel: Kernel, q: &[f32], row: &[u8]) -> f32 {
-        match kernel {
-            // SAFETY: `best` checked the CPU features.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::dot_q8(q, row) },
-            Kernel::Portable => portable::dot_q8(q, row),
-        }
+    fn dot(_: Kernel, q: &[f32], row: &[u8]) -> f32 {
+        portable::dot_q8(q, row)
     }
 
     #[inline]
-    fn axpy(kernel: Kernel, o: &mut [f32], w: f32, row: &[u8]) {
-        match kernel {
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::axpy_q8(o, w, row) },
-            Kernel::Portable => portable::axpy_q8(o, w, row),
-        }
+    fn axpy(_: Kernel, o: &mut [f32], w: f32, row: &[u8]) {
+        portable::axpy_q8(o, w, row)
     }
 }
 
@@ -278,7 +271,6 @@ mod avx2 {
     use half::f16;
 
     use super::Widen;
-    use crate::kv_q8::BLOCK;
     use crate::simd::x86::{exp8, hsum256 as hsum};
 
     /// Row elements the loops load eight at a time as f32 lanes: f32, and f16 widened as it
@@ -379,59 +371,6 @@ mod avx2 {
                 i += 1;
             }
             sum
-        }
-    }
-
-    /// Eight signed codes at `p` as f32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8_q8(p: *const u8) -> __m256 {
-        // SAFETY: the caller's contract: eight bytes readable at `p`.
-        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
-    }
-
-    /// `a · row` for a q8 row of `a.len()` codes (a multiple of 32) and their scales: each
-    /// block's products summed in two accumulators, then added times the block's scale.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_q8(a: &[f32], row: &[u8]) -> f32 {
-        let d = a.len();
-        assert!(d.is_multiple_of(BLOCK) && row.len() >= crate::kv_q8::row_bytes(d));
-        let (pa, pq) = (a.as_ptr(), row.as_ptr());
-        let scales = row[d..].as_ptr();
-        // SAFETY: the caller's contract (AVX2, FMA); block `k` reads elements and codes
-        // `32k..32k + 32` and scale bytes `d + 4k..d + 4k + 4`, all in bounds (asserted).
-        unsafe {
-            let mut acc = _mm256_setzero_ps();
-            for k in 0..d / BLOCK {
-                let (x, q) = (pa.add(BLOCK * k), pq.add(BLOCK * k));
-                let mut b0 = _mm256_mul_ps(_mm256_loadu_ps(x), load8_q8(q));
-                let mut b1 = _mm256_mul_ps(_mm256_loadu_ps(x.add(8)), load8_q8(q.add(8)));
-                b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(16)), load8_q8(q.add(16)), b0);
-                b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(24)), load8_q8(q.add(24)), b1);
-                let s = _mm256_set1_ps(scales.add(4 * k).cast::<f32>().read_unaligned());
-                acc = _mm256_fmadd_ps(_mm256_add_ps(b0, b1), s, acc);
-            }
-            hsum(acc)
-        }
-    }
-
-    /// `o += w × row` for a q8 row of `o.len()` codes (a multiple of 32) and their scales.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy_q8(o: &mut [f32], w: f32, row: &[u8]) {
-        let d = o.len();
-        assert!(d.is_multiple_of(BLOCK) && row.len() >= crate::kv_q8::row_bytes(d));
-        let (po, pq) = (o.as_mut_ptr(), row.as_ptr());
-        let scales = row[d..].as_ptr();
-        // SAFETY: as in `dot_q8`; the stores are to elements `32k..32k + 32` of `o`.
-        unsafe {
-            for k in 0..d / BLOCK {
-                let ws = _mm256_set1_ps(w * scales.add(4 * k).cast::<f32>().read_unaligned());
-                for i in (0..BLOCK).step_by(8) {
-                    let at = BLOCK * k + i;
-                    let y = _mm256_fmadd_ps(ws, load8_q8(pq.add(at)), _mm256_loadu_ps(po.add(at)));
-                    _mm256_storeu_ps(po.add(at), y);
-                }
-            }
         }
     }
 }
