@@ -110,6 +110,14 @@ pub struct Forced {
     pub kl_sum: f64,
 }
 
+impl std::ops::AddAssign for Forced {
+    fn add_assign(&mut self, o: Forced) {
+        self.tokens += o.tokens;
+        self.agree += o.agree;
+        self.kl_sum += o.kl_sum;
+    }
+}
+
 /// Compares a strategy's logits rows with the reference's at the same positions: row `i`
 /// of both predicts `targets[i]` (the reference's own greedy choice).
 pub fn forced(reference: &[Vec<f32>], strategy: &[Vec<f32>], targets: &[u32]) -> Forced {

@@ -86,12 +86,6 @@ fn kl_mean(f: score::Forced) -> f64 {
     f.kl_sum / f.tokens.max(1) as f64
 }
 
-fn add(a: &mut score::Forced, b: score::Forced) {
-    a.tokens += b.tokens;
-    a.agree += b.agree;
-    a.kl_sum += b.kl_sum;
-}
-
 /// Teacher-forced agreement of caches of each of `sides` with `versus` ones over
 /// `questions`: the `versus` caches' greedy answer fed through both the same way.
 fn forced_agreement(
@@ -151,9 +145,9 @@ fn forced_agreement(
             .map_or(decisions.len(), |i| i + 1);
         for (rag, f) in others.iter().zip(&mut out) {
             let got = rows(rag)?;
-            add(&mut f.all, score::forced(&want, &got, &decisions));
+            f.all += score::forced(&want, &got, &decisions);
             let (w, g, t) = (&want[..end], &got[..end], &decisions[..end]);
-            add(&mut f.answer, score::forced(w, g, t));
+            f.answer += score::forced(w, g, t);
         }
     }
     Ok(out)
