@@ -33,11 +33,11 @@
 //! energy is spread over the block) and the decoder turns the rows back exactly (up to
 //! rounding). On Qwen2.5-0.5B and SmolLM2 this cut the KL of next-token distributions by a
 //! fifth, and fewer value planes fall back to 8 bits (the payload 1.5-1.9 % smaller), at the
-//! price of a slower decoding of those planes (docs/BENCHMARKS.md). Keys per channel are not
-//! rotated: their groups already follow each channel's range, and a rotation mixing channels
-//! measured worse (the large channels' range reached every channel). Nothing here has to
-//! commute with RoPE: stored keys are quantized after RoPE at positions `0..n` and
-//! re-positioned (rotated by the chunk's offset) only after they are decoded.
+//! price of a slower decoding of those planes (docs/BENCHMARKS.md). Keys per channel are not rotated: their
+//! groups already follow each channel's range, and a rotation mixing channels measured worse
+//! (the large channels' range reached every channel). Nothing here has to commute with RoPE:
+//! stored keys are quantized after RoPE at positions `0..n` and re-positioned (rotated by the
+//! chunk's offset) only after they are decoded.
 //!
 //! Payload of a `q8` or `q4` record, version 5 (little-endian; `P` planes, `n` tokens,
 //! `C = kv_heads × head_dim` elements per token and plane). Version 4 is the same without

@@ -177,7 +177,6 @@ mod avx2 {
         g: usize,
         dst: &mut [u8],
     ) {
-        assert!(g.is_multiple_of(16) && codes.len() * 4 == dst.len());
         let signs: [__m256; V] = std::array::from_fn(|k| {
             let bits: [f32; 8] =
                 std::array::from_fn(|l| if negative(8 * k + l) { -0.0 } else { 0.0 });
