@@ -10,8 +10,7 @@
 //! - `q4` (KIVI's split): key planes per **channel** (blocks of at least [`MIN_CHANNEL_TOKENS`]
 //!   tokens), each channel's values over a group of up to [`KEY_TOKEN_GROUP`] tokens sharing a scale and a minimum (a channel's large constant
 //!   offset, as Qwen2's key biases put in a few channels, costs nothing); value planes per
-//!   **token**, in groups of [`q4_group`] elements, each row rotated first (plane mode `5`,
-//!   below); asymmetric: `x = q × scale + min`, `q` in
+//!   **token**, in groups of [`q4_group`] elements; asymmetric: `x = q × scale + min`, `q` in
 //!   `0..=15`; in every key group the widest [`wide::wide_channels`] channels (a 32nd) get
 //!   255 levels instead ([`wide`], plane mode `4`). A plane whose 4-bit error, channel by channel, exceeds [`Q4_MAX_REL_ERROR`] (an
 //!   outlier-heavy layer) is written at 8 bits instead, recorded per plane. A chunk's first
@@ -26,29 +25,21 @@
 //! squared error over the group ([`fit`]; the range's own pair is among the candidates), which
 //! may clip a group's extremes by less than a step: a value's error is at most one step.
 //!
-//! **Rotation.** A `q4` plane quantized per token (values; keys of blocks too short for
-//! channel groups) is rotated before quantizing, row by row: the fixed signs and
-//! Walsh-Hadamard transform of [`rotate`] over blocks of [`rotate::block`]`(C)` elements,
-//! orthonormal, so a row's few large elements no longer set its groups' steps alone (their
-//! energy is spread over the block) and the decoder turns the rows back exactly (up to
-//! rounding). On Qwen2.5-0.5B and SmolLM2 this cut the KL of next-token distributions by a
-//! fifth, and fewer value planes fall back to 8 bits (the payload 1.5-1.9 % smaller), at the
-//! price of a slower decoding of those planes (docs/BENCHMARKS.md). Keys per channel are not rotated: their
-//! groups already follow each channel's range, and a rotation mixing channels measured worse
-//! (the large channels' range reached every channel). Nothing here has to commute with RoPE:
-//! stored keys are quantized after RoPE at positions `0..n` and re-positioned (rotated by the
-//! chunk's offset) only after they are decoded.
+//! No rotation is applied: stored keys are quantized after RoPE at positions `0..n` and
+//! re-positioned (rotated by the chunk's offset) only after they are decoded, so the codec
+//! never has to commute with RoPE; per-channel key groups are what tames the outlier channels
+//! a Hadamard rotation would otherwise be needed for.
 //!
-//! Payload of a `q8` or `q4` record, version 5 (little-endian; `P` planes, `n` tokens,
-//! `C = kv_heads × head_dim` elements per token and plane). Version 4 is the same without
-//! mode `5`; version 3 is version 4 without mode `4`; version 2 is version 3 with byte 1 zero;
-//! version 1 is version 2 without mode `3`; readers take all five.
+//! Payload of a `q8` or `q4` record, version 4 (little-endian; `P` planes, `n` tokens,
+//! `C = kv_heads × head_dim` elements per token and plane). Version 3 is the same without
+//! mode `4`; version 2 is version 3 with byte 1 zero; version 1 is version 2 without mode `3`;
+//! readers take all four.
 //!
 //! | offset | size | field                                                                  |
 //! |-------:|-----:|------------------------------------------------------------------------|
-//! | 0      | 1    | quantized payload version (`5`; `4`, `3`, `2` and `1` still read)      |
+//! | 0      | 1    | quantized payload version (`4`; `3`, `2` and `1` still read)           |
 //! | 1      | 1    | head tokens `h` (`0`, or `1` in a `q4` chunk's first block), `h < n`   |
-//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel, `4` q4 per channel with its widest channels at 8 bits, `5` q4 per token, rows rotated |
+//! | 2      | P    | one mode per plane, layout order: `0` q8 per token, `1` q4 per channel, `2` q4 per token, `3` q8 per channel, `4` q4 per channel with its widest channels at 8 bits |
 //! | 2 + P  | …    | per plane, in plane order: its first `h` tokens as a mode-`0` body, then the other `n − h` tokens as a body of the plane's mode |
 //!
 //! Plane bodies (`G8 = q8_group(C)`, `G4 = q4_group(C)`, `T = KEY_TOKEN_GROUP`):
@@ -60,7 +51,6 @@
 //! | 2    | `n × C/G4` f16 scales, `n × C/G4` f16 minimums, then `n × C/2` bytes                   |
 //! | 3    | per group of `t ≤ T` tokens: `C` f16 scales, `C` f16 minimums, then `t × C` bytes      |
 //! | 4    | a mode-`1` body, then per group its wide channels and their codes' high nibbles ([`wide`]) |
-//! | 5    | a mode-`2` body of the rotated rows (`x ← R x` per block of [`rotate::block`]`(C)`) |
 //!
 //! 4-bit codes are packed two per byte along the row: element `2i` in the low nibble, `2i+1`
 //! in the high one. Decoding into f16 (the layout the store holds by default) runs in AVX2 +
@@ -79,17 +69,13 @@ use decode::{decode_plane, decode_plane_portable, planes};
 mod decode;
 // 4-bit groups' scales and minimums chosen by squared error.
 mod fit;
-// Mode 5: rows rotated before they are quantized per token.
-mod rotate;
 // Mode 4: the widest key channels at 8 bits.
 mod wide;
 // AVX2 + F16C decoding, beside the portable loop below.
 mod x86;
 
-/// Version of the quantized payload format written; versions 4, 3, 2 and 1 are still read.
-const VERSION: u8 = 5;
-/// No plane in [`Mode::Q4TokenRotated`].
-const VERSION_4: u8 = 4;
+/// Version of the quantized payload format written; versions 3, 2 and 1 are still read.
+const VERSION: u8 = 4;
 /// No plane in [`Mode::Q4ChannelWide`].
 const VERSION_3: u8 = 3;
 /// No head tokens (byte 1 reserved, zero); read as [`VERSION_1`]..=[`VERSION`], named for
@@ -116,7 +102,6 @@ pub(crate) enum Mode {
     Q4Token = 2,
     Q8Channel = 3,
     Q4ChannelWide = 4,
-    Q4TokenRotated = 5,
 }
 
 impl Mode {
@@ -127,7 +112,6 @@ impl Mode {
             Mode::Q4Token,
             Mode::Q8Channel,
             Mode::Q4ChannelWide,
-            Mode::Q4TokenRotated,
         ]
         .get(b as usize)
         .copied()
@@ -157,7 +141,7 @@ fn body_len(mode: Mode, n: usize, c: usize) -> usize {
     match mode {
         Mode::Q8Token => n * (c / q8_group(c)) * 2 + n * c,
         Mode::Q4Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c / 2,
-        Mode::Q4Token | Mode::Q4TokenRotated => n * (c / q4_group(c)) * 4 + n * c / 2,
+        Mode::Q4Token => n * (c / q4_group(c)) * 4 + n * c / 2,
         Mode::Q8Channel => n.div_ceil(KEY_TOKEN_GROUP) * c * 4 + n * c,
         Mode::Q4ChannelWide => body_len(Mode::Q4Channel, n, c) + wide::tail_len(n, c),
     }
@@ -294,8 +278,6 @@ pub(crate) fn encode(
                 } else {
                     Mode::Q4Channel
                 }
-            } else if rotate::block(c) >= rotate::MIN_BLOCK {
-                Mode::Q4TokenRotated
             } else {
                 Mode::Q4Token
             };
@@ -425,11 +407,6 @@ fn encode_plane(mode: Mode, x: &[f32], c: usize, fitted: bool, out: &mut Vec<u8>
                 }
             }
             out.extend_from_slice(&tail);
-        }
-        Mode::Q4TokenRotated => {
-            let mut r = x.to_vec();
-            rotate::rotate(&mut r, rotate::block(c));
-            encode_plane(Mode::Q4Token, &r, c, fitted, out);
         }
         Mode::Q4Token => {
             let g = q4_group(c);

@@ -56,7 +56,7 @@ fn max_step(mode: Mode, body: &[u8], n: usize, c: usize) -> f32 {
     let groups = match mode {
         Mode::Q8Token => n * c / q8_group(c),
         Mode::Q4Channel | Mode::Q8Channel | Mode::Q4ChannelWide => 0,
-        Mode::Q4Token | Mode::Q4TokenRotated => n * c / q4_group(c),
+        Mode::Q4Token => n * c / q4_group(c),
     };
     // A mode-4 body starts with its mode-1 body, whose scales are every channel's.
     if matches!(
@@ -107,13 +107,8 @@ proptest! {
                 prop_assert!(matches!(mode, Mode::Q8Token | Mode::Q8Channel), "{:?}", mode);
             }
             let head_bound = max_step(Mode::Q8Token, plane.head, head, c) / 2.0;
-            let fitted = matches!(mode, Mode::Q4Channel | Mode::Q4Token | Mode::Q4ChannelWide | Mode::Q4TokenRotated);
-            let mut rest_bound = max_step(mode, plane.body, tokens - head, c) / if fitted { 1.0 } else { 2.0 };
-            if mode == Mode::Q4TokenRotated {
-                // Each rotated element within a step: turned back, an element's error is at
-                // most the block's error norm, √b steps.
-                rest_bound *= (rotate::block(c) as f32).sqrt();
-            }
+            let fitted = matches!(mode, Mode::Q4Channel | Mode::Q4Token | Mode::Q4ChannelWide);
+            let rest_bound = max_step(mode, plane.body, tokens - head, c) / if fitted { 1.0 } else { 2.0 };
             for e in 0..tokens * c {
                 let bound = if e < head * c { head_bound } else { rest_bound };
                 let i = p * tokens * c + e;
@@ -252,7 +247,7 @@ fn an_outlier_heavy_plane_falls_back_to_8_bits() {
             Mode::Q4ChannelWide,
             Mode::Q8Token,
             Mode::Q4ChannelWide,
-            Mode::Q4TokenRotated
+            Mode::Q4Token
         ]
     );
 }
@@ -266,11 +261,10 @@ fn non_finite_values_are_refused() {
 }
 
 /// A constant 4-bit group is its minimum with a zero scale: exact (a symmetric 8-bit group
-/// is only within half a step, which the property above covers). Rows too narrow to rotate
-/// (6 elements): a rotated constant row is no longer constant.
+/// is only within half a step, which the property above covers).
 #[test]
 fn constant_groups_decode_exactly_at_4_bits() {
-    let l = layout(DType::F16, 1, 6);
+    let l = layout(DType::F16, 1, 16);
     let mut raw = vec![0u8; l.bytes_for(3)];
     for e in raw.chunks_exact_mut(2) {
         e.copy_from_slice(&f16::from_f32(1.5).to_le_bytes());
@@ -361,64 +355,22 @@ fn the_widest_key_channels_of_a_group_go_to_8_bits() {
     }
 }
 
-/// A value row with a few large elements: per token at 4 bits they set their group's step and
-/// the row's other elements lose their codes; rotated first, the large elements' energy is
-/// spread over the block, and the row as a whole comes back closer.
+/// Stores written before mode 4 (payload version 3), head tokens (version 2) or mode 3
+/// (version 1) existed decode as they did; a version 1 payload naming mode 3 is refused, a
+/// version 3 one naming mode 4, a wide channel outside the row or out of order, and a head as
+/// long as the block.
 #[test]
-fn rotated_rows_with_large_elements_come_back_closer() {
-    use rand::{Rng, SeedableRng};
-    let (n, c) = (64, 128);
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
-    let x: Vec<f32> = (0..n * c)
-        .map(|i| {
-            let v: f32 = rng.gen_range(-1.0..1.0);
-            if i % c == 7 || i % c == 90 {
-                v + 12.0
-            } else {
-                v
-            }
-        })
-        .collect();
-    let err = |mode: Mode| {
-        let mut body = Vec::new();
-        encode_plane(mode, &x, c, true, &mut body);
-        assert_eq!(body.len(), body_len(mode, n, c));
-        let mut y = vec![0f32; n * c];
-        decode_plane_f32(mode, &body, n, c, &mut y);
-        x.iter().zip(&y).map(|(a, b)| (a - b).powi(2)).sum::<f32>()
-    };
-    let (plain, rotated) = (err(Mode::Q4Token), err(Mode::Q4TokenRotated));
-    assert!(
-        rotated < plain / 2.0,
-        "squared error rotated {rotated}, plain {plain}"
-    );
-}
-
-/// Stores written before mode 5 (payload version 4), mode 4 (version 3), head tokens (version
-/// 2) or mode 3 (version 1) existed decode as they did; a version 1 payload naming mode 3 is
-/// refused, a version 3 one naming mode 4, a version 4 one naming mode 5, a wide channel
-/// outside the row or out of order, and a head as long as the block.
-#[test]
-fn version_1_to_4_payloads_still_decode() {
+fn version_1_2_and_3_payloads_still_decode() {
     let l = layout(DType::F16, 3, 64);
     let n = MIN_CHANNEL_TOKENS - 1; // keys per token: a payload version 1 could hold
     let raw = kv(&l, n, 4);
     let mut enc = encode(&l, n, &raw, 8, false).unwrap();
     assert_eq!(enc[..2], [VERSION, 0]);
-    let v5 = decode_all(&l, n, &enc);
-    for v in [VERSION_4, VERSION_3, VERSION_2, VERSION_1] {
+    let v4 = decode_all(&l, n, &enc);
+    for v in [VERSION_3, VERSION_2, VERSION_1] {
         enc[0] = v;
-        assert_eq!(decode_all(&l, n, &enc), v5, "version {v}");
+        assert_eq!(decode_all(&l, n, &enc), v4, "version {v}");
     }
-    // Rotated rows did not exist in version 4 (its unrotated mode 2 still decodes: rows of
-    // fewer than 16 elements are written so, see `every_value_within_its_groups_bound`).
-    let raw = kv(&l, 64, 4);
-    let mut q4 = encode(&l, 64, &raw, 4, false).unwrap();
-    assert_eq!(q4[3], Mode::Q4TokenRotated as u8);
-    q4[0] = VERSION_4;
-    let mut out = vec![0u8; l.bytes_for(64)];
-    let e = decode_into_place(&l, 64, &q4, &mut out, 64, 0).unwrap_err();
-    assert!(e.contains("mode 5 in version 4"), "{e}");
     let mut headed = encode(&l, 2, &kv(&l, 2, 4), 4, true).unwrap();
     assert_eq!(headed[1], 1);
     headed[1] = 2;

@@ -6,8 +6,8 @@
 use schema::{DType, KvLayout};
 
 use super::{
-    body_len, h, q4_group, q8_group, rotate, wide, write_elem, x86, Mode, KEY_TOKEN_GROUP, VERSION,
-    VERSION_1, VERSION_3, VERSION_4,
+    body_len, h, q4_group, q8_group, wide, write_elem, x86, Mode, KEY_TOKEN_GROUP, VERSION,
+    VERSION_1, VERSION_3,
 };
 
 /// One plane of a payload: its head tokens' mode-`0` body, its mode and the other tokens' body.
@@ -52,8 +52,7 @@ pub(super) fn planes<'a>(
     for p in 0..n {
         let mode = Mode::from_byte(enc[2 + p])
             .filter(|&m| enc[0] != VERSION_1 || m != Mode::Q8Channel)
-            .filter(|&m| enc[0] >= VERSION_4 || m != Mode::Q4ChannelWide)
-            .filter(|&m| enc[0] == VERSION || m != Mode::Q4TokenRotated)
+            .filter(|&m| enc[0] == VERSION || m != Mode::Q4ChannelWide)
             .ok_or_else(|| format!("plane {p}: mode {} in version {}", enc[2 + p], enc[0]))?;
         let head_body = take(body_len(Mode::Q8Token, head, c), p)?;
         let body = take(body_len(mode, tokens - head, c), p)?;
@@ -169,26 +168,6 @@ pub(super) fn decode_plane_f32(mode: Mode, body: &[u8], n: usize, c: usize, y: &
                     *v = q.mul_add(h(sm, j), h(sm, c + j));
                 }
                 at += 4 * c + len;
-            }
-        }
-        Mode::Q4TokenRotated => {
-            let (g, b) = (q4_group(c), rotate::block(c));
-            let groups = n * (c / g);
-            let (sm, codes) = body.split_at(groups * 4);
-            let scales: Vec<f32> = (0..groups).map(|i| h(sm, i)).collect();
-            let mins: Vec<f32> = (0..groups).map(|i| h(sm, groups + i)).collect();
-            let (s, m) = rotate::group_factors(&scales, &mins, b);
-            // Per 8-element step: its codes transformed, and its group's factors.
-            let steps: Vec<[i8; 8]> = codes
-                .chunks_exact(4)
-                .map(|q| rotate::fwht8(std::array::from_fn(|l| (q[l / 2] >> ((l % 2) * 4)) & 15)))
-                .collect();
-            let factors: Vec<(f32, f32)> = (0..steps.len())
-                .map(|k| (s[8 * k / g], m[8 * k / g]))
-                .collect();
-            let blocks = y.chunks_exact_mut(b).zip(steps.chunks_exact(b / 8));
-            for ((blk, h8), f) in blocks.zip(factors.chunks_exact(b / 8)) {
-                rotate::unrotate_codes(h8, f, blk);
             }
         }
         Mode::Q4Token => {

@@ -1,7 +1,6 @@
 //! AVX2 + F16C decoding of `q8`/`q4` planes into f16 (see [`crate::quant`] for the format):
 //! 16 elements per step, codes widened to f32, `q × scale (+ min)` in one fused multiply-add,
-//! rounded to f16 with the hardware conversion; mode `5`'s rows are turned back block by block
-//! in registers before the rounding. Bit for bit what the portable decoder writes.
+//! rounded to f16 with the hardware conversion. Bit for bit what the portable decoder writes.
 
 use crate::quant::Mode;
 
@@ -29,7 +28,6 @@ pub(crate) fn decode_f16(mode: Mode, body: &[u8], n: usize, c: usize, dst: &mut 
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use crate::quant::rotate::{block, group_factors, negative};
     use crate::quant::wide::wide_channels;
     use crate::quant::{body_len, q4_group, q8_group, Mode, KEY_TOKEN_GROUP};
 
@@ -148,160 +146,7 @@ mod avx2 {
                     }
                 }
             }
-            Mode::Q4TokenRotated => {
-                let (g, b) = (q4_group(c), block(c));
-                let groups = n * (c / g);
-                let (head, codes) = body.split_at(groups * 4);
-                widen(head, &mut sm);
-                let (scales, mins) = sm.split_at(groups);
-                let f = group_factors(scales, mins, b);
-                match b {
-                    16 => rotated::<2>(codes, f, g, dst),
-                    32 => rotated::<4>(codes, f, g, dst),
-                    64 => rotated::<8>(codes, f, g, dst),
-                    _ => unreachable!("rotation blocks are 16, 32 or 64 elements"),
-                }
-            }
         }
-    }
-
-    /// A mode-`5` plane's codes, blocks of `8 × V` elements each: every 8-element step's codes
-    /// transformed in bytes ([`fwht16`]), widened, scaled by its group's factors (`f`, per
-    /// group of `g` elements: `rotate::group_factors`), then the block's steps transformed
-    /// across in f32 and signed (`rotate::unrotate_codes`'s operations in its order), and
-    /// rounded to f16 into `dst`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn rotated<const V: usize>(
-        codes: &[u8],
-        (s8, m8): (Vec<f32>, Vec<f32>),
-        g: usize,
-        dst: &mut [u8],
-    ) {
-        let signs: [__m256; V] = std::array::from_fn(|k| {
-            let bits: [f32; 8] =
-                std::array::from_fn(|l| if negative(8 * k + l) { -0.0 } else { 0.0 });
-            load8(&bits)
-        });
-        // The group of the next 16 elements (two steps: `g` is a multiple of 16), and how many
-        // of its elements are left.
-        let (mut group, mut left) = (0, g);
-        for (q, d) in codes.chunks_exact(4 * V).zip(dst.chunks_exact_mut(16 * V)) {
-            let mut r = [_mm256_setzero_ps(); V];
-            // Per 16 elements: their codes transformed (32 at a time where the block holds
-            // them), then widened and scaled by their group's factors.
-            let mut scale = |h: __m128i, pair: &mut [__m256]| {
-                let (s, m) = (_mm256_set1_ps(s8[group]), first_lane(m8[group]));
-                pair[0] = _mm256_fmadd_ps(widen8(h), s, m);
-                pair[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128::<8>(h)), s, m);
-                left -= 16;
-                if left == 0 {
-                    (group, left) = (group + 1, g);
-                }
-            };
-            if V >= 4 {
-                for (q16, quad) in q.chunks_exact(16).zip(r.chunks_exact_mut(4)) {
-                    let h = fwht32(q16);
-                    let (lo, hi) = quad.split_at_mut(2);
-                    scale(_mm256_castsi256_si128(h), lo);
-                    scale(_mm256_extracti128_si256::<1>(h), hi);
-                }
-            } else {
-                for (q8, pair) in q.chunks_exact(8).zip(r.chunks_exact_mut(2)) {
-                    scale(fwht16(q8), pair);
-                }
-            }
-            let mut h = 1;
-            while h < V {
-                for i in (0..V).step_by(2 * h) {
-                    for j in i..i + h {
-                        let (a, c) = (r[j], r[j + h]);
-                        r[j] = _mm256_add_ps(a, c);
-                        r[j + h] = _mm256_sub_ps(a, c);
-                    }
-                }
-                h *= 2;
-            }
-            for (r, sign) in r.iter_mut().zip(&signs) {
-                *r = _mm256_xor_ps(*r, *sign);
-            }
-            for (pair, d) in r.chunks_exact(2).zip(d.chunks_exact_mut(32)) {
-                store16(d, pair[0], pair[1]);
-            }
-        }
-    }
-
-    /// `x` in lane 0, zero in the others.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn first_lane(x: f32) -> __m256 {
-        _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, x)
-    }
-
-    /// Eight signed bytes (the low half of `h`) as a vector of f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn widen8(h: __m128i) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))
-    }
-
-    /// The byte shuffles and signs of the butterflies of span 1, 2 and 4 (per 16 lanes): a
-    /// butterfly is `partner + ±self`, sums in the lanes whose bit `span` is clear, differences
-    /// where it is set.
-    const PARTNERS: [[i8; 16]; 3] = [
-        [1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14],
-        [2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13],
-        [4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11],
-    ];
-    const SIGNS: [[i8; 16]; 3] = [
-        [1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1],
-        [1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1],
-        [1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1],
-    ];
-
-    /// Sixteen bytes of a constant table.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn table(t: &[i8; 16]) -> __m128i {
-        // SAFETY: sixteen bytes are readable at `t`.
-        unsafe { _mm_loadu_si128(t.as_ptr().cast()) }
-    }
-
-    /// Sixteen 4-bit codes (`b.len() == 8`) in element order, each 8-element step
-    /// Walsh-Hadamard transformed in bytes (`rotate::fwht8`: within ±120).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn fwht16(b: &[u8]) -> __m128i {
-        let b: &[u8; 8] = b.try_into().expect("eight bytes");
-        // SAFETY: eight bytes are readable at `b`.
-        let b = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(b, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-        let mut q = _mm_unpacklo_epi8(lo, hi);
-        for (p, s) in PARTNERS.iter().zip(&SIGNS) {
-            q = _mm_add_epi8(_mm_shuffle_epi8(q, table(p)), _mm_sign_epi8(q, table(s)));
-        }
-        q
-    }
-
-    /// [`fwht16`] for 32 codes (`b.len() == 16`), in one register (elements 0-15 in the low
-    /// half).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn fwht32(b: &[u8]) -> __m256i {
-        let b = codes16(b);
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(b, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-        let mut q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-        for (p, s) in PARTNERS.iter().zip(&SIGNS) {
-            let (p, s) = (
-                _mm256_broadcastsi128_si256(table(p)),
-                _mm256_broadcastsi128_si256(table(s)),
-            );
-            q = _mm256_add_epi8(_mm256_shuffle_epi8(q, p), _mm256_sign_epi8(q, s));
-        }
-        q
     }
 
     /// Little-endian f16 bytes widened to f32 into `out` (replacing its contents).
