@@ -2,7 +2,8 @@
 """Reads the question log `ragkv eval qa --dir D` keeps (`D/qa-log*.jsonl`: a header line, then
 one line per question) and prints, per strategy, the teacher-forced agreement with full
 prefill and, for a run with `--codec`, with the same stored KV in f16 (`uncompressed`), with
-the KL per forced token: the figures of the run's JSON lines, available while it still runs.
+the KL per forced token: the totals of the run's JSON lines (without their intervals, which
+the run prints when it ends), available while it still runs.
 
     scripts/qa-log.py LOG                       totals over the questions logged so far
     scripts/qa-log.py LOG --every 20            the running figures every 20 questions
@@ -23,25 +24,30 @@ def load(path):
     return lines[0], {q["id"]: q for q in lines[1:]}
 
 
+def counts(answer, key):
+    """(agreeing decisions, decisions, KL sum) of one strategy's answer against `key` (`full`:
+    full prefill; `uncompressed`: the same KV in f16), or None where the log has none."""
+    if answer["strategy"] == "full":
+        return None
+    if key == "full":
+        return answer["forced_agree"], answer["forced_tokens"], answer["kl_sum"]
+    u = answer.get("uncompressed")
+    return (u["agree"], u["tokens"], u["kl_sum"]) if u else None
+
+
 def tally(questions, key):
-    """Per strategy: [questions, agreeing decisions, decisions, KL sum] against `key`
-    (`full`: full prefill; `uncompressed`: the same KV in f16)."""
+    """Per strategy: [questions, agreeing decisions, decisions, KL sum] against `key`."""
     out = {}
     for q in questions:
         for a in q["answers"]:
-            src = a if key == "full" else a.get("uncompressed")
-            if a["strategy"] == "full" or src is None:
+            c = counts(a, key)
+            if c is None:
                 continue
-            agree, tokens = (
-                (src["forced_agree"], src["forced_tokens"])
-                if key == "full"
-                else (src["agree"], src["tokens"])
-            )
             t = out.setdefault(a["strategy"], [0, 0, 0, 0.0])
             t[0] += 1
-            t[1] += agree
-            t[2] += tokens
-            t[3] += src["kl_sum"]
+            t[1] += c[0]
+            t[2] += c[1]
+            t[3] += c[2]
     return out
 
 
@@ -53,19 +59,6 @@ def show(questions, label):
                 f"{label}{name} vs {key}: {n} questions, {agree} / {tokens} = {share:.2f} %, "
                 f"KL {kl / max(tokens, 1):.4f}"
             )
-
-
-def decisions(q, key):
-    """Per strategy, the agreeing decisions of question `q` against `key`."""
-    out = {}
-    for a in q["answers"]:
-        if a["strategy"] == "full":
-            continue
-        if key == "full":
-            out[a["strategy"]] = (a["forced_agree"], a["forced_tokens"])
-        elif "uncompressed" in a:
-            out[a["strategy"]] = (a["uncompressed"]["agree"], a["uncompressed"]["tokens"])
-    return out
 
 
 def main(argv):
@@ -89,11 +82,12 @@ def main(argv):
         show([other[i] for i in common], "other: ")
         key = "uncompressed" if "codec" in header and header["codec"] else "full"
         for i in common:
-            a, b = decisions(qs[i], key), decisions(other[i], key)
-            for name in sorted(set(a) & set(b)):
-                if a[name] != b[name]:
-                    print(f"  question {i} {name} vs {key}: {a[name][0]}/{a[name][1]} here, "
-                          f"{b[name][0]}/{b[name][1]} in the other")
+            theirs = {a["strategy"]: counts(a, key) for a in other[i]["answers"]}
+            for a in qs[i]["answers"]:
+                mine, other_c = counts(a, key), theirs.get(a["strategy"])
+                if mine and other_c and mine[:2] != other_c[:2]:
+                    print(f"  question {i} {a['strategy']} vs {key}: {mine[0]}/{mine[1]} here, "
+                          f"{other_c[0]}/{other_c[1]} in the other")
         return 0
     show(ordered, "")
     return 0
