@@ -181,7 +181,10 @@ impl Config {
                     .with_context(|| format!("environment variable {k}"))?;
             }
         }
-        let config: Config = value.try_into().context("invalid configuration")?;
+        let mut config: Config = value.try_into().context("invalid configuration")?;
+        // Chunks stored under `ingest.context = "prompt..."` are prefilled after the prompt
+        // the server builds: one key says what it is.
+        config.ingest.system_prompt = config.serve.system_prompt.clone();
         Ok(config)
     }
 

@@ -29,6 +29,10 @@ impl std::str::FromStr for Materialize {
     }
 }
 
+/// The system prompt ingest prefills chunks after under `ingest.context = "prompt..."` when
+/// the binary says no other: the server's default (`serve.system_prompt`).
+pub const DEFAULT_SYSTEM_PROMPT: &str = "Answer the question using the context. Be brief.";
+
 /// What each chunk is prefilled after (`ingest.context`); only the chunk's own rows are stored.
 ///
 /// A chunk prefilled alone never attends to anything before it: its first tokens become an
@@ -39,6 +43,13 @@ impl std::str::FromStr for Materialize {
 /// positions `0..n`, and records the neighbours' keys: a neighbour deleted or changed makes
 /// the chunk stale for `ragkv rematerialize`. Costs `N + 1` times the plain prefill at
 /// ingest; nothing at query time.
+///
+/// `prompt` (APE's shared prefix) prefills every chunk after the RAG prompt's own start (the
+/// model's chat template around the system prompt, up to the `Context:` line, as the server
+/// builds it from [`IngestConfig::system_prompt`]): the prompt's first token, not the
+/// chunk's, is then the sink, and the chunk retrieved first is stored exactly as a full
+/// prefill computes it. `prompt+neighbours:N` puts the neighbours between that start and the
+/// chunk. Costs the prompt's start (tens of tokens) again for every chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Context {
     /// Each chunk alone at positions `0..n`.
@@ -46,15 +57,30 @@ pub enum Context {
     None,
     /// After its `N` most similar chunks (`1..=8`).
     Neighbours(u8),
+    /// After the RAG prompt's start.
+    Prompt,
+    /// After the RAG prompt's start and then its `N` most similar chunks (`1..=8`).
+    PromptNeighbours(u8),
 }
 
 impl Context {
-    /// Neighbours each chunk is prefilled after (0 for `none`).
+    /// Neighbours each chunk is prefilled after (0 for `none` and `prompt`).
     pub fn neighbours(self) -> usize {
         match self {
-            Context::None => 0,
-            Context::Neighbours(n) => usize::from(n),
+            Context::None | Context::Prompt => 0,
+            Context::Neighbours(n) | Context::PromptNeighbours(n) => usize::from(n),
         }
+    }
+
+    /// Whether each chunk is prefilled after the RAG prompt's start.
+    pub fn prompt(self) -> bool {
+        matches!(self, Context::Prompt | Context::PromptNeighbours(_))
+    }
+
+    /// Whether each chunk is prefilled alone (`none`): only then may several share a forward
+    /// pass.
+    pub fn is_none(self) -> bool {
+        self == Context::None
     }
 }
 
@@ -63,6 +89,8 @@ impl std::fmt::Display for Context {
         match self {
             Context::None => f.write_str("none"),
             Context::Neighbours(n) => write!(f, "neighbours:{n}"),
+            Context::Prompt => f.write_str("prompt"),
+            Context::PromptNeighbours(n) => write!(f, "prompt+neighbours:{n}"),
         }
     }
 }
@@ -70,15 +98,30 @@ impl std::fmt::Display for Context {
 impl std::str::FromStr for Context {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let bad = || format!("{s:?} (expected none or neighbours:N with N in 1..=8)");
-        match s.split_once(':') {
-            None if s == "none" => Ok(Context::None),
+        let bad = || {
+            format!(
+                "{s:?} (expected none, prompt, neighbours:N or prompt+neighbours:N with N in \
+                 1..=8)"
+            )
+        };
+        let (prompt, rest) = match s.strip_prefix("prompt") {
+            Some("") => return Ok(Context::Prompt),
+            Some(rest) => (true, rest.strip_prefix('+').ok_or_else(bad)?),
+            None => (false, s),
+        };
+        let n = match rest.split_once(':') {
+            None if rest == "none" && !prompt => return Ok(Context::None),
             Some(("neighbours" | "neighbors", n)) => match n.parse::<u8>() {
-                Ok(n @ 1..=8) => Ok(Context::Neighbours(n)),
-                _ => Err(bad()),
+                Ok(n @ 1..=8) => n,
+                _ => return Err(bad()),
             },
-            _ => Err(bad()),
-        }
+            _ => return Err(bad()),
+        };
+        Ok(if prompt {
+            Context::PromptNeighbours(n)
+        } else {
+            Context::Neighbours(n)
+        })
     }
 }
 
@@ -120,9 +163,14 @@ pub struct IngestConfig {
     /// tokens add up to at most this many (a chunk longer than this runs alone; 1: one chunk
     /// per pass). Short chunks then share the weights' reads.
     pub prefill_batch_tokens: usize,
-    /// What each chunk is prefilled after: `none` (alone) or `neighbours:N` ([`Context`]).
-    /// Part of the KV namespace.
+    /// What each chunk is prefilled after: `none` (alone), `prompt`, `neighbours:N` or
+    /// `prompt+neighbours:N` ([`Context`]). Part of the KV namespace.
     pub context: Context,
+    /// The system prompt of the RAG prompt chunks are prefilled after under `context =
+    /// "prompt..."`; not read from `[ingest]`: the binary sets it to `serve.system_prompt`,
+    /// so both sides build the same prompt. Part of the KV namespace under `prompt`.
+    #[serde(skip)]
+    pub system_prompt: String,
 }
 
 impl Default for IngestConfig {
@@ -137,6 +185,7 @@ impl Default for IngestConfig {
             namespace_grace_hours: 168.0,
             prefill_batch_tokens: 512,
             context: Context::None,
+            system_prompt: DEFAULT_SYSTEM_PROMPT.into(),
         }
     }
 }
@@ -257,12 +306,28 @@ mod tests {
             "neighbours",
             "neighbours:x",
             "all",
+            "prompt+",
+            "prompt+none",
+            "prompt+neighbours:0",
+            "promptneighbours:1",
+            "prompts",
         ] {
             assert!(bad.parse::<Context>().is_err(), "{bad}");
         }
         assert_eq!(Context::Neighbours(3).to_string(), "neighbours:3");
         assert_eq!(Context::Neighbours(3).neighbours(), 3);
         assert_eq!(Context::None.neighbours(), 0);
+        for (s, c) in [
+            ("prompt", Context::Prompt),
+            ("prompt+neighbours:2", Context::PromptNeighbours(2)),
+        ] {
+            assert_eq!(s.parse::<Context>().unwrap(), c);
+            assert_eq!(c.to_string(), s);
+            assert!(c.prompt() && !c.is_none());
+        }
+        assert_eq!(Context::PromptNeighbours(2).neighbours(), 2);
+        assert_eq!(Context::Prompt.neighbours(), 0);
+        assert!(!Context::Neighbours(1).prompt() && Context::None.is_none());
         let c: IngestConfig = serde_json::from_str(r#"{"context": "neighbours:2"}"#).unwrap();
         assert_eq!(c.context, Context::Neighbours(2));
         assert!(serde_json::from_str::<IngestConfig>(r#"{"context": "neighbours:12"}"#).is_err());

@@ -1,5 +1,7 @@
 //! Neighbour materialization (`ingest.context = "neighbours:N"`, [`crate::Context`]): a chunk
-//! prefilled after the `N` chunks of the corpus most similar to it, only its own rows stored.
+//! prefilled after the `N` chunks of the corpus most similar to it, only its own rows stored;
+//! under `prompt` (and `prompt+neighbours:N`) after the RAG prompt's start (and then its
+//! neighbours).
 //!
 //! The neighbours are the vector index's nearest points to the chunk's embedding, the chunk
 //! itself (and any chunk with the same tokens) left out, in order of decreasing similarity;
@@ -40,7 +42,8 @@ pub struct ChunkKv {
     pub bytes: Vec<u8>,
     /// The note to record with it (`None` under `context = "none"`).
     pub note: Option<Vec<u8>>,
-    /// Tokens prefilled before the chunk's own as its context (not stored).
+    /// Tokens prefilled before the chunk's own as its context (not stored): its neighbours'
+    /// (the prompt's start is prefilled once per corpus).
     pub context_tokens: usize,
 }
 
@@ -96,38 +99,50 @@ impl Corpus {
         Ok(out)
     }
 
-    /// KV of `tokens` prefilled after `context` (concatenated, from position 0): only the
-    /// rows of `tokens`, keys rotated back to positions `0..n`, in the stored layout. With no
-    /// context, [`Corpus::prefill_bytes`].
+    /// KV of `tokens` prefilled after `context` (concatenated, from position 0, after the
+    /// prompt's start under `ingest.context = "prompt..."`): only the rows of `tokens`, keys
+    /// rotated back to positions `0..n`, in the stored layout. With nothing before it,
+    /// [`Corpus::prefill_bytes`].
     pub fn prefill_after(&self, context: &[Vec<u32>], tokens: &[u32]) -> Result<Vec<u8>> {
-        if context.is_empty() {
-            return self.prefill_bytes(tokens);
-        }
-        let mut all: Vec<u32> = context.concat();
-        let offset = all.len();
-        all.extend_from_slice(tokens);
+        let Some(start) = &self.prompt_kv else {
+            if context.is_empty() {
+                return self.prefill_bytes(tokens);
+            }
+            let mut all: Vec<u32> = context.concat();
+            all.extend_from_slice(tokens);
+            let (kv, _) = self.model.decoder().prefill(&all, 0)?;
+            return self.own_rows(&kv, all.len() - tokens.len(), tokens.len());
+        };
+        // After the prompt's start: its KV (computed once) continued, as the server's full
+        // prefill continues it.
+        let mut rest: Vec<u32> = context.concat();
+        rest.extend_from_slice(tokens);
         let decoder = self.model.decoder();
-        let (kv, _) = decoder.prefill(&all, 0)?;
-        let own = kv.narrow(offset, tokens.len())?;
+        let mut cache = model::KvCache::from_kv(start, rest.len())?;
+        decoder.forward(&mut cache, &rest, model::Logits::Last)?;
+        let kv = cache.to_kv()?;
+        self.own_rows(&kv, kv.len() - tokens.len(), tokens.len())
+    }
+
+    /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`, in the stored layout.
+    fn own_rows(&self, kv: &model::Kv, offset: usize, n: usize) -> Result<Vec<u8>> {
+        let decoder = self.model.decoder();
+        let own = kv.narrow(offset, n)?;
         let own = decoder.reposition(&own, -(offset as i64))?;
         Ok(own.to_bytes(self.kv_dtype)?)
     }
 
-    /// The KV of chunk `tokens` (embedded as `vector`) as this corpus stores it: alone, or
-    /// after its neighbours with the note naming them.
+    /// The KV of chunk `tokens` (embedded as `vector`) as this corpus stores it: alone, after
+    /// the prompt's start, and/or after its neighbours with the note naming them.
     pub fn chunk_kv(&self, tokens: &[u32], vector: &[f32]) -> Result<ChunkKv> {
-        if self.config.context.neighbours() == 0 {
-            return Ok(ChunkKv {
-                bytes: self.prefill_bytes(tokens)?,
-                note: None,
-                context_tokens: 0,
-            });
-        }
         let context = self.neighbours(tokens, vector)?;
-        let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
+        let note = (self.config.context.neighbours() > 0).then(|| {
+            let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
+            encode_note(&digests)
+        });
         Ok(ChunkKv {
             bytes: self.prefill_after(&context, tokens)?,
-            note: Some(encode_note(&digests)),
+            note,
             context_tokens: context.iter().map(Vec::len).sum(),
         })
     }

@@ -16,7 +16,8 @@ use crate::source::CONTENT_HASH_LEN;
 
 /// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble; with
-/// `ingest.context = "neighbours:N"`, `+neighbours:N` follows.
+/// `ingest.context = "neighbours:N"`, `+neighbours:N` follows; with `prompt`, `+prompt:` and a
+/// hash of the prompt's start's tokens (then `+neighbours:N` under `prompt+neighbours:N`).
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -55,6 +56,9 @@ pub struct Corpus {
     pub(crate) layout: KvLayout,
     /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
     pub(crate) preamble: Vec<u32>,
+    /// Under `ingest.context = "prompt..."`: the KV of the RAG prompt's start (computed once),
+    /// which every chunk is prefilled after (not stored).
+    pub(crate) prompt_kv: Option<model::Kv>,
     pub(crate) kv_dtype: model::DType,
 }
 
@@ -87,11 +91,19 @@ impl Corpus {
             let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
             format!("chunk-preamble-v1:{}", &h[..16])
         };
-        // Neighbour materialization changes every chunk's KV: a namespace of its own.
-        let template = match config.context {
-            crate::config::Context::None => template,
-            c => format!("{template}+{c}"),
-        };
+        // Materialization in context changes every chunk's KV: a namespace of its own (the
+        // prompt's start named by a hash of its tokens).
+        let mut template = template;
+        let mut prompt_kv = None;
+        if config.context.prompt() {
+            let start = model.prompt_tokens(&model.rag_prompt()?.prefix(&config.system_prompt))?;
+            let bytes: Vec<u8> = start.iter().flat_map(|t| t.to_le_bytes()).collect();
+            template = format!("{template}+prompt:{}", &blake3::hash(&bytes).to_hex()[..16]);
+            prompt_kv = Some(model.decoder().prefill(&start, 0)?.0);
+        }
+        if config.context.neighbours() > 0 {
+            template = format!("{template}+neighbours:{}", config.context.neighbours());
+        }
         let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
         fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;
         let layout = fp.layout;
@@ -111,6 +123,7 @@ impl Corpus {
             lossless_source,
             layout,
             preamble,
+            prompt_kv,
             kv_dtype,
         })
     }

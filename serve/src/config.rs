@@ -123,7 +123,7 @@ impl Default for ServeConfig {
             default_max_tokens: 128,
             max_tokens_limit: 1_024,
             max_body_bytes: 8 << 20,
-            system_prompt: "Answer the question using the context. Be brief.".into(),
+            system_prompt: ingest::DEFAULT_SYSTEM_PROMPT.into(),
             assembly: Assembly::default(),
             recompute_share: 0.15,
             link_tokens: 2,

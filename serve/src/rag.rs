@@ -69,6 +69,15 @@ impl Rag {
             .corpus()
             .model()
             .prompt_tokens(&prompt.prefix(&config.system_prompt))?;
+        let ingest = engine.corpus().config();
+        if ingest.context.prompt() && ingest.system_prompt != config.system_prompt {
+            // Still sound (chunks keep a prompt's start as their sink), but the first chunk's
+            // KV is no longer what a full prefill of this prompt computes.
+            tracing::warn!(
+                context = %ingest.context,
+                "chunk KV was prefilled after another system prompt than serve.system_prompt"
+            );
+        }
         let (kv, _) = engine.corpus().model().decoder().prefill(&tokens, 0)?;
         // The model thread takes this KV: on a GPU this thread's stream must be done with it.
         engine.corpus().model().settle()?;

@@ -1,7 +1,8 @@
 //! Neighbour materialization (`ingest.context = "neighbours:1"`) with SmolLM2-135M and MiniLM:
 //! a chunk's stored KV holds only its own rows, computed after its nearest chunk and moved back
 //! to positions `0..n`; arranged by neighbour, it is placed after that neighbour; a neighbour
-//! that changes makes it stale, and `rematerialize` redoes it.
+//! that changes makes it stale, and `rematerialize` redoes it. Under `ingest.context =
+//! "prompt"`, a chunk is stored as a full prefill of the prompt computes it when it comes first.
 
 mod common;
 
@@ -32,6 +33,26 @@ fn stored(corpus: &ingest::Corpus, tokens: &[u32]) -> Kv {
         .get_batch(corpus.namespace(), tokens, tokens.len())
         .unwrap();
     Kv::from_bytes(&data.bytes, &corpus.layout(), &model::Device::Cpu).unwrap()
+}
+
+/// Largest difference of keys and of values relative to the largest magnitude, over layers.
+fn relative_diff(a: &Kv, b: &Kv) -> (f32, f32) {
+    let rel = |a: &Tensor, b: &Tensor| {
+        let top: f32 = b
+            .to_dtype(model::DType::F32)
+            .and_then(|t| t.abs())
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.max(0))
+            .and_then(|t| t.to_scalar())
+            .unwrap();
+        common::max_abs_diff(a, b) / top.max(1e-6)
+    };
+    let (mut dk, mut dv) = (0f32, 0f32);
+    for ((k, v), (bk, bv)) in a.layers.iter().zip(&b.layers) {
+        dk = dk.max(rel(k, bk));
+        dv = dv.max(rel(v, bv));
+    }
+    (dk, dv)
 }
 
 fn remat(engine: &ingest::Engine) -> ingest::RematReport {
@@ -126,22 +147,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
         .narrow(offset, tokens.len())
         .unwrap();
     let moved = m.decoder().reposition(&kv, offset as i64).unwrap();
-    // Largest difference relative to the largest magnitude, over layers.
-    let rel = |a: &Tensor, b: &Tensor| {
-        let top: f32 = b
-            .to_dtype(model::DType::F32)
-            .and_then(|t| t.abs())
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.max(0))
-            .and_then(|t| t.to_scalar())
-            .unwrap();
-        common::max_abs_diff(a, b) / top.max(1e-6)
-    };
-    let (mut dk, mut dv) = (0f32, 0f32);
-    for ((k, v), (jk, jv)) in moved.layers.iter().zip(&joint.layers) {
-        dk = dk.max(rel(k, jk));
-        dv = dv.max(rel(v, jv));
-    }
+    let (dk, dv) = relative_diff(&moved, &joint);
     // ... and not what the chunk computes alone.
     let alone = m.decoder().prefill(&tokens, 0).unwrap().0;
     let d_alone = kv
@@ -191,4 +197,74 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
     eprintln!("vault's values after its neighbour changed: {d:e}");
     assert!(d > 0.0, "the vault's KV did not change");
     assert_eq!(remat(&engine).planned, 0);
+}
+
+#[test]
+fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |context: &str, system: &str| ingest::IngestConfig {
+        context: context.parse().unwrap(),
+        system_prompt: system.into(),
+        ..ingest::IngestConfig::default()
+    };
+    let docs = &DOCS[..1];
+    let engine = common::engine(
+        dir.path(),
+        config("prompt", "Be brief."),
+        common::docs(docs),
+        docs.len(),
+    );
+    let corpus = engine.corpus();
+    let open = |name: &str, c: ingest::IngestConfig| {
+        common::open_corpus(
+            &dir.path().join(name),
+            c,
+            model::DType::F16,
+            common::model(),
+            kvstore::StoreOptions::default(),
+        )
+        .namespace()
+    };
+    // The mode and the system prompt name the namespace.
+    let others = [
+        open("plain", ingest::IngestConfig::default()),
+        open("other-prompt", config("prompt", "Be very brief.")),
+        open(
+            "with-neighbours",
+            config("prompt+neighbours:1", "Be brief."),
+        ),
+    ];
+    assert!(!others.contains(&corpus.namespace()), "{others:?}");
+    assert_ne!(others[1], others[2]);
+
+    // Only the chunk's rows are stored, at positions 0..n; moved after the prompt's start they
+    // are the rows of a prefill of the start and the chunk (the server's `full` for a
+    // one-chunk prompt, the first chunk of any): keys within f16 rounding.
+    let m = corpus.model();
+    let start = m
+        .prompt_tokens(&m.rag_prompt().unwrap().prefix("Be brief."))
+        .unwrap();
+    let tokens = corpus.chunk_tokens(docs[0].1).unwrap();
+    let kv = stored(corpus, &tokens);
+    assert_eq!(kv.len(), tokens.len());
+    let joint = m
+        .decoder()
+        .prefill(&[&start[..], &tokens].concat(), 0)
+        .unwrap()
+        .0
+        .narrow(start.len(), tokens.len())
+        .unwrap();
+    let moved = m.decoder().reposition(&kv, start.len() as i64).unwrap();
+    let (dk, dv) = relative_diff(&moved, &joint);
+    // Not what the chunk computes alone (its first token is no sink here).
+    let alone = m.decoder().prefill(&tokens, 0).unwrap().0;
+    let (_, d_alone) = relative_diff(&kv, &alone);
+    eprintln!(
+        "stored vs prefill after the prompt's start (relative): keys {dk:e}, values {dv:e}; \
+         values vs alone {d_alone:e}"
+    );
+    assert!(dk < 5e-3 && dv < 2e-3, "{dk} {dv}");
+    assert!(d_alone > 0.05, "{d_alone}");
+    let r = remat(&engine);
+    assert_eq!(r.planned, 0, "{r:?}");
 }

@@ -44,6 +44,7 @@ impl Contexted {
             base.model().clone(),
             ingest::IngestConfig {
                 context,
+                system_prompt: config.system_prompt.clone(),
                 ..base.config().clone()
             },
             model::DType::F16,

@@ -93,8 +93,9 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
             }
             None => {
                 // Exactly what ingest stores: KV at positions 0.., rounded to the KV dtype,
-                // computed after the chunk's neighbours under `ingest.context` (its note is
-                // recorded now, before the write-back stores the bytes).
+                // computed after the prompt's start and/or the chunk's neighbours under
+                // `ingest.context` (a neighbour note is recorded now, before the write-back
+                // stores the bytes).
                 let computed = corpus.chunk_kv_of_text(&c.tokens, &c.hit.payload.text)?;
                 if query.kv == KvMode::On {
                     corpus.put_note(&c.tokens, &computed)?;
