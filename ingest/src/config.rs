@@ -76,12 +76,6 @@ impl Context {
     pub fn prompt(self) -> bool {
         matches!(self, Context::Prompt | Context::PromptNeighbours(_))
     }
-
-    /// Whether each chunk is prefilled alone (`none`): only then may several share a forward
-    /// pass.
-    pub fn is_none(self) -> bool {
-        self == Context::None
-    }
 }
 
 impl std::fmt::Display for Context {
@@ -323,11 +317,11 @@ mod tests {
         ] {
             assert_eq!(s.parse::<Context>().unwrap(), c);
             assert_eq!(c.to_string(), s);
-            assert!(c.prompt() && !c.is_none());
+            assert!(c.prompt());
         }
         assert_eq!(Context::PromptNeighbours(2).neighbours(), 2);
         assert_eq!(Context::Prompt.neighbours(), 0);
-        assert!(!Context::Neighbours(1).prompt() && Context::None.is_none());
+        assert!(!Context::Neighbours(1).prompt() && !Context::None.prompt());
         let c: IngestConfig = serde_json::from_str(r#"{"context": "neighbours:2"}"#).unwrap();
         assert_eq!(c.context, Context::Neighbours(2));
         assert!(serde_json::from_str::<IngestConfig>(r#"{"context": "neighbours:12"}"#).is_err());

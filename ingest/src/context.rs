@@ -104,24 +104,48 @@ impl Corpus {
     /// rotated back to positions `0..n`, in the stored layout. With nothing before it,
     /// [`Corpus::prefill_bytes`].
     pub fn prefill_after(&self, context: &[Vec<u32>], tokens: &[u32]) -> Result<Vec<u8>> {
-        let Some(start) = &self.prompt_kv else {
-            if context.is_empty() {
-                return self.prefill_bytes(tokens);
-            }
-            let mut all: Vec<u32> = context.concat();
-            all.extend_from_slice(tokens);
-            let (kv, _) = self.model.decoder().prefill(&all, 0)?;
-            return self.own_rows(&kv, all.len() - tokens.len(), tokens.len());
+        let mut all: Vec<u32> = context.concat();
+        all.extend_from_slice(tokens);
+        let kv = match &self.prompt_kv {
+            Some(start) => self.continue_start(start, &[&all])?.remove(0),
+            None if context.is_empty() => return self.prefill_bytes(tokens),
+            None => self.model.decoder().prefill(&all, 0)?.0,
         };
-        // After the prompt's start: its KV (computed once) continued, as the server's full
-        // prefill continues it.
-        let mut rest: Vec<u32> = context.concat();
-        rest.extend_from_slice(tokens);
-        let decoder = self.model.decoder();
-        let mut cache = model::KvCache::from_kv(start, rest.len())?;
-        decoder.forward(&mut cache, &rest, model::Logits::Last)?;
-        let kv = cache.to_kv()?;
         self.own_rows(&kv, kv.len() - tokens.len(), tokens.len())
+    }
+
+    /// The KV of each of `rests` prefilled after the prompt's start `start`: its KV (computed
+    /// once) continued, as the server's full prefill continues it, all of them in one batched
+    /// forward pass ([`model::Decoder::step`]); each result holds the start's rows too.
+    fn continue_start(&self, start: &model::Kv, rests: &[&[u32]]) -> Result<Vec<model::Kv>> {
+        let mut caches = rests
+            .iter()
+            .map(|r| model::KvCache::from_kv(start, r.len()))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let mut seqs: Vec<model::StepSeq<'_>> = caches
+            .iter_mut()
+            .zip(rests.iter().copied())
+            .map(|(cache, tokens)| model::StepSeq::new(cache, tokens))
+            .collect();
+        self.model.decoder().step(&mut seqs)?;
+        Ok(caches
+            .iter()
+            .map(model::KvCache::to_kv)
+            .collect::<std::result::Result<Vec<_>, _>>()?)
+    }
+
+    /// The stored KV of each of `chunks` under `ingest.context = "prompt"` (no neighbours),
+    /// in one batched forward pass: short chunks share the weights' reads as plain ones do.
+    pub(crate) fn prefill_many_after_start(
+        &self,
+        start: &model::Kv,
+        chunks: &[&[u32]],
+    ) -> Result<Vec<Vec<u8>>> {
+        self.continue_start(start, chunks)?
+            .iter()
+            .zip(chunks)
+            .map(|(kv, c)| self.own_rows(kv, start.len(), c.len()))
+            .collect()
     }
 
     /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`, in the stored layout.

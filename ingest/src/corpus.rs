@@ -223,8 +223,13 @@ impl Corpus {
         Ok(kv.to_bytes(self.kv_dtype)?)
     }
 
-    /// [`Corpus::prefill_bytes`] of each chunk, in one forward pass when there are several.
+    /// [`Corpus::prefill_bytes`] of each chunk, in one forward pass when there are several
+    /// (each after the prompt's start under `ingest.context = "prompt"`; chunks prefilled
+    /// after neighbours go through [`Corpus::chunk_kv`]).
     pub fn prefill_many_bytes(&self, chunks: &[&[u32]]) -> Result<Vec<Vec<u8>>> {
+        if let Some(start) = &self.prompt_kv {
+            return self.prefill_many_after_start(start, chunks);
+        }
         match chunks {
             [] => Ok(Vec::new()),
             [one] => Ok(vec![self.prefill_bytes(one)?]),

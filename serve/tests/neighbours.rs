@@ -267,4 +267,17 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
     assert!(d_alone > 0.05, "{d_alone}");
     let r = remat(&engine);
     assert_eq!(r.planned, 0, "{r:?}");
+
+    // Short chunks share a forward pass (ingest groups them): each is still what it is alone
+    // after the prompt's start.
+    let other = corpus.chunk_tokens(DOCS[2].1).unwrap();
+    let many = corpus.prefill_many_bytes(&[&tokens, &other]).unwrap();
+    let layout = corpus.layout();
+    for (bytes, t) in many.iter().zip([&tokens, &other]) {
+        let one = corpus.prefill_after(&[], t).unwrap();
+        let [a, b] =
+            [bytes, &one].map(|b| Kv::from_bytes(b, &layout, &model::Device::Cpu).unwrap());
+        let (dk, dv) = relative_diff(&a, &b);
+        assert!(dk < 5e-3 && dv < 2e-3, "grouped vs alone: {dk} {dv}");
+    }
 }

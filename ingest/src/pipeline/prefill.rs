@@ -63,10 +63,10 @@ impl Engine {
                         }
                     }
                 }
-                // Prefilled after the prompt's start or their neighbours: one chunk per pass,
-                // each with its own context (the neighbours the index holds now; see
-                // `context.rs`).
-                let in_context = !self.corpus.config.context.is_none();
+                // Prefilled after their neighbours: one chunk per pass, each with its own
+                // context (the neighbours the index holds now; see `context.rs`). After the
+                // prompt's start alone, grouped as plain chunks are.
+                let in_context = self.corpus.config.context.neighbours() > 0;
                 let batch = if in_context {
                     1
                 } else {
