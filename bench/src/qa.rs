@@ -136,6 +136,11 @@ pub struct Args {
     /// strategies answer from it, `naive` from plain KV is the baseline.
     #[arg(long, default_value = "none")]
     pub context: ingest::Context,
+    /// With `--context prompt` (or `prompt+neighbours:N`): a text file placed after the
+    /// prompt's start, before every chunk, when its KV is materialized
+    /// (`ingest.context_passage`); named in the lines' `context` (`+passage:` and a hash).
+    #[arg(long)]
+    pub context_passage: Option<PathBuf>,
     /// Order of the retrieved chunks in every prompt, full prefill's included: `score` (the
     /// retrieval order, as `ragkv serve`) or, with `--context`, `neighbours`: each chunk right
     /// after the retrieved chunk its KV was prefilled after (`Corpus::neighbour_order`).
@@ -336,6 +341,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
     let work = work_dir.path().to_path_buf();
+    let passage = context::passage(args.context, args.context_passage.as_deref())?;
     let header = RunHeader {
         model: args.llm.name(),
         quantized: args.llm.quantized,
@@ -348,10 +354,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         link_tokens: args.link_tokens,
         strategies: strategies.iter().map(Assembly::to_string).collect(),
         codec: args.codec.map(|c| c.to_string()).unwrap_or_default(),
-        context: match args.context {
-            ingest::Context::None => String::new(),
-            c => c.to_string(),
-        },
+        context: context::label(args.context, &passage),
         chunk_order: match (args.context, args.chunk_order) {
             (ingest::Context::None, _) | (_, ChunkOrder::Score) => String::new(),
             _ => "neighbours".into(),
@@ -381,7 +384,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         let rag = Rag::start(engine.clone(), config.clone()).map_err(check("server pipeline"))?;
         let ctx = match args.context {
             ingest::Context::None => None,
-            c => Some(Contexted::open(&engine, c, config.clone())?),
+            c => Some(Contexted::open(&engine, c, &passage, config.clone())?),
         };
         let sides = Sides {
             plain: (&engine, &rag),

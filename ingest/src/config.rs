@@ -160,6 +160,12 @@ pub struct IngestConfig {
     /// What each chunk is prefilled after: `none` (alone), `prompt`, `neighbours:N` or
     /// `prompt+neighbours:N` ([`Context`]). Part of the KV namespace.
     pub context: Context,
+    /// Under `context = "prompt"` (or `"prompt+neighbours:N"`): text placed after the prompt's
+    /// start and before every chunk (and its neighbours) when its KV is prefilled, never
+    /// stored or served. Gives every chunk's KV a context of the length retrieval usually puts
+    /// before it, at no prefill cost beyond one passage per process (docs/BENCHMARKS.md,
+    /// "After the prompt's start"). Part of the KV namespace. Empty (the default): none.
+    pub context_passage: String,
     /// The system prompt of the RAG prompt chunks are prefilled after under `context =
     /// "prompt..."`; not read from `[ingest]`: the binary sets it to `serve.system_prompt`,
     /// so both sides build the same prompt. Part of the KV namespace under `prompt`.
@@ -179,6 +185,7 @@ impl Default for IngestConfig {
             namespace_grace_hours: 168.0,
             prefill_batch_tokens: 512,
             context: Context::None,
+            context_passage: String::new(),
             system_prompt: DEFAULT_SYSTEM_PROMPT.into(),
         }
     }
@@ -203,6 +210,22 @@ impl IngestConfig {
             return Err(Error::Invalid {
                 what: "ingest.chunk_preamble",
                 why: "longer than 1024 bytes".into(),
+            });
+        }
+        if !self.context_passage.is_empty() && !self.context.prompt() {
+            return Err(Error::Invalid {
+                what: "ingest.context_passage",
+                why: format!(
+                    "set, but ingest.context = \"{}\" places nothing before chunks (use \
+                     \"prompt\" or \"prompt+neighbours:N\")",
+                    self.context
+                ),
+            });
+        }
+        if self.context_passage.len() > 64 << 10 {
+            return Err(Error::Invalid {
+                what: "ingest.context_passage",
+                why: "longer than 64 KiB".into(),
             });
         }
         if !(self.namespace_grace_hours >= 0.0 && self.namespace_grace_hours.is_finite()) {
@@ -326,6 +349,16 @@ mod tests {
         assert_eq!(c.context, Context::Neighbours(2));
         assert!(serde_json::from_str::<IngestConfig>(r#"{"context": "neighbours:12"}"#).is_err());
         assert_eq!(IngestConfig::default().context, Context::None);
+        // A passage needs the prompt's start to follow.
+        let with_passage = |context: &str| IngestConfig {
+            context: context.parse().unwrap(),
+            context_passage: "Some passage.".into(),
+            ..IngestConfig::default()
+        };
+        assert!(with_passage("none").validate().is_err());
+        assert!(with_passage("neighbours:1").validate().is_err());
+        assert!(with_passage("prompt").validate().is_ok());
+        assert!(with_passage("prompt+neighbours:1").validate().is_ok());
     }
 
     #[test]

@@ -17,7 +17,8 @@ use crate::source::CONTENT_HASH_LEN;
 /// Identity of the chunk prefill: chunk tokens alone at positions `0..n`, no preamble. With
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble; with
 /// `ingest.context = "neighbours:N"`, `+neighbours:N` follows; with `prompt`, `+prompt:` and a
-/// hash of the prompt's start's tokens (then `+neighbours:N` under `prompt+neighbours:N`).
+/// hash of the tokens before every chunk (the prompt's start and `ingest.context_passage`),
+/// then `+neighbours:N` under `prompt+neighbours:N`.
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -56,8 +57,9 @@ pub struct Corpus {
     pub(crate) layout: KvLayout,
     /// Tokens of `config.chunk_preamble`, placed before every chunk's own.
     pub(crate) preamble: Vec<u32>,
-    /// Under `ingest.context = "prompt..."`: the KV of the RAG prompt's start (computed once),
-    /// which every chunk is prefilled after (not stored).
+    /// Under `ingest.context = "prompt..."`: the KV of the RAG prompt's start and
+    /// `ingest.context_passage` (computed once), which every chunk is prefilled after (not
+    /// stored).
     pub(crate) prompt_kv: Option<model::Kv>,
     pub(crate) kv_dtype: model::DType,
 }
@@ -91,12 +93,16 @@ impl Corpus {
             let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
             format!("chunk-preamble-v1:{}", &h[..16])
         };
-        // Materialization in context changes every chunk's KV: a namespace of its own (the
-        // prompt's start named by a hash of its tokens).
+        // Materialization in context changes every chunk's KV: a namespace of its own (what
+        // goes before every chunk named by a hash of its tokens).
         let mut template = template;
         let mut prompt_kv = None;
         if config.context.prompt() {
-            let start = model.prompt_tokens(&model.rag_prompt()?.prefix(&config.system_prompt))?;
+            let mut start =
+                model.prompt_tokens(&model.rag_prompt()?.prefix(&config.system_prompt))?;
+            if !config.context_passage.is_empty() {
+                start.extend(model.tokenizer().encode(&config.context_passage)?);
+            }
             let bytes: Vec<u8> = start.iter().flat_map(|t| t.to_le_bytes()).collect();
             template = format!("{template}+prompt:{}", &blake3::hash(&bytes).to_hex()[..16]);
             prompt_kv = Some(model.decoder().prefill(&start, 0)?.0);

@@ -53,7 +53,10 @@
 //! `neighbours:2` (plain: 87.7 %), closing 33-35 % of `naive`'s gap instead of 15 %, at the
 //! same time to first token and stored bytes; `link:8` on `neighbours:2` closes 45 % at 1.9×
 //! `reposition`'s TTFT, `window:32` 41 % at 7.5×. The price is (N+1)× the prefill at ingest
-//! (docs/BENCHMARKS.md, "Spending the work at ingestion").
+//! (docs/BENCHMARKS.md, "Spending the work at ingestion"). `ingest.context = "prompt"` (each
+//! chunk after the prompt's start, so its first tokens are no sink) closes 22 % with
+//! `reposition` alone, as much as `link:2` on it and more than `link:2` on plain KV (17 %), at
+//! almost no ingest cost.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at

@@ -208,6 +208,10 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
         ..ingest::IngestConfig::default()
     };
     let docs = &DOCS[..1];
+    let passage = ingest::IngestConfig {
+        context_passage: DOCS[2].1.into(),
+        ..config("prompt", "Be brief.")
+    };
     let engine = common::engine(
         dir.path(),
         config("prompt", "Be brief."),
@@ -233,9 +237,11 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
             "with-neighbours",
             config("prompt+neighbours:1", "Be brief."),
         ),
+        open("with-passage", passage.clone()),
     ];
     assert!(!others.contains(&corpus.namespace()), "{others:?}");
     assert_ne!(others[1], others[2]);
+    assert_ne!(others[1], others[3]);
 
     // Only the chunk's rows are stored, at positions 0..n; moved after the prompt's start they
     // are the rows of a prefill of the start and the chunk (the server's `full` for a
@@ -267,6 +273,28 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
     assert!(d_alone > 0.05, "{d_alone}");
     let r = remat(&engine);
     assert_eq!(r.planned, 0, "{r:?}");
+
+    // With a passage, what goes before the chunk is the prompt's start and then the passage.
+    let with_passage = common::open_corpus(
+        &dir.path().join("with-passage"),
+        passage,
+        model::DType::F16,
+        common::model(),
+        kvstore::StoreOptions::default(),
+    );
+    let before = [&start[..], &m.tokenizer().encode(DOCS[2].1).unwrap()].concat();
+    let joint = m
+        .decoder()
+        .prefill(&[&before[..], &tokens].concat(), 0)
+        .unwrap()
+        .0
+        .narrow(before.len(), tokens.len())
+        .unwrap();
+    let bytes = with_passage.prefill_after(&[], &tokens).unwrap();
+    let kv = Kv::from_bytes(&bytes, &corpus.layout(), &model::Device::Cpu).unwrap();
+    let moved = m.decoder().reposition(&kv, before.len() as i64).unwrap();
+    let (dk, dv) = relative_diff(&moved, &joint);
+    assert!(dk < 5e-3 && dv < 2e-3, "after a passage: {dk} {dv}");
 
     // Short chunks share a forward pass (ingest groups them): each is still what it is alone
     // after the prompt's start.

@@ -34,6 +34,7 @@ impl Contexted {
     pub fn open(
         base: &ingest::Engine,
         context: ingest::Context,
+        passage: &str,
         config: ServeConfig,
     ) -> Result<Contexted, Error> {
         let base = base.corpus();
@@ -44,6 +45,7 @@ impl Contexted {
             base.model().clone(),
             ingest::IngestConfig {
                 context,
+                context_passage: passage.into(),
                 system_prompt: config.system_prompt.clone(),
                 ..base.config().clone()
             },
@@ -60,6 +62,36 @@ impl Contexted {
     pub fn close(self) {
         drop(self.rag);
         crate::engine::close(self.engine);
+    }
+}
+
+/// The text of `--context-passage` (empty without one); refused unless `context` places the
+/// prompt's start before chunks.
+pub(crate) fn passage(
+    context: ingest::Context,
+    path: Option<&std::path::Path>,
+) -> Result<String, Error> {
+    let Some(path) = path else {
+        return Ok(String::new());
+    };
+    if !context.prompt() {
+        return Err(Error::Check(format!(
+            "--context-passage needs --context prompt or prompt+neighbours:N, not {context}"
+        )));
+    }
+    std::fs::read_to_string(path).map_err(|cause| Error::Io {
+        what: path.display().to_string(),
+        cause,
+    })
+}
+
+/// The `context` of a run's header and lines: empty for `none`, else the mode, with
+/// `+passage:` and the first 8 hex digits of the passage's hash when there is one.
+pub(crate) fn label(context: ingest::Context, passage: &str) -> String {
+    match (context, passage) {
+        (ingest::Context::None, _) => String::new(),
+        (c, "") => c.to_string(),
+        (c, p) => format!("{c}+passage:{}", &blake3::hash(p.as_bytes()).to_hex()[..8]),
     }
 }
 
