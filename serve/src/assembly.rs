@@ -56,7 +56,9 @@
 //! (docs/BENCHMARKS.md, "Spending the work at ingestion"). `ingest.context = "prompt"` (each
 //! chunk after the prompt's start, so its first tokens are no sink) closes 22 % with
 //! `reposition` alone, as much as `link:2` on it and more than `link:2` on plain KV (17 %), at
-//! almost no ingest cost.
+//! 1.1× the ingest prefill; with a fixed passage after the start (`ingest.context_passage`),
+//! `link:2` closes 30 %, about `neighbours:1`'s share, at 1.5× (docs/BENCHMARKS.md, "After the
+//! prompt's start").
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
