@@ -34,8 +34,8 @@ enum Command {
     Gc,
     /// Prefill again the chunks whose KV is missing (evicted, deleted, lost), corrupt, or stale
     /// (stored under another model's namespace, or, with `ingest.context = "neighbours:N"` or
-    /// `"prompt+neighbours:N"`, prefilled after neighbours that changed). Idempotent; hands the work to a running
-    /// server, so it is safe from cron.
+    /// `"prompt+neighbours:N"`, prefilled after neighbours that changed). Idempotent; hands
+    /// the work to a running server, so it is safe from cron.
     Rematerialize(RematArgs),
     /// Read and verify every stored KV block, and check the vector index against the KV
     /// store (complete documents, every point's KV present, no orphans); exits non-zero on

@@ -55,6 +55,16 @@ fn relative_diff(a: &Kv, b: &Kv) -> (f32, f32) {
     (dk, dv)
 }
 
+/// The rows of `tokens` in a prefill of `before` and `tokens` together from position 0.
+fn rows_after(m: &model::Model, before: &[u32], tokens: &[u32]) -> Kv {
+    m.decoder()
+        .prefill(&[before, tokens].concat(), 0)
+        .unwrap()
+        .0
+        .narrow(before.len(), tokens.len())
+        .unwrap()
+}
+
 fn remat(engine: &ingest::Engine) -> ingest::RematReport {
     engine
         .rematerialize(
@@ -139,13 +149,7 @@ fn a_chunk_is_stored_after_its_neighbour_and_redone_when_it_changes() {
     assert_eq!(kv.len(), tokens.len());
     let m = corpus.model();
     let offset = context[0].len();
-    let joint = m
-        .decoder()
-        .prefill(&[&context[0][..], &tokens].concat(), 0)
-        .unwrap()
-        .0
-        .narrow(offset, tokens.len())
-        .unwrap();
+    let joint = rows_after(m, &context[0], &tokens);
     let moved = m.decoder().reposition(&kv, offset as i64).unwrap();
     let (dk, dv) = relative_diff(&moved, &joint);
     // ... and not what the chunk computes alone.
@@ -253,13 +257,7 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
     let tokens = corpus.chunk_tokens(docs[0].1).unwrap();
     let kv = stored(corpus, &tokens);
     assert_eq!(kv.len(), tokens.len());
-    let joint = m
-        .decoder()
-        .prefill(&[&start[..], &tokens].concat(), 0)
-        .unwrap()
-        .0
-        .narrow(start.len(), tokens.len())
-        .unwrap();
+    let joint = rows_after(m, &start, &tokens);
     let moved = m.decoder().reposition(&kv, start.len() as i64).unwrap();
     let (dk, dv) = relative_diff(&moved, &joint);
     // Not what the chunk computes alone (its first token is no sink here).
@@ -283,13 +281,7 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
         kvstore::StoreOptions::default(),
     );
     let before = [&start[..], &m.tokenizer().encode(DOCS[2].1).unwrap()].concat();
-    let joint = m
-        .decoder()
-        .prefill(&[&before[..], &tokens].concat(), 0)
-        .unwrap()
-        .0
-        .narrow(before.len(), tokens.len())
-        .unwrap();
+    let joint = rows_after(m, &before, &tokens);
     let bytes = with_passage.prefill_after(&[], &tokens).unwrap();
     let kv = Kv::from_bytes(&bytes, &corpus.layout(), &model::Device::Cpu).unwrap();
     let moved = m.decoder().reposition(&kv, before.len() as i64).unwrap();
