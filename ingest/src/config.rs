@@ -165,7 +165,7 @@ pub struct IngestConfig {
     /// start and before every chunk (and its neighbours) when its KV is prefilled, never
     /// stored or served. Gives every chunk's KV a context of the length retrieval usually puts
     /// before it, prefilled once per process: each chunk costs only the attention over it
-    /// (1.5× the plain ingest prefill with SmolLM2 and a 2.2 KB passage; docs/BENCHMARKS.md,
+    /// (1.5× the plain ingest prefill with SmolLM2 and a 2,000-byte passage; docs/BENCHMARKS.md,
     /// "After the prompt's start"). Part of the KV namespace. Empty (the default): none.
     pub context_passage: String,
     /// The system prompt of the RAG prompt chunks are prefilled after under `context =
