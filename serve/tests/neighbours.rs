@@ -241,8 +241,15 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
             "with-neighbours",
             config("prompt+neighbours:1", "Be brief."),
         ),
-        open("with-passage", passage.clone()),
     ];
+    let with_passage = common::open_corpus(
+        &dir.path().join("with-passage"),
+        passage,
+        model::DType::F16,
+        common::model(),
+        kvstore::StoreOptions::default(),
+    );
+    let others = [&others[..], &[with_passage.namespace()]].concat();
     assert!(!others.contains(&corpus.namespace()), "{others:?}");
     assert_ne!(others[1], others[2]);
     assert_ne!(others[1], others[3]);
@@ -273,13 +280,6 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
     assert_eq!(r.planned, 0, "{r:?}");
 
     // With a passage, what goes before the chunk is the prompt's start and then the passage.
-    let with_passage = common::open_corpus(
-        &dir.path().join("with-passage"),
-        passage,
-        model::DType::F16,
-        common::model(),
-        kvstore::StoreOptions::default(),
-    );
     let before = [&start[..], &m.tokenizer().encode(DOCS[2].1).unwrap()].concat();
     let joint = rows_after(m, &before, &tokens);
     let bytes = with_passage.prefill_after(&[], &tokens).unwrap();
