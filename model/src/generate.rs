@@ -115,7 +115,26 @@ impl Sampler {
                 .and_then(|t| t.to_scalar::<u32>())
                 .ctx("argmax");
         }
-        let mut l: Vec<f32> = logits.to_vec1().ctx("logits")?;
+        self.sample_vec(logits.to_vec1().ctx("logits")?)
+    }
+
+    /// [`Sampler::sample`] of logits already in host memory (no device round trip).
+    fn sample_vec(&mut self, mut l: Vec<f32>) -> Result<u32> {
+        if l.is_empty() {
+            return Err(Error::Input {
+                why: "no logits to sample from".into(),
+            });
+        }
+        if self.params.temperature <= 0.0 {
+            // The first of the largest, as candle's argmax picks.
+            let mut best = 0;
+            for (i, x) in l.iter().enumerate() {
+                if *x > l[best] {
+                    best = i;
+                }
+            }
+            return Ok(best as u32);
+        }
         let t = self.params.temperature as f32;
         let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         for x in l.iter_mut() {
@@ -206,8 +225,7 @@ impl<'a> Decoding<'a> {
                     *x = f32::NEG_INFINITY;
                 }
             }
-            let banned = Tensor::new(l.as_slice(), logits.device()).ctx("logits")?;
-            self.sampler.sample(&banned)?
+            self.sampler.sample_vec(l)?
         } else {
             self.sampler.sample(logits)?
         };
@@ -299,4 +317,38 @@ pub fn generate(
         }
     }
     Ok(decoding.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::{GenerateParams, Sampler};
+
+    #[test]
+    fn greedy_on_the_host_picks_what_the_tensor_argmax_picks() {
+        let params = GenerateParams {
+            temperature: 0.0,
+            ..GenerateParams::default()
+        };
+        let mut s = Sampler::new(params);
+        let l = vec![0.5f32, 3.0, -1.0, 3.0, 2.9];
+        let t = Tensor::new(l.as_slice(), &Device::Cpu).unwrap();
+        assert_eq!(s.sample_vec(l.clone()).unwrap(), s.sample(&t).unwrap());
+        assert_eq!(s.sample_vec(l).unwrap(), 1, "the first of the largest");
+        assert!(s.sample_vec(Vec::new()).is_err());
+    }
+
+    #[test]
+    fn a_draw_from_one_kept_token_is_that_token() {
+        let params = GenerateParams {
+            temperature: 0.8,
+            top_k: 1,
+            ..GenerateParams::default()
+        };
+        let mut s = Sampler::new(params);
+        for _ in 0..5 {
+            assert_eq!(s.sample_vec(vec![0.1, 0.2, 7.0, 0.3]).unwrap(), 2);
+        }
+    }
 }
