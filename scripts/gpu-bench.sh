@@ -21,9 +21,13 @@
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
 # GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
-# shipped as $DIR/smollm2.part*; "ab" for `bench model` again without CUDA graphs, then on
-# candle's operations instead of the fused GPU ones, last), GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
+# shipped as $DIR/smollm2.part*; "ab" for `bench model` again without the fused norm and
+# quantization, without CUDA graphs, then on candle's operations instead of the fused GPU
+# ones, last; "ab-last" for the first of those alone; "ncu" for Nsight Compute's GPU time of
+# every kernel of a short `bench model` run, into OUT/ncu.csv), GPU_BENCH_TTFT_ARGS (more
+# `bench ttft` flags, e.g. "--codec q8");
 # RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of the pinned one.
+# The peer step logs the server's batch steps and graph captures (RAGKV_LOG) into log.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,17 +39,22 @@ pack() {
   mkdir -p "$dir"
   local bin="$target/release/ragkv"
   [ -x "$bin" ] || { log "no $bin: build it first (eval \"\$(scripts/cuda-toolkit.sh)\"; cargo build --release --features cuda --bin ragkv)"; exit 1; }
-  local llama="$cache/llama.cpp-cuda/bin"
-  [ -x "$llama/llama-server" ] || { log "no $llama: run scripts/llama-server.sh cuda first"; exit 1; }
+  local llama="$cache/llama.cpp-cuda/bin" parts=(bin llama cache data)
+  if [ ! -x "$llama/llama-server" ]; then
+    log "no $llama (scripts/llama-server.sh cuda builds it): packing ragkv alone"
+    parts=(bin cache data)
+  fi
   local stage
   stage=$(mktemp -d)
   trap 'rm -rf "$stage"' RETURN
   mkdir -p "$stage/bin" "$stage/llama" "$stage/cache/models" "$stage/data"
   cp "$bin" "$stage/bin/ragkv"
   strip "$stage/bin/ragkv"
-  cp -P "$llama"/llama-server "$llama"/llama-bench "$llama"/lib*.so* "$stage/llama/"
-  strip "$stage/llama/llama-server" "$stage/llama/llama-bench"
-  for f in "$stage"/llama/lib*.so*; do [ -L "$f" ] || strip --strip-unneeded "$f"; done
+  if [[ " ${parts[*]} " == *" llama "* ]]; then
+    cp -P "$llama"/llama-server "$llama"/llama-bench "$llama"/lib*.so* "$stage/llama/"
+    strip "$stage/llama/llama-server" "$stage/llama/llama-bench"
+    for f in "$stage"/llama/lib*.so*; do [ -L "$f" ] || strip --strip-unneeded "$f"; done
+  fi
   cp -r "$cache/models/all-MiniLM-L6-v2" "$stage/cache/models/"
   # The questions and the first documents (the runs index 200).
   local ds="${RAGKV_DATASET:-../shared/datasets/longbench-hotpotqa}"
@@ -54,7 +63,7 @@ pack() {
   for ((i = 0; i < ${GPU_BENCH_DOCS:-250}; i++)); do
     cp "$ds/documents/doc_$i.txt" "$stage/data/longbench-hotpotqa/documents/"
   done
-  for part in bin llama cache data; do
+  for part in "${parts[@]}"; do
     tar -C "$stage" -cJf "$dir/$part.tar.xz" "$part"
   done
   du -ch "$dir"/*.tar.xz >&2
@@ -152,12 +161,20 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
       step "quickstart-$d" 120 quickstart "$d" || true
     done
   fi
+  # Without llama.cpp's build shipped (a first, diagnostic run), ragkv alone.
+  local bench_peer=(--llama-bench "$root/llama/llama-bench")
+  local server_peer=(--llama-server "$root/llama/llama-server")
+  if [ ! -x "$root/llama/llama-server" ]; then
+    log "no llama.cpp shipped: ragkv alone"
+    bench_peer=()
+    server_peer=(--skip-llama)
+  fi
   local synth_args=()
   for s in $shapes; do synth_args+=(--synthetic "$s"); done
   if [[ $steps == *" model "* ]]; then
     local model_rc=0
     step model 180 "$ragkv" bench model --device cuda "${synth_args[@]}" --synthetic-dir "$synth" \
-      --llama-bench "$root/llama/llama-bench" --no-stock --reps 3 || model_rc=$?
+      "${bench_peer[@]}" --no-stock --reps 3 || model_rc=$?
     # Should the graphed decode fail or disagree with the CPU path, the later steps run
     # without graphs (the fused operations one by one), so the lease still measures them.
     if [ "$model_rc" != 0 ] || ! python3 - "$res" <<'EOF'
@@ -189,22 +206,42 @@ EOF
     fi
     # The peer comparison for the first shape only (the lease is minutes long).
     if [[ $steps == *" peer "* && $s == "${shapes%% *}" ]]; then
-      step "peer:$s" 130 "$ragkv" bench peer --device cuda --model "$file" --quantized \
+      RAGKV_LOG="warn,serve::pipeline=debug,model::decoder=debug" \
+        step "peer:$s" 150 "$ragkv" bench peer --device cuda --model "$file" --quantized \
         --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 \
-        --llama-server "$root/llama/llama-server" --dir "$root/peer-${s%%:*}" || true
+        "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
     fi
   done
   # The same `bench model` without CUDA graphs (the fused operations launched one by one),
   # then on the path before both (candle's attention, separate projections, cudarc's event
   # tracking on): what each changed, on this machine, beside llama.cpp again.
+  if [[ $steps == *" ab "* || $steps == *" ab-last "* ]]; then
+    RAGKV_CUDA_NORM_Q8=off \
+      step model-no-norm-q8 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
+      --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
+  fi
   if [[ $steps == *" ab "* ]]; then
     RAGKV_CUDA_GRAPH=off \
       step model-no-graphs 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
-      --synthetic-dir "$synth" --llama-bench "$root/llama/llama-bench" --no-stock --reps 3 || true
+      --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
     RAGKV_CUDA_GRAPH=off RAGKV_CUDA_ATTENTION=candle RAGKV_CUDA_FUSED=off RAGKV_CUDA_JOIN=off \
       RAGKV_CUDA_EVENTS=on \
       step model-candle-ops 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
-      --synthetic-dir "$synth" --llama-bench "$root/llama/llama-bench" --no-stock --reps 3 || true
+      --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
+  fi
+  # Every kernel's GPU time in a short run of the first shape (a warm-up and one timed run,
+  # each a prefill of 512 tokens and 8 tokens decoded): where a decode step's time goes.
+  if [[ $steps == *" ncu "* ]]; then
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)
+    if [ -n "$ncu" ]; then
+      step ncu 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+        --print-units base --log-file "$out/ncu.csv" \
+        "$ragkv" bench model --device cuda --synthetic "${shapes%% *}" --synthetic-dir "$synth" \
+        --no-stock --reps 1 --decode-tokens 8 || true
+    else
+      log "no ncu on this machine"
+    fi
   fi
   log "done: $res"
 }

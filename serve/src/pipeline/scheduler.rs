@@ -379,6 +379,8 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
             });
         }
     }
+    let fed_rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+    let (sequences, t_model) = (seqs.len(), Instant::now());
     let logits = if seqs.is_empty() {
         None
     } else {
@@ -386,6 +388,7 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
         Some(d.step(&mut seqs)?)
     };
     drop(seqs);
+    let model_ms = ms(t_model.elapsed());
     let mut row = 0;
     for (a, n) in active.iter_mut().zip(fed) {
         let l = if n == 0 {
@@ -437,6 +440,15 @@ fn step(w: &Worker, active: &mut [Active<'_>], prefill_chunk: usize) -> Result<(
             a.decoding.cancel();
         }
     }
+    // Where a step's time goes (the model's work is queued on a GPU: its time shows up in
+    // the sampling, the first read of the logits).
+    tracing::debug!(
+        sequences,
+        rows = fed_rows,
+        model_ms,
+        total_ms = ms(now.elapsed()),
+        "batch step"
+    );
     Ok(())
 }
 
