@@ -6,12 +6,20 @@
 // cache's type. Block (r, c): row r, head slot c (queries, then keys, then values); thread i
 // turns pair i (the halves i and i + d/2, or the neighbours 2i and 2i + 1).
 //
-// `past`, when not null, holds `at` in device memory (a CUDA graph's replay).
+// `past`, when not null, holds `at` in device memory (a CUDA graph's replay). `rows_at`, when
+// not null, holds each row's cache index instead of at + r (rows recomputed in place).
 //
 // ragkv_rmsnorm: rows (n, dim) normed by their root mean square and scaled by w, one block
 // per row (candle's spends 32 threads on a row: 12 µs per call at SmolLM2's width on an H100).
 //
 // ragkv_swiglu: silu(gate) * up over the joined gate/up projection's rows (n, 2 w).
+//
+// ragkv_rmsnorm_q8: ragkv_rmsnorm's rows, the residual `delta` added first where given (the
+// sum written to x_out), quantized as candle's quantized products take their input: blocks of
+// 32 elements, each an f16 pair (scale amax / 127, sum of the block's values) and 32 int8
+// (`block_q8_1`, 36 bytes), a row padded with zero blocks to kpad elements. The product then
+// reads it directly: the norm, the add before it and the quantization are one launch.
+// ragkv_swiglu_q8 (below) does the same for the MLP's gate before the down projection.
 
 #include <cuda_fp16.h>
 
@@ -23,7 +31,8 @@ __device__ void rope_store(const float* __restrict__ y, const float* __restrict_
                            const float* __restrict__ sin_t, float* __restrict__ q_out,
                            T* __restrict__ kc, T* __restrict__ vc, long long kv_head,
                            long long kv_row, int n_total, int row0, int at, int heads,
-                           int kv_heads, int d, int interleaved, const int* past) {
+                           int kv_heads, int d, int interleaved, const int* past,
+                           const int* rows_at) {
   if (past) at = *past;
   const int r = blockIdx.x, c = blockIdx.y, half_d = d / 2;
   const float* src = y + (long long)r * (heads + 2 * kv_heads) * d + (long long)c * d;
@@ -43,7 +52,8 @@ __device__ void rope_store(const float* __restrict__ y, const float* __restrict_
     } else {
       const bool key = c < heads + kv_heads;
       const int g = key ? c - heads : c - heads - kv_heads;
-      T* dst = (key ? kc : vc) + g * kv_head + (long long)(at + r) * kv_row;
+      const long long row = rows_at ? rows_at[r] : at + r;
+      T* dst = (key ? kc : vc) + g * kv_head + row * kv_row;
       store(dst + i0, a);
       store(dst + i1, b);
     }
@@ -55,9 +65,10 @@ __device__ void rope_store(const float* __restrict__ y, const float* __restrict_
   extern "C" __global__ void NAME(const float* y, const float* cos_t, const float* sin_t,      \
                                   float* q_out, T* kc, T* vc, long long kv_head,               \
                                   long long kv_row, int n_total, int row0, int at, int heads,  \
-                                  int kv_heads, int d, int interleaved, const int* past) {     \
+                                  int kv_heads, int d, int interleaved, const int* past,       \
+                                  const int* rows_at) {                                        \
     rope_store<T>(y, cos_t, sin_t, q_out, kc, vc, kv_head, kv_row, n_total, row0, at, heads,  \
-                  kv_heads, d, interleaved, past);                                             \
+                  kv_heads, d, interleaved, past, rows_at);                                    \
   }
 
 RAGKV_ROPE_STORE(ragkv_rope_store_f16, __half)
@@ -89,4 +100,97 @@ extern "C" __global__ void ragkv_rmsnorm(const float* __restrict__ x, const floa
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float inv = rsqrtf(ss / dim + eps);
   for (int e = threadIdx.x; e < dim; e += blockDim.x) yr[e] = xr[e] * inv * w[e];
+}
+
+// One block per row, a multiple of 32 threads. Thread tid holds elements tid + k blockDim.x
+// in registers (k < 8) between the sum of squares and the quantization: warp w's lanes are
+// then exactly block w + k warps's 32 elements.
+extern "C" __global__ void ragkv_rmsnorm_q8(const float* __restrict__ x,
+                                            const float* __restrict__ delta,
+                                            float* __restrict__ x_out,
+                                            const float* __restrict__ w,
+                                            unsigned char* __restrict__ yq, int dim, int kpad,
+                                            float eps) {
+  constexpr int HELD = 8;
+  __shared__ float red[32];
+  const long long row = blockIdx.x;
+  const float* xr = x + row * dim;
+  const float* dr = delta ? delta + row * dim : nullptr;
+  float held[HELD];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HELD; ++k) {
+    const int e = threadIdx.x + k * blockDim.x;
+    held[k] = 0.0f;
+    if (e < dim) {
+      const float v = dr ? xr[e] + dr[e] : xr[e];
+      if (x_out) x_out[row * dim + e] = v;
+      held[k] = v;
+      ss += v * v;
+    }
+  }
+  for (int e = threadIdx.x + HELD * blockDim.x; e < dim; e += blockDim.x) {
+    const float v = dr ? xr[e] + dr[e] : xr[e];
+    if (x_out) x_out[row * dim + e] = v;
+    ss += v * v;
+  }
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  ss = lane < warps ? red[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rsqrtf(ss / dim + eps);
+  // A warp per 32-element block: lane l quantizes element 32 ib + l.
+  unsigned char* qrow = yq + row * (long long)(kpad / 32) * 36;
+  const int blocks = kpad / 32;
+#pragma unroll
+  for (int k = 0; k <= HELD; ++k) {
+    // k < HELD: the block whose elements this warp holds; k == HELD: every later block, its
+    // elements read again.
+    for (int ib = warp + k * warps; ib < blocks; ib += warps) {
+      const int e = ib * 32 + lane;
+      float v = 0.0f;
+      if (e < dim) v = (k < HELD ? held[k] : (dr ? xr[e] + dr[e] : xr[e])) * inv * w[e];
+      float amax = fabsf(v), sum = v;
+      for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      }
+      const float d = amax / 127.0f;
+      const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
+      unsigned char* blk = qrow + (long long)ib * 36;
+      blk[4 + lane] = (unsigned char)q;
+      if (lane == 0)
+        *reinterpret_cast<__half2*>(blk) = __halves2half2(__float2half(d), __float2half(sum));
+      if (k < HELD) break;  // one block per held register
+    }
+  }
+}
+
+// ragkv_swiglu_q8: ragkv_swiglu's output quantized as ragkv_rmsnorm_q8's (rows of kpad
+// elements in block_q8_1, zero past w), for the down projection's product. A warp per block
+// of 32 outputs; grid (rows, blocks / warps per block).
+extern "C" __global__ void ragkv_swiglu_q8(const float* __restrict__ gu,
+                                           unsigned char* __restrict__ yq, int w, int kpad) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int ib = blockIdx.y * warps + (threadIdx.x >> 5);
+  if (ib >= kpad / 32) return;  // a whole warp leaves together
+  const long long r = blockIdx.x;
+  const int j = ib * 32 + lane;
+  float v = 0.0f;
+  if (j < w) {
+    const float g = gu[r * 2 * w + j], u = gu[r * 2 * w + w + j];
+    v = g / (1.0f + __expf(-g)) * u;
+  }
+  float amax = fabsf(v), sum = v;
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  const float d = amax / 127.0f;
+  const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
+  unsigned char* blk = yq + (r * (kpad / 32) + ib) * 36;
+  blk[4 + lane] = (unsigned char)q;
+  if (lane == 0) *reinterpret_cast<__half2*>(blk) = __halves2half2(__float2half(d), __float2half(sum));
 }

@@ -178,10 +178,11 @@ fn raw<'a>(data: Elems<'a>, l: &Layout) -> Raw<'a> {
 }
 
 /// On a GPU, attention of `q` `(1, heads, s, d)` over one sequence's cache rows `k`, `v`
-/// `(1, kv_heads, t, d)` in one launch (`cuda.rs`), query row `i` at cache index `t - s + i`,
+/// `(1, kv_heads, t, d)` in two launches (`cuda.rs`), query row `i` at cache index `t - s + i`,
 /// within `window` if set: `(1, s, heads * d)`; with `past` (a CUDA graph's replay: the rows
-/// before the step's, in device memory) `k`, `v` are the whole buffers. `None` where that
-/// kernel does not take the operands (the CPU, other dtypes, spans too long for it, a build
+/// before the step's, in device memory) `k`, `v` are the whole buffers; with `rows_at` (`s`
+/// i32 on the device) query row `i` sits at cache index `rows_at[i]`. `None` where that
+/// kernel does not take the operands (the CPU, other dtypes, more than 64 query rows, a build
 /// without `cuda`): the caller then takes candle's operations.
 pub(crate) fn attend_device(
     q: &Tensor,
@@ -190,12 +191,13 @@ pub(crate) fn attend_device(
     window: Option<usize>,
     scale: f32,
     past: Option<&Tensor>,
+    rows_at: Option<&Tensor>,
 ) -> candle_core::Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
-    return cuda::attend(q, k, v, window, scale, past);
+    return cuda::attend(q, k, v, window, scale, (past, rows_at));
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, k, v, window, scale, past);
+        let _ = (q, k, v, window, scale, past, rows_at);
         Ok(None)
     }
 }

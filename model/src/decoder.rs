@@ -62,10 +62,19 @@ struct Span {
     redo: usize,
     appended: usize,
     at: Option<Vec<usize>>,
+    /// `at` as i32 on the GPU, for the fused operations (rows recomputed there in place).
+    at_dev: Option<Tensor>,
     /// Masks of the windowed layers and of the global ones (general path only).
     mask: Option<Tensor>,
     full_mask: Option<Tensor>,
     scatter: Option<Tensor>,
+}
+
+/// Whether rows recomputed in place take the GPU's fused kernels (`RAGKV_CUDA_REDO=off`: the
+/// general path, for comparison).
+fn fused_redo() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RAGKV_CUDA_REDO").as_deref() != Ok("off"))
 }
 
 /// One sequence of a batched [`Decoder::step`].
@@ -298,11 +307,18 @@ impl Decoder {
             };
             let start = cache.start_pos();
             positions.extend(at.iter().map(|&i| (start + i) as i64));
+            let at_dev = if r > 0 && self.device.is_cuda() && fused_redo() {
+                let rows: Vec<i32> = at.iter().map(|&i| i as i32).collect();
+                Some(Tensor::new(rows, &self.device).ctx("cache rows")?)
+            } else {
+                None
+            };
             spans.push(Span {
                 first: all.len(),
                 redo: r,
                 appended: s,
                 at: (r > 0).then_some(at),
+                at_dev,
                 mask,
                 full_mask,
                 scatter,
@@ -374,10 +390,12 @@ impl Decoder {
                     let q = q
                         .narrow(2, sp.first, sp.redo + sp.appended)
                         .ctx("sequence rows")?;
-                    if sp.redo == 0 {
-                        let fused =
-                            crate::attention::attend_device(&q, ck, cv, window, scale, None)
-                                .ctx("attention")?;
+                    if sp.redo == 0 || sp.at_dev.is_some() {
+                        let rows_at = sp.at_dev.as_ref();
+                        let fused = crate::attention::attend_device(
+                            &q, ck, cv, window, scale, None, rows_at,
+                        )
+                        .ctx("attention")?;
                         if let Some(y) = fused {
                             ys.push(y);
                             continue;

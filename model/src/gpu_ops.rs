@@ -9,12 +9,20 @@
 
 use candle_core::Tensor;
 
+mod q8;
+
+#[cfg(feature = "cuda")]
+pub(crate) use q8::{norm_q8, swiglu_q8};
+pub(crate) use q8::{product_q8, Q8Rows};
+
 /// Rows `row0..row0 + n` of the joined Q/K/V output `y` `(1, n, (heads + 2 kv_heads) d)`
 /// (f32, contiguous) rotated by `cos`, `sin` `(n, d / 2)`: queries into `q_out`
 /// `(1, heads, n_total, d)` at rows `row0..`, keys (rotated) and values into the cache
 /// buffers `kc`, `vc` `(1, kv_heads, capacity, d)` at rows `at..` (at rows `*past..` when
 /// `past`, an i32 on the device, is given: a CUDA graph's replay; the caller then keeps them
-/// within the capacity). `false` if not taken (nothing written then).
+/// within the capacity). With `rows_at` (`n` i32 on the device), row `r`'s keys and values go
+/// to cache row `rows_at[r]` instead (rows recomputed in place among appended ones; the
+/// caller keeps each below the capacity). `false` if not taken (nothing written then).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_store(
     y: &Tensor,
@@ -25,12 +33,36 @@ pub(crate) fn rope_store(
     at: usize,
     interleaved: bool,
     past: Option<&Tensor>,
+    rows_at: Option<&Tensor>,
 ) -> candle_core::Result<bool> {
     #[cfg(feature = "cuda")]
-    return cuda::rope_store(y, cos, sin, q_out, row0, kc, vc, at, interleaved, past);
+    return cuda::rope_store(
+        y,
+        cos,
+        sin,
+        q_out,
+        row0,
+        kc,
+        vc,
+        at,
+        interleaved,
+        (past, rows_at),
+    );
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (y, cos, sin, q_out, row0, kc, vc, at, interleaved, past);
+        let _ = (
+            y,
+            cos,
+            sin,
+            q_out,
+            row0,
+            kc,
+            vc,
+            at,
+            interleaved,
+            past,
+            rows_at,
+        );
         Ok(false)
     }
 }
@@ -75,6 +107,16 @@ pub(crate) fn swiglu_joined(gu: &Tensor) -> candle_core::Result<Option<Tensor>> 
     }
 }
 
+/// Whether the graphed decode step adds, norms and quantizes in one launch
+/// ([`norm_q8`]; `RAGKV_CUDA_NORM_Q8=off` and `RAGKV_CUDA_FUSED=off` turn it off).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn q8_enabled() -> bool {
+    #[cfg(feature = "cuda")]
+    return q8::enabled();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::device_ptr_i32;
 
@@ -87,8 +129,8 @@ mod cuda {
     use candle_core::{DType, Device, Layout, Storage, Tensor};
     use half::f16;
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
-    const MODULE: &str = "ragkv_step";
+    pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
+    pub(super) const MODULE: &str = "ragkv_step";
 
     /// The device address of an i32 tensor's first element.
     pub(crate) fn device_ptr_i32(t: &Tensor) -> candle_core::Result<u64> {
@@ -102,13 +144,13 @@ mod cuda {
         Ok(ptr)
     }
 
-    fn enabled() -> bool {
+    pub(super) fn enabled() -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
         *ON.get_or_init(|| std::env::var("RAGKV_CUDA_FUSED").as_deref() != Ok("off"))
     }
 
     /// Start offset of a tensor whose elements are contiguous, unit stride.
-    fn start(l: &Layout) -> Option<usize> {
+    pub(super) fn start(l: &Layout) -> Option<usize> {
         l.contiguous_offsets().map(|(a, _)| a)
     }
 
@@ -145,11 +187,14 @@ mod cuda {
         vc: &Tensor,
         at: usize,
         interleaved: bool,
-        past: Option<&Tensor>,
+        (past, rows_at): (Option<&Tensor>, Option<&Tensor>),
     ) -> candle_core::Result<bool> {
         let Device::Cuda(dev) = y.device() else {
             return Ok(false);
         };
+        if rows_at.is_some_and(|r| r.dtype() != DType::I32 || r.dims() != [y.dim(1).unwrap_or(0)]) {
+            return Ok(false);
+        }
         let (&[1, n, width], &[1, heads, n_total, d], &[1, kv_heads, cap, kd]) =
             (y.dims(), q_out.dims(), kc.dims())
         else {
@@ -168,7 +213,7 @@ mod cuda {
             && vc.stride() == kc.stride()
             && kc.stride()[3] == 1
             && row0 + n <= n_total
-            && at + n <= cap
+            && (rows_at.is_some() || at + n <= cap)
             && q_out.is_contiguous()
             && y.is_contiguous()
             && cos.is_contiguous()
@@ -209,11 +254,8 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         let floats = [&yv, &cv, &sv, &qv];
-        let past = match past {
-            Some(p) => device_ptr_i32(p)?,
-            None => 0,
-        };
-        let strides = (kv_head, kv_row, past);
+        let ptr = |t: Option<&Tensor>| t.map_or(Ok(0), device_ptr_i32);
+        let strides = (kv_head, kv_row, ptr(past)?, ptr(rows_at)?);
         let name = match kc.dtype() {
             DType::F16 => "ragkv_rope_store_f16",
             _ => "ragkv_rope_store_f32",
@@ -233,7 +275,7 @@ mod cuda {
         dev: &candle_core::CudaDevice,
         [y, cos, sin, q]: [&View<'_>; 4],
         (kc, vc): (&Tensor, &Tensor),
-        (kv_head, kv_row, past): (i64, i64, u64),
+        (kv_head, kv_row, past, rows_at): (i64, i64, u64, u64),
         ints: [i32; 7],
         cfg: LaunchConfig,
     ) -> candle_core::Result<()> {
@@ -262,12 +304,14 @@ mod cuda {
             .arg(&kv_heads)
             .arg(&d)
             .arg(&interleaved)
-            .arg(&past);
+            .arg(&past)
+            .arg(&rows_at);
         // SAFETY: the arguments match `rope_store`'s signature in order and type. Reads: `n`
         // rows of `y` (`(heads + 2 kv_heads) d` wide) and of the tables (`d / 2` wide);
         // writes: rows `row0..row0 + n` of `q` (`(heads, n_total, d)`) and rows `at..at + n`
-        // (or `*past..`) of the cache's `kv_heads` heads, all inside their buffers (checked
-        // by the caller; with `past`, the graph's caller checks it before each replay).
+        // (or `*past..`, or `rows_at[..n]`) of the cache's `kv_heads` heads, all inside their
+        // buffers (checked by the caller; with `past`, the graph's caller checks it before
+        // each replay; `rows_at` holds `n` indices below the capacity, by its caller).
         // The queries' and the cache's buffers are written through shared views: the cache
         // is this sequence's own (`&mut KvCache` upstream), the queries fresh, and this
         // thread's stream orders every later read after the launch.

@@ -63,6 +63,16 @@ impl<const N: usize> Joined<N> {
         }
     }
 
+    /// [`Joined::joined`] of rows already normed and quantized on the GPU; `None` when the
+    /// projections are apart or not candle's quantized product.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn joined_q8(&self, y: &crate::gpu_ops::Q8Rows) -> Result<Option<Tensor>> {
+        match self {
+            Joined::Apart(_) => Ok(None),
+            Joined::Joined { proj, .. } => proj.forward_q8(y),
+        }
+    }
+
     /// Each projection of `x` (`(…, in)`): `(…, out_i)`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<[Tensor; N]> {
         match self {

@@ -157,6 +157,28 @@ impl Proj {
     }
 }
 
+impl Proj {
+    /// [`Proj::forward`] of rows already normed and quantized on the GPU
+    /// ([`crate::gpu_ops::norm_q8`]): `(1, rows, out)`; `None` where this projection is not
+    /// candle's quantized product in f32 (the caller then runs the norm and the product apart).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn forward_q8(&self, y: &crate::gpu_ops::Q8Rows) -> Result<Option<Tensor>> {
+        let Proj::Quant {
+            mm: Kernel::Candle(QMatMul::QTensor(w)),
+            b,
+            dtype: DType::F32,
+            ..
+        } = self
+        else {
+            return Ok(None);
+        };
+        match crate::gpu_ops::product_q8(w, y).ctx("quantized matmul")? {
+            Some(out) => add_bias(out, b.as_ref()).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
 /// `x @ w.T` over a dense `w` `(out, in)`.
 fn gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.broadcast_matmul(&w.t().ctx("w.T")?).ctx("matmul")

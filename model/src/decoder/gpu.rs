@@ -1,9 +1,10 @@
 //! The decoder's fused steps on a GPU ([`crate::gpu_ops`]): where a layer's Q/K/V projection
 //! is one joined matrix ([`crate::joined`]), its output rows are rotated and stored into every
-//! sequence's cache in one launch per sequence, instead of candle's reshapes, copies, two
-//! rotations, dtype conversions and slice writes; the MLP's gate is one launch over the
-//! joined gate/up output. Anything else (the CPU, per-head norms, recomputed rows, a q8
-//! cache) answers `None` and takes the general path.
+//! sequence's cache in one launch per sequence (rows recomputed in place too, at the indices
+//! the step gives them), instead of candle's reshapes, copies, two rotations, dtype
+//! conversions and slice writes; the MLP's gate is one launch over the joined gate/up output.
+//! Anything else (the CPU, per-head norms, a q8 cache) answers `None` and takes the general
+//! path.
 
 use candle_core::{DType, Tensor};
 
@@ -13,9 +14,9 @@ use crate::kv::KvCache;
 
 impl Decoder {
     /// Layer `i`'s queries `(1, heads, n, d)` over the normed input `h` `(1, n, hidden)`, its
-    /// keys and values stored into each sequence's cache past its length, and each cache's
-    /// live rows after them; `None` (nothing computed or written) where the fused path does
-    /// not apply.
+    /// keys and values stored into each sequence's cache (past its length, recomputed rows at
+    /// their own indices), and each cache's live rows after them; `None` (nothing computed or
+    /// written) where the fused path does not apply.
     #[allow(clippy::type_complexity)]
     pub(super) fn qkv_stored(
         &self,
@@ -30,7 +31,9 @@ impl Decoder {
             && self.dtype == DType::F32
             && layer.q_norm.is_none()
             && layer.k_norm.is_none()
-            && spans.iter().all(|sp| sp.redo == 0 && sp.appended > 0)
+            && spans
+                .iter()
+                .all(|sp| sp.redo + sp.appended > 0 && (sp.redo == 0 || sp.at_dev.is_some()))
             && seqs
                 .iter()
                 .all(|(c, _, _)| matches!(c.dtype(), DType::F16 | DType::F32));
@@ -51,7 +54,8 @@ impl Decoder {
         for (k, ((cache, _, _), sp)) in seqs.iter_mut().zip(spans).enumerate() {
             cache.reserve(sp.appended)?;
             let at = cache.len();
-            let rows = |t: &Tensor, dim: usize| t.narrow(dim, sp.first, sp.appended);
+            let n = sp.redo + sp.appended;
+            let rows = |t: &Tensor, dim: usize| t.narrow(dim, sp.first, n);
             let (kc, vc) = cache.buffers(i);
             let stored = crate::gpu_ops::rope_store(
                 &rows(&y, 1).ctx("qkv rows")?,
@@ -65,6 +69,9 @@ impl Decoder {
                 at,
                 interleaved,
                 None,
+                // Rows recomputed in place: every row's cache index (each below the length
+                // after this step's appended rows, which `reserve` made room for).
+                sp.at_dev.as_ref(),
             )
             .ctx("rope and store")?;
             if !stored {
