@@ -111,12 +111,9 @@ impl Decoder {
         if self.cfg.activation == crate::config::Activation::Silu && crate::gpu_ops::q8_enabled() {
             return self.step_body_q8(cache, g);
         }
-        let (heads, d) = (self.cfg.heads, self.cfg.head_dim);
-        let scale = self.cfg.attn_scale() as f32;
         let refused = |what: &str| Error::Input {
             why: format!("graphed step: {what} not taken by the fused GPU operations"),
         };
-        let interleaved = self.rope.interleaved();
         let mut x = self.embed(&g.ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &layer.attn_norm)?;
@@ -126,29 +123,7 @@ impl Decoder {
                 .ok_or_else(|| refused("Q/K/V"))?
                 .contiguous()
                 .ctx("qkv")?;
-            let q = crate::gpu_ops::new_queries(&h, heads, 1, d)
-                .ctx("queries")?
-                .ok_or_else(|| refused("queries"))?;
-            let (kc, vc) = cache.buffers(i);
-            let stored = crate::gpu_ops::rope_store(
-                &y,
-                (&g.cos, &g.sin),
-                &q,
-                0,
-                (kc, vc),
-                0,
-                interleaved,
-                Some(&g.past),
-                None,
-            )
-            .ctx("rope and store")?;
-            if !stored {
-                return Err(refused("rope and store"));
-            }
-            let window = self.cfg.window_of(i);
-            let a = crate::attention::attend_device(&q, kc, vc, window, scale, Some(&g.past), None)
-                .ctx("attention")?
-                .ok_or_else(|| refused("attention"))?;
+            let a = self.graphed_attention(i, &y, cache, g)?;
             x = (x + self.attn_out(layer, &a)?).ctx("residual")?;
             x = self.mlp(layer, x)?;
         }
@@ -163,42 +138,16 @@ impl Decoder {
     /// its own ([`crate::gpu_ops::swiglu_q8`]): 10 launches per layer where the other body
     /// takes 15.
     fn step_body_q8(&self, cache: &KvCache, g: &StepGraph) -> Result<()> {
-        let (heads, d) = (self.cfg.heads, self.cfg.head_dim);
-        let scale = self.cfg.attn_scale() as f32;
         let refused = |what: &str| Error::Input {
             why: format!("graphed step: {what} not taken by the fused GPU operations"),
         };
-        let interleaved = self.rope.interleaved();
         let mut x = self.embed(&g.ids)?;
         // What the last layer's MLP adds to `x` (added by the next norm's launch).
         let mut delta: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let (x1, y) = self.norm_product(x, delta.take(), &layer.attn_norm, &layer.qkv)?;
             x = x1;
-            let y = y.contiguous().ctx("qkv")?;
-            let q = crate::gpu_ops::new_queries(&y, heads, 1, d)
-                .ctx("queries")?
-                .ok_or_else(|| refused("queries"))?;
-            let (kc, vc) = cache.buffers(i);
-            let stored = crate::gpu_ops::rope_store(
-                &y,
-                (&g.cos, &g.sin),
-                &q,
-                0,
-                (kc, vc),
-                0,
-                interleaved,
-                Some(&g.past),
-                None,
-            )
-            .ctx("rope and store")?;
-            if !stored {
-                return Err(refused("rope and store"));
-            }
-            let window = self.cfg.window_of(i);
-            let a = crate::attention::attend_device(&q, kc, vc, window, scale, Some(&g.past), None)
-                .ctx("attention")?
-                .ok_or_else(|| refused("attention"))?;
+            let a = self.graphed_attention(i, &y.contiguous().ctx("qkv")?, cache, g)?;
             let o = self.attn_out(layer, &a)?;
             let (x1, gu) = self.norm_product(x, Some(o), &layer.ffn_norm, &layer.gate_up)?;
             x = x1;
@@ -224,6 +173,46 @@ impl Decoder {
         let logits = self.logits(&x.squeeze(0).ctx("squeeze")?)?;
         g.out.slice_set(&logits, 0, 0).ctx("logits")?;
         Ok(())
+    }
+
+    /// Layer `i`'s attention in a graphed step: the joined Q/K/V output `y` `(1, 1, width)`
+    /// rotated, its keys and values stored at the cache's row `*g.past`, the query attending
+    /// over the cache: `(1, 1, heads * head_dim)`.
+    fn graphed_attention(
+        &self,
+        i: usize,
+        y: &Tensor,
+        cache: &KvCache,
+        g: &StepGraph,
+    ) -> Result<Tensor> {
+        let (heads, d) = (self.cfg.heads, self.cfg.head_dim);
+        let refused = |what: &str| Error::Input {
+            why: format!("graphed step: {what} not taken by the fused GPU operations"),
+        };
+        let q = crate::gpu_ops::new_queries(y, heads, 1, d)
+            .ctx("queries")?
+            .ok_or_else(|| refused("queries"))?;
+        let (kc, vc) = cache.buffers(i);
+        let stored = crate::gpu_ops::rope_store(
+            y,
+            (&g.cos, &g.sin),
+            &q,
+            0,
+            (kc, vc),
+            0,
+            self.rope.interleaved(),
+            Some(&g.past),
+            None,
+        )
+        .ctx("rope and store")?;
+        if !stored {
+            return Err(refused("rope and store"));
+        }
+        let scale = self.cfg.attn_scale() as f32;
+        let window = self.cfg.window_of(i);
+        crate::attention::attend_device(&q, kc, vc, window, scale, Some(&g.past), None)
+            .ctx("attention")?
+            .ok_or_else(|| refused("attention"))
     }
 
     /// `x + delta` (or `x`) and the joined product `proj` of its norm by `norm`: the add, the
