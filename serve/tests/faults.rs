@@ -226,9 +226,11 @@ async fn shutdown_stores_pending_write_backs_and_joins_the_threads() {
         "materialize": "none"});
     let (s, _, text) = call(&app, "POST", "/v1/documents", Some(doc), None).await;
     assert_eq!(s, StatusCode::OK, "{text}");
+    // Long enough that the write-back is still pending when the answer is back, even on a
+    // machine busy with other work (1.5 s was not, under a parallel build).
     rag.faults()
         .writeback_delay_ms
-        .store(1500, Ordering::SeqCst);
+        .store(4000, Ordering::SeqCst);
     let q = json!({"question": "Where was the Orrin tide gauge moved?", "top_k": 1,
                    "max_tokens": 2, "stream": false, "documents": ["late"]});
     let (s, r, _) = call(&app, "POST", "/v1/query", Some(q), None).await;
