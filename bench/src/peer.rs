@@ -16,6 +16,8 @@
 //! Phases, one server at a time (ragkv's is shut down before llama-server starts):
 //! 1. time to first token, one query at a time, after a warm-up: ragkv from stored KV read
 //!    cold (the segment files' pages dropped before each query), llama-server's full prefill;
+//!    then every question again without dropping anything (`peer.ttft_warm_p50`: ragkv's
+//!    stored KV in the page cache, as hot chunks are on a serving machine);
 //! 2. queries/s with each of `--clients` concurrent clients (1, 4, 8), every client sending
 //!    `--rounds` queries over the questions in turn (ragkv's segment pages stay cached, as
 //!    on a serving machine);
