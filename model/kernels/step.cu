@@ -85,20 +85,26 @@ extern "C" __global__ void ragkv_swiglu(const float* __restrict__ gu, float* __r
   }
 }
 
+// The sum of `x` over the block's threads (a multiple of 32, at most 1024), for every thread;
+// once per kernel (its shared memory is not reused).
+__device__ __forceinline__ float block_sum(float x) {
+  __shared__ float red[32];
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  x = lane < warps ? red[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 extern "C" __global__ void ragkv_rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ out, int dim, float eps) {
-  __shared__ float red[32];
   const float* xr = x + (long long)blockIdx.x * dim;
   float* yr = out + (long long)blockIdx.x * dim;
   float ss = 0.0f;
   for (int e = threadIdx.x; e < dim; e += blockDim.x) ss += xr[e] * xr[e];
-  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  ss = lane < warps ? red[lane] : 0.0f;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = rsqrtf(ss / dim + eps);
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
   for (int e = threadIdx.x; e < dim; e += blockDim.x) yr[e] = xr[e] * inv * w[e];
 }
 
@@ -112,7 +118,6 @@ extern "C" __global__ void ragkv_rmsnorm_q8(const float* __restrict__ x,
                                             unsigned char* __restrict__ yq, int dim, int kpad,
                                             float eps) {
   constexpr int HELD = 8;
-  __shared__ float red[32];
   const long long row = blockIdx.x;
   const float* xr = x + row * dim;
   const float* dr = delta ? delta + row * dim : nullptr;
@@ -135,12 +140,7 @@ extern "C" __global__ void ragkv_rmsnorm_q8(const float* __restrict__ x,
     ss += v * v;
   }
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  ss = lane < warps ? red[lane] : 0.0f;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = rsqrtf(ss / dim + eps);
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
   // A warp per 32-element block: lane l quantizes element 32 ib + l.
   unsigned char* qrow = yq + row * (long long)(kpad / 32) * 36;
   const int blocks = kpad / 32;
