@@ -98,6 +98,22 @@ __device__ __forceinline__ float block_sum(float x) {
   return x;
 }
 
+// One block_q8_1 of a warp's 32 values (lane l holds element l), as candle's quantize_q8_1
+// writes it: scale amax / 127, the values rounded to int8, the scale and the values' sum as an
+// f16 pair first.
+__device__ __forceinline__ void store_q8_block(float v, unsigned char* blk, unsigned lane) {
+  float amax = fabsf(v), sum = v;
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  const float d = amax / 127.0f;
+  const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
+  blk[4 + lane] = (unsigned char)q;
+  if (lane == 0)
+    *reinterpret_cast<__half2*>(blk) = __halves2half2(__float2half(d), __float2half(sum));
+}
+
 extern "C" __global__ void ragkv_rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ out, int dim, float eps) {
   const float* xr = x + (long long)blockIdx.x * dim;
@@ -152,17 +168,7 @@ extern "C" __global__ void ragkv_rmsnorm_q8(const float* __restrict__ x,
       const int e = ib * 32 + lane;
       float v = 0.0f;
       if (e < dim) v = (k < HELD ? held[k] : (dr ? xr[e] + dr[e] : xr[e])) * inv * w[e];
-      float amax = fabsf(v), sum = v;
-      for (int o = 16; o > 0; o >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      }
-      const float d = amax / 127.0f;
-      const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
-      unsigned char* blk = qrow + (long long)ib * 36;
-      blk[4 + lane] = (unsigned char)q;
-      if (lane == 0)
-        *reinterpret_cast<__half2*>(blk) = __halves2half2(__float2half(d), __float2half(sum));
+      store_q8_block(v, qrow + (long long)ib * 36, lane);
       if (k < HELD) break;  // one block per held register
     }
   }
@@ -183,14 +189,5 @@ extern "C" __global__ void ragkv_swiglu_q8(const float* __restrict__ gu,
     const float g = gu[r * 2 * w + j], u = gu[r * 2 * w + w + j];
     v = g / (1.0f + __expf(-g)) * u;
   }
-  float amax = fabsf(v), sum = v;
-  for (int o = 16; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  }
-  const float d = amax / 127.0f;
-  const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
-  unsigned char* blk = yq + (r * (kpad / 32) + ib) * 36;
-  blk[4 + lane] = (unsigned char)q;
-  if (lane == 0) *reinterpret_cast<__half2*>(blk) = __halves2half2(__float2half(d), __float2half(sum));
+  store_q8_block(v, yq + (r * (kpad / 32) + ib) * 36, lane);
 }
