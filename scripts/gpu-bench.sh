@@ -21,9 +21,10 @@
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
 # GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
-# shipped as $DIR/smollm2.part*; "ab" for `bench model` again without the fused norm and
-# quantization, without CUDA graphs, then on candle's operations instead of the fused GPU
-# ones, last; "ab-last" for the first of those alone; "ncu" for Nsight Compute's GPU time of
+# shipped as $DIR/smollm2.part*; "ab" for `bench model` again with the serial combining
+# attention kernel, without the fused norm and quantization, without CUDA graphs, then on
+# candle's operations instead of the fused GPU ones, last; "ab-last" for the first of those
+# alone (the newest change); "ncu" for Nsight Compute's GPU time of
 # every kernel of a short `bench model` run, into OUT/ncu.csv), GPU_BENCH_TTFT_ARGS (more
 # `bench ttft` flags, e.g. "--codec q8");
 # RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of the pinned one.
@@ -216,11 +217,14 @@ EOF
   # then on the path before both (candle's attention, separate projections, cudarc's event
   # tracking on): what each changed, on this machine, beside llama.cpp again.
   if [[ $steps == *" ab "* || $steps == *" ab-last "* ]]; then
-    RAGKV_CUDA_NORM_Q8=off \
-      step model-no-norm-q8 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
+    RAGKV_CUDA_COMBINE=serial \
+      step model-serial-combine 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
       --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
   fi
   if [[ $steps == *" ab "* ]]; then
+    RAGKV_CUDA_NORM_Q8=off \
+      step model-no-norm-q8 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
+      --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
     RAGKV_CUDA_GRAPH=off \
       step model-no-graphs 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
       --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true

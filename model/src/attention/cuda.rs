@@ -28,6 +28,16 @@ const CHUNK: usize = 32;
 /// question's prefill are below it; a chunk's prefill is above.
 const MAX_ROWS: usize = 64;
 
+/// Threads of the combining launch: groups of the head's elements (rounded up to 32), each
+/// group over every few chunks (four groups at SmolLM2's and Qwen2.5's 64 elements per head).
+const COMBINE_THREADS: u32 = 256;
+
+/// `RAGKV_CUDA_COMBINE=serial`: the combining kernel's first form, for comparison.
+fn serial_combine() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RAGKV_CUDA_COMBINE").as_deref() == Ok("serial"))
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("RAGKV_CUDA_ATTENTION").as_deref() != Ok("candle"))
@@ -121,24 +131,55 @@ pub(crate) fn attend(
     // SAFETY: every element is written by the combining kernel (block (h, i) writes row `i`'s
     // `d` outputs of head `h`) before the tensor is read.
     let mut out = unsafe { dev.alloc::<f32>(s * heads * d) }?;
-    let func = dev.get_or_load_custom_func("ragkv_attend_combine", MODULE, PTX)?;
     let (heads32, d32, chunks32) = (heads as i32, d as i32, chunks as i32);
-    let mut b = func.builder();
-    b.arg(&part)
-        .arg(&mut out)
-        .arg(&heads32)
-        .arg(&d32)
-        .arg(&chunks32);
-    // SAFETY: arguments in the kernel's order and types; block (h, i) reads its `chunks` partials
-    // (`d + 2` floats each) of `part` and writes `d` elements of `out`, inside both buffers.
-    unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (heads as u32, s as u32, 1),
-            block_dim: (d.next_multiple_of(32).min(256) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        })
+    if serial_combine() {
+        let func = dev.get_or_load_custom_func("ragkv_attend_combine_serial", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&part)
+            .arg(&mut out)
+            .arg(&heads32)
+            .arg(&d32)
+            .arg(&chunks32);
+        // SAFETY: arguments in the kernel's order and types; block (h, i) reads its `chunks`
+        // partials (`d + 2` floats each) of `part` and writes `d` elements of `out`, inside
+        // both buffers.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (heads as u32, s as u32, 1),
+                block_dim: (d.next_multiple_of(32).min(256) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(candle_core::Error::wrap)?;
+    } else {
+        let func = dev.get_or_load_custom_func("ragkv_attend_combine", MODULE, PTX)?;
+        let [s32, t32, ..] = dims;
+        let chunk = CHUNK as i32;
+        let mut b = func.builder();
+        b.arg(&part)
+            .arg(&mut out)
+            .arg(&heads32)
+            .arg(&d32)
+            .arg(&chunks32)
+            .arg(&s32)
+            .arg(&t32)
+            .arg(&past)
+            .arg(&rows_at)
+            .arg(&chunk);
+        // SAFETY: arguments in the kernel's order and types; block (h, i) reads at most its
+        // `chunks` partials (`d + 2` floats each) of `part`, `*past` when `past` is set and
+        // `rows_at[i]` when that is (both i32 on the device, as the split kernel read them),
+        // and writes `d` elements of `out`, inside every buffer; COMBINE_THREADS is a multiple
+        // of 32, at most 1024 and at least `d` (≤ 256) rounded up to 32, as the kernel needs.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (heads as u32, s as u32, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(candle_core::Error::wrap)?;
     }
-    .map_err(candle_core::Error::wrap)?;
     let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(out, dev.clone());
     Ok(Some(Tensor::from((
         Storage::Cuda(storage),
