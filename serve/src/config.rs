@@ -82,6 +82,10 @@ pub struct ServeConfig {
     /// (`reposition+recompute`, `query-aware` and `window` score and repair in the compute dtype
     /// first). Stored KV's own dtype is `model.kv_dtype`.
     pub cache_dtype: CacheDtype,
+    /// Threads that load a query's chunks side by side (read, verify, import; on a GPU the
+    /// upload and placement too, each on its own stream); 0: on a GPU half the CPUs (at most
+    /// 8), on the CPU 1 (the loader's work then never takes a core from the decoding threads).
+    pub load_threads: usize,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
@@ -128,6 +132,7 @@ impl Default for ServeConfig {
             recompute_share: 0.15,
             link_tokens: 2,
             cache_dtype: CacheDtype::default(),
+            load_threads: 0,
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
@@ -207,6 +212,15 @@ impl ServeConfig {
                 format!("{} is outside 1..=4096", self.link_tokens),
             ));
         }
+        if self.load_threads > 64 {
+            return Err(bad(
+                "serve.load_threads",
+                format!(
+                    "{} is outside 0..=64 (0: chosen by the device)",
+                    self.load_threads
+                ),
+            ));
+        }
         for h in &self.allowed_hosts {
             let h = h.trim();
             if h.is_empty() || (h.contains([':', '/', '@', ' ']) && !h.starts_with('[')) {
@@ -229,6 +243,11 @@ impl ServeConfig {
             repair: self.repair(),
             cache_dtype: self.cache_dtype.dtype(),
         }
+    }
+
+    /// `load_threads` resolved for a model on a GPU or not.
+    pub(crate) fn load_threads(&self, gpu: bool) -> usize {
+        crate::pipeline::load_threads(self.load_threads, gpu)
     }
 
     /// The repair parameters of strategies named without one.

@@ -136,6 +136,7 @@ impl Rag {
             corpus: engine.corpus().clone(),
             engine: engine.clone(),
             cache_dtype: config.cache_dtype.dtype(),
+            load_threads: config.load_threads(engine.corpus().model().device().is_cuda()),
             metrics: metrics.clone(),
             faults: faults.clone(),
         };

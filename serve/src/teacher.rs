@@ -17,7 +17,7 @@ use retrieval::Hit;
 
 use crate::assembly::{LinkTiming, Target};
 use crate::error::{Error, Result};
-use crate::pipeline::{assemble, ms, read_chunks, AssembleRequest as Request, Query};
+use crate::pipeline::{assemble, ms, read_chunks, AssembleRequest as Request, Fanout, Query};
 use crate::rag::Rag;
 
 /// A reference answer and what predicted it.
@@ -115,10 +115,19 @@ impl Rag {
         room: usize,
     ) -> Result<(KvCache, Vec<u32>, Option<Tensor>)> {
         let corpus = &**self.corpus();
-        let mut buf = Vec::new();
+        let gpu = corpus.model().device().is_cuda();
+        let mut fanout = Fanout::new(self.config.load_threads(gpu));
         let start = self.prefix.tokens.len();
         let dtype = self.config.cache_dtype.dtype();
-        let chunks = read_chunks(corpus, &self.metrics, query, hits, start, &mut buf, dtype)?;
+        let chunks = read_chunks(
+            corpus,
+            &self.metrics,
+            query,
+            hits,
+            start,
+            &mut fanout,
+            dtype,
+        )?;
         let question = self.prefix.question(corpus, &query.question)?;
         let repair = self.config.repair();
         let req = Request {

@@ -82,6 +82,47 @@ async fn answers_in_a_batch_equal_answers_alone() {
     teardown(app, rag, f).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chunks_loaded_side_by_side_answer_as_loaded_one_after_another() {
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let qs: Vec<Value> = questions()
+        .into_iter()
+        .take(3)
+        .map(|mut q| {
+            q["top_k"] = json!(3);
+            q
+        })
+        .collect();
+    // One thread loads a query's chunks one after the other (the CPU's default), then three
+    // side by side: the same chunks, the same answers.
+    let ask = |threads: usize| {
+        let (rag, app) = start(
+            &f,
+            ServeConfig {
+                load_threads: threads,
+                ..ServeConfig::default()
+            },
+        );
+        let qs = qs.clone();
+        async move {
+            let mut got = Vec::new();
+            for q in &qs {
+                let (s, r, text) = call(&app, "POST", "/v1/query", Some(q.clone()), None).await;
+                assert_eq!(s, StatusCode::OK, "{text}");
+                assert_eq!(r["kv_hits"], json!(3), "{r}");
+                got.push((r["answer"].clone(), r["completion_tokens"].clone()));
+            }
+            (rag, app, got)
+        }
+    };
+    let (rag, app, one) = ask(1).await;
+    rag.shutdown();
+    drop((rag, app));
+    let (rag, app, three) = ask(3).await;
+    assert_eq!(one, three);
+    teardown(app, rag, f).await;
+}
+
 /// Sends a streaming query over `addr` and returns the socket once a token event arrived.
 async fn streaming(addr: std::net::SocketAddr, body: Value) -> tokio::net::TcpStream {
     let mut sock = send_query(addr, &body).await;

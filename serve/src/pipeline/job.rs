@@ -118,6 +118,8 @@ pub(crate) struct Worker {
     pub engine: Arc<Engine>,
     /// `serve.cache_dtype`.
     pub cache_dtype: model::DType,
+    /// `serve.load_threads`, resolved ([`super::load_threads`]).
+    pub load_threads: usize,
     pub metrics: Arc<Metrics>,
     pub faults: Arc<Faults>,
 }

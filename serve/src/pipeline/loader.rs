@@ -5,13 +5,14 @@
 //! while the model was busy is measured ([`crate::overlap`]).
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use ingest::Corpus;
 use model::{DType, Kv};
 use retrieval::Hit;
 
+use super::fanout::Fanout;
 use super::job::{finish_err, ms, ComputeJob, KvMode, LoadJob, Loaded, Prefix, Query, Worker};
 use crate::assembly::Assembly;
 use crate::error::{Error, Result};
@@ -28,7 +29,7 @@ pub(crate) fn run(
     tx: Sender<ComputeJob>,
 ) {
     let m = &w.metrics;
-    let mut buf = Vec::new();
+    let mut fanout = Fanout::new(w.load_threads);
     for job in rx {
         m.load_queue.fetch_sub(1, Ordering::Relaxed);
         if Faults::take(&w.faults.kill_loader) {
@@ -39,7 +40,7 @@ pub(crate) fn run(
             if Faults::take(&w.faults.panic_loader) {
                 panic!("injected loader fault");
             }
-            load(w, timeline, prefix, &mut buf, job)
+            load(w, timeline, prefix, &mut fanout, job)
         }) {
             Ok(Some(cj)) => {
                 m.compute_queue.fetch_add(1, Ordering::Relaxed);
@@ -59,7 +60,7 @@ fn load(
     w: &Worker,
     timeline: &Timeline,
     prefix: &Prefix,
-    buf: &mut Vec<u8>,
+    fanout: &mut Fanout,
     mut job: LoadJob,
 ) -> Option<ComputeJob> {
     let (corpus, m) = (&*w.corpus, &*w.metrics);
@@ -71,7 +72,7 @@ fn load(
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
     let hits = std::mem::take(&mut job.hits);
     let start = prefix.tokens.len();
-    let chunks = match read_chunks(corpus, m, &job.query, hits, start, buf, w.cache_dtype) {
+    let chunks = match read_chunks(corpus, m, &job.query, hits, start, fanout, w.cache_dtype) {
         Ok(c) => c,
         Err(e) => {
             finish_err(m, &job.events, e);
@@ -167,75 +168,122 @@ fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::R
 }
 
 /// Reads the stored KV of a query's chunks (verified, imported, placed from position `pos`
-/// on); a chunk whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without
-/// it. Chunks whose text tokenizes to nothing are left out.
+/// on), up to `fanout`'s threads' worth of chunks at once; a chunk
+/// whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without it. Chunks
+/// whose text tokenizes to nothing are left out.
 pub(crate) fn read_chunks(
     corpus: &Corpus,
     m: &Metrics,
     query: &Query,
     hits: Vec<Hit>,
     mut pos: usize,
-    buf: &mut Vec<u8>,
+    fanout: &mut Fanout,
     cache_dtype: DType,
 ) -> Result<Vec<Loaded>> {
-    let dtype = query
-        .assembly
-        .chunk_dtype(corpus.model().dtype(), cache_dtype);
-    let mut chunks = Vec::with_capacity(hits.len());
+    let assembly = query.assembly;
+    let dtype = assembly.chunk_dtype(corpus.model().dtype(), cache_dtype);
+    let mut placed = Vec::with_capacity(hits.len());
     for hit in hits {
         let tokens = match corpus.chunk_tokens(&hit.payload.text) {
             Ok(t) if !t.is_empty() => t,
             Ok(_) => continue,
             Err(e) => return Err(e.into()),
         };
-        let mut corrupt = false;
-        let kv = if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-            match read_stored(corpus, &tokens, buf) {
-                Ok(_) => {
-                    m.kv_bytes_loaded
-                        .fetch_add(buf.len() as u64, Ordering::Relaxed);
-                    match import(corpus, buf, query.assembly, pos, dtype) {
-                        Ok(kv) => Some(kv),
-                        Err(e) => {
-                            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
-                            corrupt = true;
-                            None
-                        }
-                    }
-                }
-                Err(e) if e.is_damage() => {
-                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
-                    corrupt = true;
-                    None
-                }
-                Err(e) => {
-                    if !e.is_miss() {
-                        tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
-                    }
-                    None
-                }
+        let n = tokens.len();
+        placed.push((pos, hit, tokens));
+        pos += n;
+    }
+    let stored = query.kv == KvMode::On && assembly.uses_stored_kv();
+    let loads = if stored {
+        fanout.run(placed.len(), |i, buf| {
+            load_one(corpus, m, (assembly, dtype), &placed[i], buf)
+        })
+    } else {
+        placed.iter().map(|_| ChunkLoad::default()).collect()
+    };
+    if stored {
+        let (read, import) = loads
+            .iter()
+            .fold((0.0, 0.0), |(r, i), l| (r + ms(l.read), i + ms(l.import)));
+        tracing::debug!(
+            chunks = loads.len(),
+            threads = fanout.threads().min(loads.len()),
+            read_ms = read,
+            import_ms = import,
+            "chunk KV loaded (each chunk's read and import added up)"
+        );
+    }
+    let mut chunks: Vec<(usize, Loaded)> = placed
+        .into_iter()
+        .zip(loads)
+        .map(|((pos, hit, tokens), l)| {
+            if l.corrupt {
+                m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
             }
-        } else {
-            None
-        };
-        if corrupt {
-            m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
-        }
-        chunks.push((
-            pos,
-            Loaded {
+            let loaded = Loaded {
                 hit,
                 tokens,
-                kv,
-                corrupt,
-            },
-        ));
-        pos += chunks.last().map_or(0, |(_, c)| c.tokens.len());
-    }
-    if query.kv == KvMode::On && query.assembly.uses_stored_kv() {
-        fetch_remote(corpus, m, query.assembly, dtype, &mut chunks, buf);
+                kv: l.kv,
+                corrupt: l.corrupt,
+            };
+            (pos, loaded)
+        })
+        .collect();
+    if stored {
+        fetch_remote(corpus, m, assembly, dtype, &mut chunks, fanout.buf());
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
+}
+
+/// One chunk's stored KV, as [`read_chunks`] loads it.
+#[derive(Default)]
+struct ChunkLoad {
+    kv: Option<Kv>,
+    /// Its stored KV failed verification or import (to be recomputed and replaced).
+    corrupt: bool,
+    read: Duration,
+    import: Duration,
+}
+
+/// Reads (into `buf`), verifies and imports (as `dtype`, by `assembly`) one chunk's stored
+/// KV, placed at its prompt position `pos`.
+fn load_one(
+    corpus: &Corpus,
+    m: &Metrics,
+    (assembly, dtype): (Assembly, DType),
+    (pos, hit, tokens): &(usize, Hit, Vec<u32>),
+    buf: &mut Vec<u8>,
+) -> ChunkLoad {
+    let pos = *pos;
+    let mut out = ChunkLoad::default();
+    let t = Instant::now();
+    let read = read_stored(corpus, tokens, buf);
+    out.read = t.elapsed();
+    match read {
+        Ok(_) => {
+            m.kv_bytes_loaded
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            let t = Instant::now();
+            match import(corpus, buf, assembly, pos, dtype) {
+                Ok(kv) => out.kv = Some(kv),
+                Err(e) => {
+                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
+                    out.corrupt = true;
+                }
+            }
+            out.import = t.elapsed();
+        }
+        Err(e) if e.is_damage() => {
+            tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV failed verification; recomputing and replacing it");
+            out.corrupt = true;
+        }
+        Err(e) => {
+            if !e.is_miss() {
+                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "KV read failed; recomputing");
+            }
+        }
+    }
+    out
 }
 
 /// The chunks the local store missed, from the shared tier (`remote.read`), all requests in

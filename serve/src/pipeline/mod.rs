@@ -28,20 +28,23 @@
 //! |---|---|---|
 //! | `job` | | the jobs the queues carry and what every thread shares (a leaf) |
 //! | `loader` | `ragkv-loader` | chunk reads, import, placement, the question's tokens |
+//! | `fanout` | `ragkv-load-N` | a query's chunks loaded side by side (`serve.load_threads`) |
 //! | `scheduler` | `ragkv-model` | continuous batching: join, step, sample, leave |
 //! | `assemble` | `ragkv-model` | a query's prompt cache by its strategy |
 //! | `writeback` | `ragkv-materialize` | stores KV prefilled for missing chunks |
 //!
-//! Imports run one way: `job` ← `loader` ← `assemble` ← `scheduler`, `job` ← `writeback`;
+//! Imports run one way: `job`, `fanout` ← `loader` ← `assemble` ← `scheduler`, `job` ← `writeback`;
 //! [`crate::rag`] starts the threads and is the only door in.
 
 mod assemble;
+mod fanout;
 mod job;
 mod loader;
 mod scheduler;
 mod writeback;
 
 pub(crate) use assemble::{assemble, Request as AssembleRequest};
+pub(crate) use fanout::{load_threads, Fanout};
 pub(crate) use job::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 pub use job::{KvMode, Query};
 pub(crate) use loader::{read_chunks, run as loader};
