@@ -22,7 +22,8 @@
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
 # GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
 # shipped as $DIR/smollm2.part*; "ab" for `bench model` again with the serial combining
-# attention kernel, without the fused norm and quantization, without CUDA graphs, then on
+# attention kernel (and `bench ttft` with one loading thread), without the fused norm and
+# quantization, without CUDA graphs, then on
 # candle's operations instead of the fused GPU ones, last; "ab-last" for the first of those
 # alone (the newest change); "ncu" for Nsight Compute's GPU time of
 # every kernel of a short `bench model` run, into OUT/ncu.csv), GPU_BENCH_TTFT_ARGS (more
@@ -220,6 +221,11 @@ EOF
     RAGKV_CUDA_COMBINE=serial \
       step model-serial-combine 150 "$ragkv" bench model --device cuda "${synth_args[@]}" \
       --synthetic-dir "$synth" "${bench_peer[@]}" --no-stock --reps 3 || true
+    # The chunks loaded by one thread, one after the other (the default on a GPU: side by side).
+    local first="${shapes%% *}"
+    step "ttft-one-loader:$first" 90 "$ragkv" bench ttft --device cuda \
+      --model "$synth/${first%%:*}-${first##*:}.gguf" --quantized --dataset "$ds" --docs 200 \
+      --questions 10 --dir "$root/ttft-${first%%:*}" --load-threads 1 || true
   fi
   if [[ $steps == *" ab "* ]]; then
     RAGKV_CUDA_NORM_Q8=off \
