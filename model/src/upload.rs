@@ -1,7 +1,9 @@
 //! Stored KV bytes onto the model's device.
 //!
 //! On the CPU: one copy into a tensor. On CUDA the bytes go through a page-locked staging
-//! buffer (one per loading thread, grown as needed) with one asynchronous host-to-device copy.
+//! buffer (taken from a pool for the copy and given back after it: a loader's helper threads
+//! come and go with each query, and pinning fresh memory costs milliseconds) with one
+//! asynchronous host-to-device copy.
 //! candle issues each host thread's work on that thread's own stream (CUDA's per-thread
 //! default stream), so a loader thread's copies and kernels are not queued behind the decoder
 //! thread's: the copy overlaps decode, and the loader waits for its own stream only. A
@@ -38,8 +40,7 @@ pub(crate) fn settle(device: &Device) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::cell::RefCell;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex, PoisonError};
 
     use candle_core::cuda_backend::cudarc::driver::{
         result, CudaContext, CudaSlice, DevicePtrMut, DeviceRepr, PinnedHostSlice,
@@ -55,14 +56,47 @@ mod cuda {
         std::env::var("RAGKV_CUDA_UPLOAD").as_deref() != Ok("plain")
     }
 
-    /// A thread's staging buffer, for one CUDA context.
+    /// A staging buffer, for one CUDA context.
     struct Staging {
         ctx: Arc<CudaContext>,
         buf: PinnedHostSlice<u8>,
     }
 
-    thread_local! {
-        static STAGING: RefCell<Option<Staging>> = const { RefCell::new(None) };
+    /// Staging buffers no copy is using.
+    static POOL: Mutex<Vec<Staging>> = Mutex::new(Vec::new());
+    /// Buffers the pool keeps at most (the largest): one per loading thread.
+    const POOL_MAX: usize = 16;
+
+    /// A buffer of `ctx` holding at least `len` bytes: the pool's smallest that does, or a
+    /// new one with room for some growth (blocks of one model differ in length).
+    fn take(ctx: &Arc<CudaContext>, len: usize) -> Result<Staging> {
+        {
+            let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+            let best = (0..pool.len())
+                .filter(|&i| Arc::ptr_eq(&pool[i].ctx, ctx) && pool[i].buf.len() >= len)
+                .min_by_key(|&i| pool[i].buf.len());
+            if let Some(i) = best {
+                return Ok(pool.swap_remove(i));
+            }
+        }
+        // SAFETY: the buffer is written before any read of it (by `copy`, the only user).
+        let buf = unsafe { ctx.alloc_pinned::<u8>(len.next_power_of_two()) }
+            .map_err(|e| err("pinned buffer", e))?;
+        Ok(Staging {
+            ctx: ctx.clone(),
+            buf,
+        })
+    }
+
+    /// `s` back into the pool once no copy reads it; past [`POOL_MAX`] the smallest goes.
+    fn give_back(s: Staging) {
+        let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        pool.push(s);
+        if pool.len() > POOL_MAX {
+            if let Some(i) = (0..pool.len()).min_by_key(|&i| pool[i].buf.len()) {
+                pool.swap_remove(i);
+            }
+        }
     }
 
     fn err(what: &str, e: impl std::fmt::Display) -> Error {
@@ -107,37 +141,35 @@ mod cuda {
     ) -> Result<CudaStorage> {
         let stream = dev.cuda_stream();
         let ctx = stream.context().clone();
-        STAGING.with(|cell| -> Result<CudaStorage> {
-            let mut slot = cell.borrow_mut();
-            let fits = slot
-                .as_ref()
-                .is_some_and(|s| Arc::ptr_eq(&s.ctx, &ctx) && s.buf.len() >= bytes.len());
-            if !fits {
-                // Room for this block and some growth: blocks of one model differ in length.
-                let len = bytes.len().next_power_of_two();
-                // SAFETY: the buffer is written below before any read of it.
-                let buf =
-                    unsafe { ctx.alloc_pinned::<u8>(len) }.map_err(|e| err("pinned buffer", e))?;
-                *slot = Some(Staging {
-                    ctx: ctx.clone(),
-                    buf,
-                });
+        let mut s = take(&ctx, bytes.len())?;
+        let host = match s.buf.as_mut_slice() {
+            Ok(h) => h,
+            Err(e) => return Err(err("pinned buffer", e)),
+        };
+        host[..bytes.len()].copy_from_slice(bytes);
+        // SAFETY: every element is written by the copy below before the slice is read.
+        let mut dst: CudaSlice<T> = match unsafe { stream.alloc::<T>(n) } {
+            Ok(d) => d,
+            Err(e) => {
+                give_back(s);
+                return Err(err("device alloc", e));
             }
-            let s = slot.as_mut().expect("staging set above");
-            let host = s.buf.as_mut_slice().map_err(|e| err("pinned buffer", e))?;
-            host[..bytes.len()].copy_from_slice(bytes);
-            // SAFETY: every element is written by the copy below before the slice is read.
-            let mut dst: CudaSlice<T> =
-                unsafe { stream.alloc::<T>(n) }.map_err(|e| err("device alloc", e))?;
-            {
-                let (ptr, _record) = dst.device_ptr_mut(&stream);
-                // SAFETY: `ptr` holds `n` elements, `bytes.len()` bytes; the source is
-                // page-locked and outlives the copy (the stream is drained below).
-                unsafe { result::memcpy_htod_async(ptr, &host[..bytes.len()], stream.cu_stream()) }
-                    .map_err(|e| err("host-to-device copy", e))?;
-            }
-            stream.synchronize().map_err(|e| err("copy", e))?;
-            Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
-        })
+        };
+        let landed = {
+            let (ptr, _record) = dst.device_ptr_mut(&stream);
+            // SAFETY: `ptr` holds `n` elements, `bytes.len()` bytes; the source is page-locked
+            // and outlives the copy (the stream is drained below before the buffer goes back
+            // to the pool; should the copy or the drain fail, the buffer is never freed).
+            unsafe { result::memcpy_htod_async(ptr, &host[..bytes.len()], stream.cu_stream()) }
+                .map_err(|e| err("host-to-device copy", e))
+                .and_then(|()| stream.synchronize().map_err(|e| err("copy", e)))
+        };
+        if let Err(e) = landed {
+            // The copy may still be reading the buffer: leaked rather than freed under it.
+            std::mem::forget(s);
+            return Err(e);
+        }
+        give_back(s);
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
     }
 }
