@@ -168,9 +168,9 @@ fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::R
 }
 
 /// Reads the stored KV of a query's chunks (verified, imported, placed from position `pos`
-/// on), up to `fanout`'s threads' worth of chunks at once; a chunk
-/// whose KV is missing, damaged or not wanted (`kv=off`, `full`) comes without it. Chunks
-/// whose text tokenizes to nothing are left out.
+/// on), as many chunks at once as `fanout` has threads; a chunk whose KV is missing, damaged
+/// or not wanted (`kv=off`, `full`) comes without it. Chunks whose text tokenizes to nothing
+/// are left out.
 pub(crate) fn read_chunks(
     corpus: &Corpus,
     m: &Metrics,
