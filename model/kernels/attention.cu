@@ -17,8 +17,8 @@
 // threads across the head's elements, each group over every `groups`-th chunk.
 // ragkv_attend_combine_serial: the first form (each thread over all the chunks, one after the
 // other: 9.9 µs per layer on an H200 at ~1,800 keys), kept for comparison
-// (`RAGKV_CUDA_COMBINE=serial`). Grouped-query attention: head h reads KV head
-// h / (heads / kv_heads).
+// (`RAGKV_CUDA_COMBINE=serial`).
+// Grouped-query attention: head h reads KV head h / (heads / kv_heads).
 //
 // A CUDA graph replays a decode step with the cache's length in device memory: `past`, when
 // not null, holds the rows before this step's (then t = *past + s, whatever `t` says; the
