@@ -33,8 +33,8 @@
 //! | `assemble` | `ragkv-model` | a query's prompt cache by its strategy |
 //! | `writeback` | `ragkv-materialize` | stores KV prefilled for missing chunks |
 //!
-//! Imports run one way: `job`, `fanout` ← `loader` ← `assemble` ← `scheduler`, `job` ← `writeback`;
-//! [`crate::rag`] starts the threads and is the only door in.
+//! Imports run one way: `job`, `fanout` ← `loader` ← `assemble` ← `scheduler`, `job` ←
+//! `writeback`; [`crate::rag`] starts the threads and is the only door in.
 
 mod assemble;
 mod fanout;
