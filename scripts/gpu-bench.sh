@@ -20,14 +20,17 @@
 #   3. ragkv bench peer --device cuda: llama-server CUDA (8 slots) beside ragkv, 1/8/32 clients
 #
 # Environment (run): GPU_BENCH_SHAPES (default "smollm2-135m:q4_1 qwen2.5-0.5b:q8_0"),
-# GPU_BENCH_STEPS (default "model ttft peer"; "quickstart" too when the real SmolLM2 file was
-# shipped as $DIR/smollm2.part*; "ab" for `bench model` again with the serial combining
-# attention kernel (and `bench ttft` with one loading thread), without the fused norm and
-# quantization, without CUDA graphs, then on
-# candle's operations instead of the fused GPU ones, last; "ab-last" for the first of those
-# alone (the newest change); "ncu" for Nsight Compute's GPU time of
-# every kernel of a short `bench model` run, into OUT/ncu.csv), GPU_BENCH_TTFT_ARGS (more
-# `bench ttft` flags, e.g. "--codec q8");
+# GPU_BENCH_STEPS (default "model ttft peer"; also:
+#   "quickstart" when the real SmolLM2 file was shipped as $DIR/smollm2.part*;
+#   "ab" for `bench model` again with the serial combining attention kernel (and `bench ttft`
+#     with one loading thread), without the fused norm and quantization, without CUDA graphs,
+#     then on candle's operations instead of the fused GPU ones;
+#   "ab-last" for the first of those alone (the newest change);
+#   "redo" for `bench peer` again with RAGKV_CUDA_REDO=on (a chunk's recomputed rows on the
+#     fused kernels, off by default until its answers are compared);
+#   "ncu" for Nsight Compute's GPU time of every kernel of a short `bench model` run, into
+#     OUT/ncu.csv),
+# GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
 # RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of the pinned one.
 # The peer step logs the server's batch steps and graph captures (RAGKV_LOG) into log.txt.
 set -euo pipefail
@@ -211,6 +214,13 @@ EOF
       RAGKV_LOG="warn,serve::pipeline=debug,model::decoder=debug" \
         step "peer:$s" 150 "$ragkv" bench peer --device cuda --model "$file" --quantized \
         --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 \
+        "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
+    fi
+    # The same with a chunk's recomputed rows on the fused kernels (RAGKV_CUDA_REDO=on): its
+    # answers_stored_kv against the default's says whether that path may become the default.
+    if [[ $steps == *" redo "* && $s == "${shapes%% *}" ]]; then
+      RAGKV_CUDA_REDO=on step "peer-redo:$s" 150 "$ragkv" bench peer --device cuda \
+        --model "$file" --quantized --dataset "$ds" --docs 200 --clients 1,8 --rounds 1 \
         "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
     fi
   done
