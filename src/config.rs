@@ -430,6 +430,14 @@ mod tests {
         assert!(format!("{:#}", c.validate().unwrap_err()).contains("model.kernels"));
         c.model.kernels = "portable".into();
         assert_eq!(c.kernel_path().unwrap(), model::KernelPath::Portable);
+        let mut c = Config::default();
+        c.serve.load_threads = 65;
+        assert!(format!("{:#}", c.validate().unwrap_err()).contains("serve.load_threads"));
+        c.serve.load_threads = 8;
+        assert!(c.validate().is_ok());
+        let mut v = toml::Value::try_from(Config::default()).unwrap();
+        set_path(&mut v, &["serve".into(), "load_threads".into()], "4").unwrap();
+        assert_eq!(v.try_into::<Config>().unwrap().serve.load_threads, 4);
         assert!(Config::default().validate().is_ok());
     }
 
