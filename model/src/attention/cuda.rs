@@ -132,54 +132,42 @@ pub(crate) fn attend(
     // `d` outputs of head `h`) before the tensor is read.
     let mut out = unsafe { dev.alloc::<f32>(s * heads * d) }?;
     let (heads32, d32, chunks32) = (heads as i32, d as i32, chunks as i32);
-    if serial_combine() {
-        let func = dev.get_or_load_custom_func("ragkv_attend_combine_serial", MODULE, PTX)?;
-        let mut b = func.builder();
-        b.arg(&part)
-            .arg(&mut out)
-            .arg(&heads32)
-            .arg(&d32)
-            .arg(&chunks32);
-        // SAFETY: arguments in the kernel's order and types; block (h, i) reads its `chunks`
-        // partials (`d + 2` floats each) of `part` and writes `d` elements of `out`, inside
-        // both buffers.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (heads as u32, s as u32, 1),
-                block_dim: (d.next_multiple_of(32).min(256) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(candle_core::Error::wrap)?;
+    let [s32, t32, ..] = dims;
+    let chunk = CHUNK as i32;
+    let serial = serial_combine();
+    let name = if serial {
+        "ragkv_attend_combine_serial"
     } else {
-        let func = dev.get_or_load_custom_func("ragkv_attend_combine", MODULE, PTX)?;
-        let [s32, t32, ..] = dims;
-        let chunk = CHUNK as i32;
-        let mut b = func.builder();
-        b.arg(&part)
-            .arg(&mut out)
-            .arg(&heads32)
-            .arg(&d32)
-            .arg(&chunks32)
-            .arg(&s32)
-            .arg(&t32)
-            .arg(&past)
-            .arg(&rows_at)
-            .arg(&chunk);
-        // SAFETY: arguments in the kernel's order and types; block (h, i) reads at most its
-        // `chunks` partials (`d + 2` floats each) of `part`, `*past` when `past` is set and
-        // `rows_at[i]` when that is (both i32 on the device, as the split kernel read them),
-        // and writes `d` elements of `out`, inside every buffer; COMBINE_THREADS is a multiple
-        // of 32, at most 1024 and at least `d` (≤ 256) rounded up to 32, as the kernel needs.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (heads as u32, s as u32, 1),
-                block_dim: (COMBINE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(candle_core::Error::wrap)?;
+        "ragkv_attend_combine"
+    };
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&part)
+        .arg(&mut out)
+        .arg(&heads32)
+        .arg(&d32)
+        .arg(&chunks32);
+    let threads = if serial {
+        d.next_multiple_of(32).min(256) as u32
+    } else {
+        b.arg(&s32).arg(&t32).arg(&past).arg(&rows_at).arg(&chunk);
+        COMBINE_THREADS
+    };
+    // SAFETY: arguments in the kernel's order and types (the serial kernel takes the first
+    // five); block (h, i) reads at most its `chunks` partials (`d + 2` floats each) of
+    // `part`, `*past` when `past` is set and `rows_at[i]` when that is (both i32 on the
+    // device, as the split kernel read them), and writes `d` elements of `out`, inside every
+    // buffer. The serial kernel's threads go over the head's elements; COMBINE_THREADS is a
+    // multiple of 32, at most 1024 and at least `d` (≤ 256) rounded up to 32, as the other
+    // kernel needs.
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (heads as u32, s as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
     }
+    .map_err(candle_core::Error::wrap)?;
     let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(out, dev.clone());
     Ok(Some(Tensor::from((
         Storage::Cuda(storage),
