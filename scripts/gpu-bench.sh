@@ -28,6 +28,11 @@
 #   "ab-last" for the first of those alone (the newest change);
 #   "redo" for `bench peer` again with RAGKV_CUDA_REDO=on (a chunk's recomputed rows on the
 #     fused kernels, off by default until its answers are compared);
+#   "repair" for `bench ttft --strategy link:K` on every shape: what recomputing each chunk's
+#     first K tokens costs in time to first token against `reposition` on the GPU (issue 39's
+#     budget is 1.5x; on two CPU cores each token per chunk costs 12-17 %);
+#   "q4" for `bench ttft` again on stored KV in q4 (3.5x fewer bytes to read and copy; its
+#     own directory);
 #   "ncu" for Nsight Compute's GPU time of every kernel of a short `bench model` run, into
 #     OUT/ncu.csv),
 # GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
@@ -197,7 +202,8 @@ EOF
   fi
   for s in $shapes; do
     local file="$synth/${s%%:*}-${s##*:}.gguf"
-    if [[ ! -f $file && ($steps == *" ttft "* || $steps == *" peer "*) ]]; then
+    if [[ ! -f $file && ($steps == *" ttft "* || $steps == *" peer "* || $steps == *" repair "* ||
+      $steps == *" q4 "*) ]]; then
       # The model step writes the file; without that step, a one-rep CPU run does.
       "$ragkv" bench model --synthetic "$s" --synthetic-dir "$synth" --reps 1 --no-stock \
         --device cpu --prompt-tokens 16 --decode-tokens 1 >/dev/null 2>>"$logf" || true
@@ -208,6 +214,16 @@ EOF
       # Should the pinned upload fail, the same run on candle's own copy.
       step "ttft:$s" 90 "${ttft[@]}" ||
         RAGKV_CUDA_UPLOAD=plain step "ttft-plain:$s" 90 "${ttft[@]}" || true
+    fi
+    if [[ $steps == *" q4 "* ]]; then
+      step "ttft-q4:$s" 120 "$ragkv" bench ttft --device cuda --model "$file" --quantized \
+        --dataset "$ds" --docs 200 --questions 10 --dir "$root/ttft-q4-${s%%:*}" --codec q4 || true
+    fi
+    if [[ $steps == *" repair "* ]]; then
+      step "repair:$s" 120 "$ragkv" bench ttft --device cuda --model "$file" --quantized \
+        --dataset "$ds" --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" \
+        --strategy link:2 --strategy link:16 --strategy link:32 --strategy link:64 \
+        --strategy reposition+recompute:0.5 --strategy query-aware:0.3 || true
     fi
     # The peer comparison for the first shape only (the lease is minutes long).
     if [[ $steps == *" peer "* && $s == "${shapes%% *}" ]]; then
