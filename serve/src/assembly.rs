@@ -58,7 +58,10 @@
 //! `reposition` alone, as much as `link:2` on it and more than `link:2` on plain KV (17 %), at
 //! 1.1× the ingest prefill; with a fixed passage after the start (`ingest.context_passage`),
 //! `link:2` closes 30 %, about `neighbours:1`'s share, at 1.5× (docs/BENCHMARKS.md, "After the
-//! prompt's start").
+//! prompt's start"). Both together (`prompt+neighbours:1`): `link:2` 37 %, `link:8` 47 % at 2×
+//! `reposition`'s TTFT, `link:32` 49 % at 4.5×, `link:64` 54 % (F1 within full prefill's
+//! interval) at ~7.8× on two CPU cores, where each recomputed token costs a question token's
+//! compute; `ragkv bench ttft --strategy` times a strategy's cost on any device.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
