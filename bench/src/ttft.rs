@@ -254,18 +254,21 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     }
 
     // Back to back: the loader overlapping decode vs one query after another.
-    drop_segment_pages(&engine)?;
-    let t = Instant::now();
-    let (mut seq_load, mut seq_hidden) = (0.0, 0.0);
-    for q in &questions {
-        let f = wait(submit(
+    let answer = |question: &str| {
+        submit(
             &rag,
-            &q.question,
+            question,
             args.top_k,
             args.max_tokens,
             KvMode::On,
             reposition,
-        )?)?;
+        )
+    };
+    drop_segment_pages(&engine)?;
+    let t = Instant::now();
+    let (mut seq_load, mut seq_hidden) = (0.0, 0.0);
+    for q in &questions {
+        let f = wait(answer(&q.question)?)?;
         seq_load += f.timings.load_ms;
         seq_hidden += f.timings.load_hidden_ms;
     }
@@ -274,16 +277,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let t = Instant::now();
     let receivers = questions
         .iter()
-        .map(|q| {
-            submit(
-                &rag,
-                &q.question,
-                args.top_k,
-                args.max_tokens,
-                KvMode::On,
-                reposition,
-            )
-        })
+        .map(|q| answer(&q.question))
         .collect::<Result<Vec<_>, _>>()?;
     let (mut load, mut hidden) = (0.0, 0.0);
     for rx in receivers {
