@@ -23,7 +23,7 @@ use candle_core::{DType, Tensor};
 use candle_transformers::models::llama as stock;
 use model::{Kv, LoadOptions, Logits, Model, ModelSource};
 
-use crate::{Error, Line};
+use crate::{median, Error, Line};
 
 /// Arguments of `ragkv bench model`.
 #[derive(Debug, Clone, clap::Args)]
@@ -91,11 +91,6 @@ pub(crate) fn merr(e: model::Error) -> Error {
 
 fn cerr(e: candle_core::Error) -> Error {
     Error::Check(format!("candle: {e}"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Runs the benchmark for each model in turn. Every line's `detail` names its model file and

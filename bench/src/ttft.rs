@@ -15,7 +15,7 @@ use retrieval::SearchFilter;
 use serve::{Event, KvMode, Query, Rag, ServeConfig};
 
 use crate::engine::wait;
-use crate::{dataset, percentile, Error, Line};
+use crate::{dataset, median, percentile, Error, Line};
 
 /// Arguments of `ragkv bench ttft`.
 #[derive(Debug, Clone, clap::Args)]
@@ -155,15 +155,14 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     // memory), where the first query read them from disk (SmolLM2, top-4: load p50 ~100 ms
     // first, 30-45 ms after). Each with its times to first token, its loads, and its answers
     // equal to `reposition`'s.
-    let timed: Vec<serve::Assembly> = if args.strategies.is_empty() {
+    let mut timed: Vec<Timed> = if args.strategies.is_empty() {
         Vec::new()
     } else {
         std::iter::once(reposition)
             .chain(args.strategies.iter().copied())
+            .map(Timed::new)
             .collect()
     };
-    let mut repaired: Vec<(Vec<f64>, Vec<f64>, usize)> =
-        vec![(Vec::new(), Vec::new(), 0); timed.len()];
     for q in &questions {
         drop_segment_pages(&engine)?;
         let on = wait(submit(
@@ -188,12 +187,19 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             KvMode::Off,
             reposition,
         )?)?;
-        for (s, (times, kv_loads, same)) in timed.iter().zip(&mut repaired) {
+        for s in &mut timed {
             drop_segment_pages(&engine)?;
-            let r = wait(submit(&rag, &q.question, args.top_k, 8, KvMode::On, *s)?)?;
-            times.push(r.timings.first_token_ms);
-            kv_loads.push(r.timings.load_ms);
-            *same += usize::from(r.answer == on.answer);
+            let r = wait(submit(
+                &rag,
+                &q.question,
+                args.top_k,
+                8,
+                KvMode::On,
+                s.assembly,
+            )?)?;
+            s.ttft.push(r.timings.first_token_ms);
+            s.loads.push(r.timings.load_ms);
+            s.same += usize::from(r.answer == on.answer);
         }
         agree += usize::from(on.answer == off.answer);
         stored.push(on.timings.first_token_ms);
@@ -227,30 +233,26 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         "identical_greedy_answers": agree, "kv_load_ms_p50": percentile(&loads, 0.5),
         "load_threads": args.load_threads,
     }));
-    let mut timed = timed.iter().zip(repaired);
-    let (base_times, base_loads) = timed
-        .next()
-        .map(|(_, (t, l, _))| (t, l))
-        .unwrap_or_default();
-    let (base_mean, base_p50) = (mean(&base_times), median(base_times));
-    for (s, (times, kv_loads, same)) in timed {
-        let mut line = Line::lower(
-            &format!("ttft_vs_reposition.{s}"),
-            mean(&times),
-            base_mean,
-            "ms",
-            "the same stored KV assembled by `reposition` (mean time to first token)",
-        )
-        .bar(1.0 / 1.5);
-        line.detail = Some(serde_json::json!({
-            "ttft_p50_ms": median(times),
-            "reposition_ttft_p50_ms": base_p50,
-            "kv_load_ms_p50": median(kv_loads),
-            "reposition_kv_load_ms_p50": median(base_loads.clone()),
-            "answers_as_reposition": same,
-            "questions": questions.len(),
-        }));
-        lines.push(line);
+    if let Some((base, repairs)) = timed.split_first() {
+        for s in repairs {
+            let mut line = Line::lower(
+                &format!("ttft_vs_reposition.{}", s.assembly),
+                mean(&s.ttft),
+                mean(&base.ttft),
+                "ms",
+                "the same stored KV assembled by `reposition` (mean time to first token)",
+            )
+            .bar(1.0 / 1.5);
+            line.detail = Some(serde_json::json!({
+                "ttft_p50_ms": median(s.ttft.clone()),
+                "reposition_ttft_p50_ms": median(base.ttft.clone()),
+                "kv_load_ms_p50": median(s.loads.clone()),
+                "reposition_kv_load_ms_p50": median(base.loads.clone()),
+                "answers_as_reposition": s.same,
+                "questions": questions.len(),
+            }));
+            lines.push(line);
+        }
     }
 
     // Back to back: the loader overlapping decode vs one query after another.
@@ -321,13 +323,29 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     Ok(lines)
 }
 
+/// One strategy's queries in `--strategy`'s comparison.
+struct Timed {
+    assembly: serve::Assembly,
+    /// Times to first token, ms.
+    ttft: Vec<f64>,
+    /// KV load times, ms.
+    loads: Vec<f64>,
+    /// Answers equal to the question's first `reposition` answer.
+    same: usize,
+}
+
+impl Timed {
+    fn new(assembly: serve::Assembly) -> Timed {
+        Timed {
+            assembly,
+            ttft: Vec::new(),
+            loads: Vec::new(),
+            same: 0,
+        }
+    }
+}
+
 /// The mean of `v` (0 for none).
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
-}
-
-/// The median of `v`.
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    percentile(&v, 0.5)
 }
