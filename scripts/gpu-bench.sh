@@ -28,9 +28,10 @@
 #   "ab-last" for the first of those alone (the newest change);
 #   "redo" for `bench peer` again with RAGKV_CUDA_REDO=on (a chunk's recomputed rows on the
 #     fused kernels, off by default until its answers are compared);
-#   "repair" for `bench ttft --strategy link:K` on every shape: what recomputing each chunk's
-#     first K tokens costs in time to first token against `reposition` on the GPU (issue 39's
-#     budget is 1.5x; on two CPU cores each token per chunk costs 12-17 %);
+#   "repair" for `bench ttft --strategy S` on every shape (`link:2` to `link:64`, and the heavy
+#     `reposition+recompute:0.5`, `query-aware:0.3`): what each repair costs in time to first
+#     token against `reposition` on the GPU (issue 39's budget is 1.5x; on two CPU cores
+#     `link:64` costs 4.4-6.7x);
 #   "q4" for `bench ttft` again on stored KV in q4 (3.5x fewer bytes to read and copy; its
 #     own directory);
 #   "ncu" for Nsight Compute's GPU time of every kernel of a short `bench model` run, into
