@@ -15,9 +15,12 @@
 //!
 //! Phases, one server at a time (ragkv's is shut down before llama-server starts):
 //! 1. time to first token, one query at a time, after a warm-up: ragkv from stored KV read
-//!    cold (the segment files' pages dropped before each query), llama-server's full prefill;
-//!    then every question again without dropping anything (`peer.ttft_warm_p50`: ragkv's
-//!    stored KV in the page cache, as hot chunks are on a serving machine);
+//!    cold (the segment files' pages dropped and the resident tier emptied before each
+//!    query), llama-server's full prefill (`peer.ttft_p50`; `peer.ttft_after_retrieval_p50`
+//!    the same with ragkv's retrieval taken out, since llama-server is sent the retrieved
+//!    prompt); then every question again without dropping anything (`peer.ttft_warm_p50`:
+//!    ragkv's stored KV in the page cache, as hot chunks are on a serving machine, or with
+//!    `--resident-mb` already on the model's device);
 //! 2. queries/s with each of `--clients` concurrent clients (1, 4, 8), every client sending
 //!    `--rounds` queries over the questions in turn (ragkv's segment pages stay cached, as
 //!    on a serving machine);
@@ -96,6 +99,11 @@ pub struct Args {
     /// `peer.cache_answer_tokens`).
     #[arg(long, value_parser = cache::parse_cache)]
     pub versus_cache: Option<serve::CacheDtype>,
+    /// ragkv's chunk KV kept on the model's device between queries (`serve.resident_mb`; 0:
+    /// none, as by default): the cold phase empties it before each query, the warm phase
+    /// finds every chunk there.
+    #[arg(long, default_value_t = 0)]
+    pub resident_mb: usize,
 }
 
 /// One answered query, as the client saw it.
@@ -106,15 +114,16 @@ pub(crate) struct Outcome {
     /// Prompt tokens the server reports: ragkv's assembled prompt, llama-server's evaluated.
     pub(crate) prompt: usize,
     pub(crate) completion: usize,
-    /// Where ragkv says the time went (queue, load, assemble, prefill, decode; ms); none
-    /// from llama-server.
-    pub(crate) stages: Option<[f64; 5]>,
+    /// Where ragkv says the time went (retrieve, queue, load, assemble, prefill, decode;
+    /// ms); none from llama-server.
+    pub(crate) stages: Option<[f64; 6]>,
     /// The answer's text.
     pub(crate) answer: String,
 }
 
 /// The stages of [`Outcome::stages`].
-const STAGES: [&str; 5] = [
+const STAGES: [&str; 6] = [
+    "retrieve_ms",
     "queue_ms",
     "load_ms",
     "assemble_ms",
@@ -226,6 +235,9 @@ pub(crate) fn phase(
 pub(crate) struct Side {
     /// Time to first token of each question alone, sorted.
     ttft: Vec<f64>,
+    /// The same from the end of retrieval (ragkv; llama-server is given the retrieved
+    /// prompt, so its own), sorted.
+    ttft_retrieved: Vec<f64>,
     /// The same again with nothing dropped before each query (ragkv's stored KV in the page
     /// cache, as hot chunks are on a serving machine), sorted.
     ttft_warm: Vec<f64>,
@@ -267,9 +279,12 @@ pub(crate) fn measure(
         );
         check(&o, i, &mut side);
         side.ttft.push(o.first_ms);
+        side.ttft_retrieved
+            .push(o.first_ms - o.stages.map_or(0.0, |s| s[0]));
         side.answers.push(o.answer);
     }
     side.ttft.sort_by(f64::total_cmp);
+    side.ttft_retrieved.sort_by(f64::total_cmp);
     for i in 0..n {
         let o = peer.ask(i).map_err(fail)?;
         eprintln!(
@@ -357,6 +372,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         max_inflight: max_clients.max(args.slots) * 2,
         max_batch: args.slots,
         cache_dtype: args.cache_dtype,
+        resident_mb: args.resident_mb,
         ..ServeConfig::default()
     };
     let (rt, addr, rag) = crate::engine::serve_loopback(&engine, config.clone())?;
@@ -400,8 +416,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             max_tokens: args.max_tokens,
             assembly: None,
         };
-        let drop_pages = || crate::ttft::drop_segment_pages(&engine);
-        measure("ragkv", &peer, &prompts, args, &drop_pages)?
+        let cold = || {
+            rag.drop_resident();
+            crate::ttft::drop_segment_pages(&engine)
+        };
+        measure("ragkv", &peer, &prompts, args, &cold)?
     };
     // The same prompts prefilled in full (`assembly: full`): the engines' numerics side by
     // side, without the stored chunks' assembly in between.
@@ -520,11 +539,26 @@ fn lines(
         out.push(if p == 0.5 { l.bar(10.0) } else { l });
     }
     out.push(Line::lower(
+        "peer.ttft_after_retrieval_p50",
+        percentile(&ours.ttft_retrieved, 0.5),
+        percentile(&theirs.ttft_retrieved, 0.5),
+        "ms",
+        &format!(
+            "{base}; ragkv's time from its retrieval's end (llama-server is sent the retrieved \
+             prompt: it does no retrieval)"
+        ),
+    ));
+    let warm = if args.resident_mb > 0 {
+        "ragkv's chunk KV resident on the model's device (serve.resident_mb)"
+    } else {
+        "ragkv's stored KV in the page cache (not dropped)"
+    };
+    out.push(Line::lower(
         "peer.ttft_warm_p50",
         percentile(&ours.ttft_warm, 0.5),
         percentile(&theirs.ttft_warm, 0.5),
         "ms",
-        &format!("{base}; ragkv's stored KV in the page cache (not dropped)"),
+        &format!("{base}; {warm}"),
     ));
     out[0].detail = Some(serde_json::json!({
         "model": args.llm.name(), "quantized": args.llm.quantized, "questions": args.questions,

@@ -58,6 +58,12 @@ pub struct Args {
     /// time to first token (issue 39 allows 1.5x `reposition`'s mean).
     #[arg(long = "strategy")]
     pub strategies: Vec<serve::Assembly>,
+    /// Chunk KV kept on the model's device between queries (`serve.resident_mb`; 0: none,
+    /// as by default). With it, each question is asked again right after its cold query,
+    /// its chunks then resident: a `ttft_resident_p50` line. Every other timing starts with
+    /// the tier emptied, as it starts with the store's pages dropped.
+    #[arg(long, default_value_t = 0)]
+    pub resident_mb: usize,
 }
 
 fn check<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Error + '_ {
@@ -69,6 +75,13 @@ pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
         crate::kvstore::drop_pages(&p)?;
     }
     Ok(())
+}
+
+/// Nothing of the stored KV left in memory: the store's pages dropped, the resident tier
+/// emptied (the store's hot tier of decoded blocks stays; see [`run`]).
+fn cold(engine: &ingest::Engine, rag: &Rag) -> Result<(), Error> {
+    rag.drop_resident();
+    drop_segment_pages(engine)
 }
 
 /// Retrieves and submits one query; returns a receiver of its events.
@@ -117,6 +130,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         ServeConfig {
             max_inflight: questions.len().max(1) * 2,
             load_threads: args.load_threads,
+            resident_mb: args.resident_mb,
             ..ServeConfig::default()
         },
     )
@@ -150,6 +164,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut agree = 0;
     let mut loads = Vec::new();
     let reposition = serve::Assembly::Reposition;
+    let mut resident = Timed::new(reposition);
     // With `--strategy`: `reposition` timed again, then each strategy, all after the pair
     // above and so alike: their chunks come from the store's hot tier (decoded blocks kept in
     // memory), where the first query read them from disk (SmolLM2, top-4: load p50 ~100 ms
@@ -164,7 +179,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             .collect()
     };
     for q in &questions {
-        drop_segment_pages(&engine)?;
+        cold(&engine, &rag)?;
         let on = wait(submit(
             &rag,
             &q.question,
@@ -179,6 +194,19 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
                 on.citations
             )));
         }
+        if args.resident_mb > 0 {
+            let r = wait(submit(
+                &rag,
+                &q.question,
+                args.top_k,
+                8,
+                KvMode::On,
+                reposition,
+            )?)?;
+            resident.ttft.push(r.timings.first_token_ms);
+            resident.loads.push(r.timings.load_ms);
+            resident.same += usize::from(r.answer == on.answer);
+        }
         let off = wait(submit(
             &rag,
             &q.question,
@@ -188,7 +216,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             reposition,
         )?)?;
         for s in &mut timed {
-            drop_segment_pages(&engine)?;
+            cold(&engine, &rag)?;
             let r = wait(submit(
                 &rag,
                 &q.question,
@@ -233,6 +261,26 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         "identical_greedy_answers": agree, "kv_load_ms_p50": percentile(&loads, 0.5),
         "load_threads": args.load_threads,
     }));
+    if args.resident_mb > 0 {
+        let mut line = Line::lower(
+            "ttft_resident_p50",
+            median(resident.ttft.clone()),
+            percentile(&recompute, 0.5),
+            "ms",
+            &format!("{base}; ragkv's chunks resident on the model's device (serve.resident_mb)"),
+        )
+        .bar(10.0);
+        line.detail = Some(serde_json::json!({
+            "resident_mb": args.resident_mb,
+            "kv_load_ms_p50": median(resident.loads.clone()),
+            "cold_ttft_p50_ms": percentile(&stored, 0.5),
+            "cold_kv_load_ms_p50": percentile(&loads, 0.5),
+            "answers_as_cold": resident.same,
+            "questions": questions.len(),
+            "resident": rag.resident_stats(),
+        }));
+        lines.push(line);
+    }
     if let Some((base, repairs)) = timed.split_first() {
         for s in repairs {
             let mut line = Line::lower(
@@ -266,7 +314,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             reposition,
         )
     };
-    drop_segment_pages(&engine)?;
+    cold(&engine, &rag)?;
     let t = Instant::now();
     let (mut seq_load, mut seq_hidden) = (0.0, 0.0);
     for q in &questions {
@@ -275,7 +323,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         seq_hidden += f.timings.load_hidden_ms;
     }
     let sequential = t.elapsed();
-    drop_segment_pages(&engine)?;
+    cold(&engine, &rag)?;
     let t = Instant::now();
     let receivers = questions
         .iter()

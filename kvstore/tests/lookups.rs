@@ -238,11 +238,14 @@ fn the_location_cache_follows_deletes_merges_and_namespace_drops() {
     }
     let s = store.stats().location_cache;
     assert!(s.hits > 0 && s.entries > 0, "{s:?}");
+    // Puts and reads remove nothing; each delete that removes blocks counts once.
+    assert_eq!(store.removals(), 0);
 
     // Deleted documents are gone for probes and gets at once.
     for d in 0..3 {
         store.delete_document(&format!("doc-{d}")).unwrap();
     }
+    assert_eq!(store.removals(), 3);
     for (i, t) in seqs.iter().enumerate() {
         if i % 6 < 3 {
             assert_eq!(store.probe(NS, t).unwrap(), 0, "deleted sequence {i}");
@@ -252,6 +255,11 @@ fn the_location_cache_follows_deletes_merges_and_namespace_drops() {
     // The merger moves the survivors; reads follow them to their new segment.
     let r = store.compact_all().unwrap();
     assert!(r.segments_removed > 0, "{r:?}");
+    assert_eq!(
+        store.removals(),
+        3,
+        "moving blocks changes none of their bytes"
+    );
     for (i, t) in seqs.iter().enumerate() {
         if i % 6 >= 3 {
             assert_eq!(
@@ -262,6 +270,7 @@ fn the_location_cache_follows_deletes_merges_and_namespace_drops() {
     }
     // A dropped namespace leaves nothing behind; storing again works.
     store.drop_namespace(NS).unwrap();
+    assert_eq!(store.removals(), 4);
     for t in &seqs {
         assert_eq!(store.probe(NS, t).unwrap(), 0);
     }

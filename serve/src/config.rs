@@ -86,6 +86,11 @@ pub struct ServeConfig {
     /// upload and placement too, each on its own stream); 0: on a GPU half the CPUs (at most
     /// 8), on the CPU 1 (the loader's work then never takes a core from the decoding threads).
     pub load_threads: usize,
+    /// Chunk KV kept imported on the model's device between queries, in MiB (0: none): a
+    /// chunk found there skips the store's read, verification, decoding and (on a GPU) the
+    /// host-to-device copy; least recently used out first, dropped when blocks leave the
+    /// store. Outside `kv_budget_mb`.
+    pub resident_mb: usize,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
@@ -133,6 +138,7 @@ impl Default for ServeConfig {
             link_tokens: 2,
             cache_dtype: CacheDtype::default(),
             load_threads: 0,
+            resident_mb: 0,
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,
@@ -219,6 +225,12 @@ impl ServeConfig {
                     "{} is outside 0..=64 (0: chosen by the device)",
                     self.load_threads
                 ),
+            ));
+        }
+        if self.resident_mb > (1 << 24) {
+            return Err(bad(
+                "serve.resident_mb",
+                format!("{} is outside 0..=16777216", self.resident_mb),
             ));
         }
         for h in &self.allowed_hosts {

@@ -143,12 +143,13 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
                     "kv_bytes_loaded": g(&m.kv_bytes_loaded), "rematerialized": g(&m.rematerialized)},
         "maintenance": {"runs": g(&m.maintenance_runs), "failures": g(&m.maintenance_failures),
                         "chunks_rematerialized": g(&m.maintenance_chunks)},
+        "resident": state.rag.resident_stats(),
     })))
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.rag.metrics.render(),
+        state.rag.metrics.render() + &state.rag.resident_stats().render(),
     )
 }

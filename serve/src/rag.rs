@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
 use crate::pipeline::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
+use crate::resident::{Resident, ResidentStats};
 use crate::supervise::{Faults, Health, Ticket};
 
 use crate::events::{Event, Timings};
@@ -32,6 +33,8 @@ pub struct Rag {
     pub config: ServeConfig,
     /// What the server exports.
     pub metrics: Arc<Metrics>,
+    /// Chunk KV kept on the model's device (`serve.resident_mb`).
+    pub(crate) resident: Arc<Resident>,
     /// Rematerialize and GC jobs (requested, or on the configured schedule).
     pub maintenance: Arc<crate::Maintenance>,
     /// Faults tests inject ([`Rag::faults`]; never set in production).
@@ -111,6 +114,7 @@ impl Rag {
             });
         }
         let metrics = Arc::new(Metrics::default());
+        let resident = Arc::new(Resident::new(config.resident_mb << 20));
         let faults = Arc::new(Faults::default());
         let health = Arc::new(Health::default());
         let (load_tx, load_rx) = bounded::<LoadJob>(config.max_inflight);
@@ -137,6 +141,7 @@ impl Rag {
             engine: engine.clone(),
             cache_dtype: config.cache_dtype.dtype(),
             load_threads: config.load_threads(engine.corpus().model().device().is_cuda()),
+            resident: resident.clone(),
             metrics: metrics.clone(),
             faults: faults.clone(),
         };
@@ -175,6 +180,7 @@ impl Rag {
             engine,
             config,
             metrics,
+            resident,
             maintenance,
             faults,
             instance: uuid::Uuid::new_v4().simple().to_string(),
@@ -184,6 +190,17 @@ impl Rag {
             load_tx: Mutex::new(Some(load_tx)),
             workers: Mutex::new(workers),
         }))
+    }
+
+    /// The resident tier's figures (`serve.resident_mb`).
+    pub fn resident_stats(&self) -> ResidentStats {
+        self.resident.stats()
+    }
+
+    /// Empties the resident tier: the next query of every chunk reads the store (benchmarks
+    /// that time cold reads call it with the page cache dropped).
+    pub fn drop_resident(&self) {
+        self.resident.clear()
     }
 
     /// Admits one query if fewer than `max_inflight` are in the pipeline: its ticket goes to

@@ -17,7 +17,9 @@ use retrieval::Hit;
 
 use crate::assembly::{LinkTiming, Target};
 use crate::error::{Error, Result};
-use crate::pipeline::{assemble, ms, read_chunks, AssembleRequest as Request, Fanout, Query};
+use crate::pipeline::{
+    assemble, ms, read_chunks, AssembleRequest as Request, Fanout, Query, Source,
+};
 use crate::rag::Rag;
 
 /// A reference answer and what predicted it.
@@ -119,15 +121,13 @@ impl Rag {
         let mut fanout = Fanout::new(self.config.load_threads(gpu));
         let start = self.prefix.tokens.len();
         let dtype = self.config.cache_dtype.dtype();
-        let chunks = read_chunks(
+        let src = Source {
             corpus,
-            &self.metrics,
-            query,
-            hits,
-            start,
-            &mut fanout,
-            dtype,
-        )?;
+            metrics: &self.metrics,
+            resident: &self.resident,
+            cache_dtype: dtype,
+        };
+        let chunks = read_chunks(&src, query, hits, start, &mut fanout)?;
         let question = self.prefix.question(corpus, &query.question)?;
         let repair = self.config.repair();
         let req = Request {

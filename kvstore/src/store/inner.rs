@@ -98,6 +98,8 @@ pub(super) struct Counters {
     pub evicted_sequences: AtomicU64,
     pub evicted_bytes: AtomicU64,
     pub refused_writes: AtomicU64,
+    /// Index batches that removed blocks (see `Store::removals`).
+    pub removals: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {

@@ -196,6 +196,11 @@ impl Inner {
             }
         }
         self.presence.removed(deleted);
+        if deleted > 0 {
+            // After the batch is durable and before the caller returns: a reader that sees
+            // the old count read the blocks before they left (see `Store::removals`).
+            self.counters.removals.fetch_add(1, Ordering::SeqCst);
+        }
         // The location cache is filled by reads only (a bulk load would otherwise push the
         // blocks being read out of it). A stored block was absent, so no entry can name it;
         // moved and deleted ones may be cached.

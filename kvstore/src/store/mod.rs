@@ -336,6 +336,19 @@ impl Store {
         Ok(t.elapsed())
     }
 
+    /// How many index batches have removed blocks since the store opened (deletes of
+    /// ranges, documents and namespaces, eviction, corrupt records dropped while merging).
+    /// Stored blocks are otherwise immutable (a block already stored is never written
+    /// again), so a caller that keeps decoded KV of its own reads this before its read, and
+    /// while it still reads the same number nothing it keeps can have left the store or been
+    /// replaced.
+    pub fn removals(&self) -> u64 {
+        self.inner
+            .counters
+            .removals
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Counters and space accounting.
     pub fn stats(&self) -> crate::Stats {
         self.inner.stats()

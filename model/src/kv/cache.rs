@@ -142,7 +142,14 @@ impl KvCache {
             if capacity > total {
                 ts.push(pad.clone());
             }
-            Tensor::cat(&ts, 2).ctx("kv cache fill")
+            // The cache's buffers are its own (appends write into them in place), never a
+            // part's storage, which may be shared (a resident chunk's values): `cat` of one
+            // tensor would return that tensor itself.
+            match ts.as_slice() {
+                [one] => one.copy(),
+                _ => Tensor::cat(&ts, 2),
+            }
+            .ctx("kv cache fill")
         };
         let layers = (0..n_layers)
             .map(|l| Ok((side(l, false)?, side(l, true)?)))

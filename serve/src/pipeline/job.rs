@@ -120,6 +120,8 @@ pub(crate) struct Worker {
     pub cache_dtype: model::DType,
     /// `serve.load_threads`, resolved ([`super::load_threads`]).
     pub load_threads: usize,
+    /// Chunk KV kept on the model's device (`serve.resident_mb`).
+    pub resident: Arc<crate::resident::Resident>,
     pub metrics: Arc<Metrics>,
     pub faults: Arc<Faults>,
 }

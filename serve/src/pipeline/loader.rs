@@ -1,7 +1,8 @@
 //! The loader thread (`ragkv-loader`): reads each admitted query's chunk KV from the store
-//! (verified; what the local store misses, from the shared tier), imports it into tensors
-//! placed at the chunk's prompt positions, tokenizes the question, and hands the loaded
-//! query to the scheduler. It runs one query ahead of the model; how much of each load ran
+//! (verified; what the local store misses, from the shared tier; what is resident on the
+//! model's device, from there: [`crate::resident`]), imports it into tensors placed at the
+//! chunk's prompt positions, tokenizes the question, and hands the loaded query to the
+//! scheduler. It runs one query ahead of the model; how much of each load ran
 //! while the model was busy is measured ([`crate::overlap`]).
 
 use std::sync::atomic::Ordering;
@@ -18,7 +19,17 @@ use crate::assembly::Assembly;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::overlap::Timeline;
+use crate::resident::Resident;
 use crate::supervise::{contain, Faults};
+
+/// Where a query's chunk KV comes from, and what it goes into.
+pub(crate) struct Source<'a> {
+    pub corpus: &'a Corpus,
+    pub metrics: &'a Metrics,
+    pub resident: &'a Resident,
+    /// `serve.cache_dtype`.
+    pub cache_dtype: DType,
+}
 
 /// The loader loop; returns when its input queue closes or the scheduler's has gone.
 pub(crate) fn run(
@@ -72,7 +83,13 @@ fn load(
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
     let hits = std::mem::take(&mut job.hits);
     let start = prefix.tokens.len();
-    let chunks = match read_chunks(corpus, m, &job.query, hits, start, fanout, w.cache_dtype) {
+    let src = Source {
+        corpus,
+        metrics: m,
+        resident: &w.resident,
+        cache_dtype: w.cache_dtype,
+    };
+    let chunks = match read_chunks(&src, &job.query, hits, start, fanout) {
         Ok(c) => c,
         Err(e) => {
             finish_err(m, &job.events, e);
@@ -117,10 +134,7 @@ fn load(
 
 /// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in `dtype` on the
 /// model's device (the host-to-device copy happens here, on the loader thread, overlapping
-/// the decoder's work), placed for a prompt where the chunk starts at `pos`. `dtype` is
-/// [`Assembly::chunk_dtype`]'s: with the decoding cache's f16 the stored f16 values are used
-/// as they are and only the keys are widened, turned and rounded (on the CPU in one pass on
-/// this thread, [`model::Decoder::reposition`]), so the model thread just copies them in.
+/// the decoder's work), placed for a prompt where the chunk starts at `pos`; see [`place`].
 pub(crate) fn import(
     corpus: &Corpus,
     bytes: &[u8],
@@ -128,8 +142,24 @@ pub(crate) fn import(
     pos: usize,
     dtype: DType,
 ) -> model::Result<Kv> {
+    let kv = Kv::from_bytes(bytes, &corpus.layout(), corpus.model().device())?;
+    place(corpus, kv, assembly, pos, dtype)
+}
+
+/// A chunk's imported KV (the store's dtype, positions `0..n`, on the model's device) in
+/// `dtype`, placed for a prompt where the chunk starts at `pos`, and settled: any thread may
+/// use the result, and `kv` itself (left unchanged) too. `dtype` is
+/// [`Assembly::chunk_dtype`]'s: with the decoding cache's f16 the stored f16 values are used
+/// as they are and only the keys are widened, turned and rounded (on the CPU in one pass on
+/// this thread, [`model::Decoder::reposition`]), so the model thread just copies them in.
+fn place(
+    corpus: &Corpus,
+    kv: Kv,
+    assembly: Assembly,
+    pos: usize,
+    dtype: DType,
+) -> model::Result<Kv> {
     let model = &corpus.model();
-    let kv = Kv::from_bytes(bytes, &corpus.layout(), model.device())?;
     let kv = if dtype == model::Q8_CACHE {
         // Keys turn before they are quantized (re-positioning works on the stored floats);
         // the q8 cache then takes the rows as they are.
@@ -145,11 +175,11 @@ pub(crate) fn import(
     Ok(kv)
 }
 
-/// A chunk's stored KV into `buf`: from the corpus's namespace, or, when that misses and
-/// chunks are stored with a lossy codec, from the same model's lossless namespace (a store
-/// written before the codec changed serves as it did until `ragkv rematerialize` re-encodes
-/// it).
-fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<()> {
+/// A chunk's stored KV into `buf`: from the corpus's namespace (`Ok(true)`), or, when that
+/// misses and chunks are stored with a lossy codec, from the same model's lossless namespace
+/// (`Ok(false)`: a store written before the codec changed serves as it did until `ragkv
+/// rematerialize` re-encodes it).
+fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<bool> {
     let n = tokens.len();
     match corpus
         .store()
@@ -159,11 +189,11 @@ fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::R
             Some(src) => corpus
                 .store()
                 .get_batch_into(src, tokens, n, buf)
-                .map(|_| ())
+                .map(|_| false)
                 .map_err(|_| e),
             None => Err(e),
         },
-        r => r.map(|_| ()),
+        r => r.map(|_| true),
     }
 }
 
@@ -172,16 +202,15 @@ fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::R
 /// or not wanted (`kv=off`, `full`) comes without it. Chunks whose text tokenizes to nothing
 /// are left out.
 pub(crate) fn read_chunks(
-    corpus: &Corpus,
-    m: &Metrics,
+    src: &Source<'_>,
     query: &Query,
     hits: Vec<Hit>,
     mut pos: usize,
     fanout: &mut Fanout,
-    cache_dtype: DType,
 ) -> Result<Vec<Loaded>> {
+    let (corpus, m) = (src.corpus, src.metrics);
     let assembly = query.assembly;
-    let dtype = assembly.chunk_dtype(corpus.model().dtype(), cache_dtype);
+    let dtype = assembly.chunk_dtype(corpus.model().dtype(), src.cache_dtype);
     let mut placed = Vec::with_capacity(hits.len());
     for hit in hits {
         let tokens = match corpus.chunk_tokens(&hit.payload.text) {
@@ -196,7 +225,7 @@ pub(crate) fn read_chunks(
     let stored = query.kv == KvMode::On && assembly.uses_stored_kv();
     let loads = if stored {
         fanout.run(placed.len(), |i, buf| {
-            load_one(corpus, m, (assembly, dtype), &placed[i], buf)
+            load_one(src, (assembly, dtype), &placed[i], buf)
         })
     } else {
         placed.iter().map(|_| ChunkLoad::default()).collect()
@@ -207,6 +236,7 @@ pub(crate) fn read_chunks(
             .fold((0.0, 0.0), |(r, i), l| (r + ms(l.read), i + ms(l.import)));
         tracing::debug!(
             chunks = loads.len(),
+            resident = loads.iter().filter(|l| l.resident).count(),
             threads = fanout.threads().min(loads.len()),
             read_ms = read,
             import_ms = import,
@@ -241,30 +271,58 @@ struct ChunkLoad {
     kv: Option<Kv>,
     /// Its stored KV failed verification or import (to be recomputed and replaced).
     corrupt: bool,
+    /// It came from the resident tier.
+    resident: bool,
     read: Duration,
     import: Duration,
 }
 
-/// Reads (into `buf`), verifies and imports (as `dtype`, by `assembly`) one chunk's stored
-/// KV, placed at its prompt position `pos`.
+/// One chunk's stored KV as `dtype` (by `assembly`), placed at its prompt position `pos`:
+/// from the resident tier, or read (into `buf`), verified and imported (and then kept in
+/// the tier).
 fn load_one(
-    corpus: &Corpus,
-    m: &Metrics,
+    src: &Source<'_>,
     (assembly, dtype): (Assembly, DType),
     (pos, hit, tokens): &(usize, Hit, Vec<u32>),
     buf: &mut Vec<u8>,
 ) -> ChunkLoad {
+    let (corpus, m, resident) = (src.corpus, src.metrics, src.resident);
     let pos = *pos;
     let mut out = ChunkLoad::default();
+    let ns = corpus.namespace();
+    // Before the read: an entry kept from it is dropped once anything leaves the store.
+    let removals = corpus.store().removals();
+    if let Some(kv) = resident.get(ns, tokens, removals) {
+        let t = Instant::now();
+        match place(corpus, kv, assembly, pos, dtype) {
+            Ok(kv) => {
+                out.kv = Some(kv);
+                out.resident = true;
+                out.import = t.elapsed();
+                return out;
+            }
+            // Not the store's fault: read it as if it were not resident.
+            Err(e) => tracing::warn!(error = %e, "resident chunk KV does not place; reading it"),
+        }
+    }
     let t = Instant::now();
     let read = read_stored(corpus, tokens, buf);
     out.read = t.elapsed();
     match read {
-        Ok(_) => {
+        Ok(own) => {
             m.kv_bytes_loaded
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
             let t = Instant::now();
-            match import(corpus, buf, assembly, pos, dtype) {
+            let imported =
+                Kv::from_bytes(buf, &corpus.layout(), corpus.model().device()).and_then(|kv| {
+                    let kept = (own && resident.enabled()).then(|| kv.clone());
+                    let placed = place(corpus, kv, assembly, pos, dtype)?;
+                    if let Some(kept) = kept {
+                        resident.insert(ns, tokens, kept, buf.len(), removals);
+                    }
+                    Ok(placed)
+                });
+            match imported {
                 Ok(kv) => out.kv = Some(kv),
                 Err(e) => {
                     tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
@@ -359,7 +417,7 @@ fn fetch_remote(
         let lossy = corpus.lossless_source().is_some();
         let bytes: &[u8] = match put {
             Ok(_) if lossy => match read_stored(corpus, &c.tokens, buf) {
-                Ok(()) => buf,
+                Ok(_) => buf,
                 Err(e) => {
                     tracing::warn!(error = %e, %doc, "reading back the kept copy failed; using the fetched KV");
                     &f.kv

@@ -47,6 +47,6 @@ pub(crate) use assemble::{assemble, Request as AssembleRequest};
 pub(crate) use fanout::{load_threads, Fanout};
 pub(crate) use job::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 pub use job::{KvMode, Query};
-pub(crate) use loader::{read_chunks, run as loader};
+pub(crate) use loader::{read_chunks, run as loader, Source};
 pub(crate) use scheduler::{run as scheduler, Limits};
 pub(crate) use writeback::run as writeback;
