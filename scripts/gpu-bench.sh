@@ -37,6 +37,9 @@
 #   "ncu" for Nsight Compute's GPU time of every kernel of a short `bench model` run, into
 #     OUT/ncu.csv),
 # GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
+# GPU_BENCH_RESIDENT_MB (default 4096: `serve.resident_mb` of the ttft and peer steps, chunk KV
+#   kept in GPU memory between queries: `ttft_resident_p50`, and `bench peer`'s warm phase;
+#   0 turns it off);
 # RAGKV_CUDA_UPLOAD=plain runs candle's own host-to-device copy instead of the pinned one.
 # The peer step logs the server's batch steps and graph captures (RAGKV_LOG) into log.txt.
 set -euo pipefail
@@ -180,6 +183,7 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
     bench_peer=()
     server_peer=(--skip-llama)
   fi
+  local resident="${GPU_BENCH_RESIDENT_MB:-4096}"
   local synth_args=()
   for s in $shapes; do synth_args+=(--synthetic "$s"); done
   if [[ $steps == *" model "* ]]; then
@@ -211,7 +215,8 @@ EOF
     fi
     if [[ $steps == *" ttft "* ]]; then
       local ttft=("$ragkv" bench ttft --device cuda --model "$file" --quantized --dataset "$ds"
-        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" ${GPU_BENCH_TTFT_ARGS:-})
+        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" --resident-mb "$resident"
+        ${GPU_BENCH_TTFT_ARGS:-})
       # Should the pinned upload fail, the same run on candle's own copy.
       step "ttft:$s" 90 "${ttft[@]}" ||
         RAGKV_CUDA_UPLOAD=plain step "ttft-plain:$s" 90 "${ttft[@]}" || true
@@ -230,7 +235,7 @@ EOF
     if [[ $steps == *" peer "* && $s == "${shapes%% *}" ]]; then
       RAGKV_LOG="warn,serve::pipeline=debug,model::decoder=debug" \
         step "peer:$s" 150 "$ragkv" bench peer --device cuda --model "$file" --quantized \
-        --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 \
+        --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 --resident-mb "$resident" \
         "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
     fi
     # The same with a chunk's recomputed rows on the fused kernels (RAGKV_CUDA_REDO=on): its
