@@ -255,12 +255,16 @@ pub(crate) struct Side {
     pub(crate) answers: Vec<String>,
 }
 
+/// One side's phases. `before_each` runs before each cold query; with `prime`, each question
+/// is asked once, untimed, before its warm query (ragkv with a resident tier, which the cold
+/// pass emptied before every query).
 pub(crate) fn measure(
     name: &str,
     peer: &dyn Peer,
     prompts: &[Vec<u32>],
     args: &Args,
     before_each: &dyn Fn() -> Result<(), Error>,
+    prime: bool,
 ) -> Result<Side, Error> {
     let fail = |e: String| Error::Check(format!("{name}: {e}"));
     let n = prompts.len();
@@ -286,6 +290,9 @@ pub(crate) fn measure(
     side.ttft.sort_by(f64::total_cmp);
     side.ttft_retrieved.sort_by(f64::total_cmp);
     for i in 0..n {
+        if prime {
+            peer.ask(i).map_err(fail)?;
+        }
         let o = peer.ask(i).map_err(fail)?;
         eprintln!(
             "[peer] {name}: question {i} again (warm): first token {:.0} ms, stages {:?}",
@@ -420,7 +427,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             rag.drop_resident();
             crate::ttft::drop_segment_pages(&engine)
         };
-        measure("ragkv", &peer, &prompts, args, &cold)?
+        measure("ragkv", &peer, &prompts, args, &cold, args.resident_mb > 0)?
     };
     // The same prompts prefilled in full (`assembly: full`): the engines' numerics side by
     // side, without the stored chunks' assembly in between.
@@ -463,7 +470,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             prompts: &prompts,
             max_tokens: args.max_tokens,
         };
-        measure("llama-server", &peer, &prompts, args, &|| Ok(()))?
+        measure("llama-server", &peer, &prompts, args, &|| Ok(()), false)?
     };
     let mut out = lines(args, &ours, &theirs, prompt_mean, kv_hits_all)?;
     if let Some(detail) = out[0].detail.as_mut() {

@@ -54,13 +54,17 @@ pub(crate) fn measure_versus(
         max_tokens: args.max_tokens,
         assembly: None,
     };
-    let drop_pages = || crate::ttft::drop_segment_pages(engine);
+    let cold = || {
+        rag.drop_resident();
+        crate::ttft::drop_segment_pages(engine)
+    };
     let side = measure(
         &format!("ragkv-{}", name(versus)),
         &peer,
         prompts,
         args,
-        &drop_pages,
+        &cold,
+        args.resident_mb > 0,
     );
     drop(rt);
     drop(rag);
