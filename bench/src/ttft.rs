@@ -77,8 +77,8 @@ pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
     Ok(())
 }
 
-/// Nothing of the stored KV left in memory: the store's pages dropped, the resident tier
-/// emptied (the store's hot tier of decoded blocks stays; see [`run`]).
+/// Before a timing that reads cold: the store's pages dropped and the resident tier emptied
+/// (the store's own hot tier of decoded blocks stays; see [`run`]).
 fn cold(engine: &ingest::Engine, rag: &Rag) -> Result<(), Error> {
     rag.drop_resident();
     drop_segment_pages(engine)
