@@ -1,12 +1,13 @@
 //! The resident tier (`serve.resident_mb`): a chunk asked for again comes from the model's
-//! device with the answer unchanged, and once anything leaves the store every entry is read
-//! again. SmolLM2-135M, MiniLM, the example corpus.
+//! device with the answer unchanged (f16 and q8 caches, `naive` and `link:2`, against a
+//! server without the tier), and once anything leaves the store every entry is read again.
+//! SmolLM2-135M, MiniLM, the example corpus.
 
 mod common;
 
 use axum::http::StatusCode;
 use serde_json::{json, Value};
-use serve::ServeConfig;
+use serve::{CacheDtype, ServeConfig};
 
 use common::router::{call, fixture, start, teardown};
 
@@ -83,4 +84,62 @@ async fn chunks_come_back_from_the_device_until_blocks_leave_the_store() {
     ask(&app, question).await;
     assert_eq!(resident(&app).await, (0, 0, 0));
     teardown(app, rag, f).await;
+}
+
+/// Answers from resident chunks equal answers read from the store, for the strategies that
+/// use a chunk's stored values as they are (`naive`: its keys too) and for each cache dtype:
+/// nothing a query does to its chunks writes into the tensors the tier keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resident_chunks_answer_as_stored_ones_for_every_cache_and_strategy() {
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let question = "How long is the Meridian Railway?";
+    let ask_with = |app: axum::Router, assembly: &'static str| async move {
+        let q = json!({"question": question, "top_k": 2, "max_tokens": 12, "stream": false,
+                       "assembly": assembly});
+        let (s, r, text) = call(&app, "POST", "/v1/query", Some(q), None).await;
+        assert_eq!(s, StatusCode::OK, "{text}");
+        r["answer"].as_str().unwrap().to_string()
+    };
+    for cache in [CacheDtype::F16, CacheDtype::Q8] {
+        let mut stored = Vec::new();
+        let config = ServeConfig {
+            cache_dtype: cache,
+            ..ServeConfig::default()
+        };
+        let (rag, app) = start(&f, config);
+        for assembly in ["naive", "link:2"] {
+            stored.push(ask_with(app.clone(), assembly).await);
+        }
+        release(&f, app, rag).await;
+        let config = ServeConfig {
+            cache_dtype: cache,
+            resident_mb: 64,
+            ..ServeConfig::default()
+        };
+        let (rag, app) = start(&f, config);
+        for (assembly, want) in ["naive", "link:2"].into_iter().zip(&stored) {
+            // Read and kept, then twice from the tier.
+            for round in 0..3 {
+                let got = ask_with(app.clone(), assembly).await;
+                assert_eq!(&got, want, "{cache:?} {assembly} round {round}");
+            }
+        }
+        let (hits, _, _) = resident(&app).await;
+        assert!(hits >= 8, "{hits} resident hits");
+        release(&f, app, rag).await;
+    }
+    tokio::task::spawn_blocking(move || f.close())
+        .await
+        .unwrap();
+}
+
+/// Drops a server and waits until its threads have let go of the fixture's engine.
+async fn release(f: &common::router::Fixture, app: axum::Router, rag: std::sync::Arc<serve::Rag>) {
+    drop(app);
+    drop(rag);
+    let start = std::time::Instant::now();
+    while std::sync::Arc::strong_count(&f.engine) > 1 {
+        assert!(start.elapsed().as_secs() < 30, "the engine is still held");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
