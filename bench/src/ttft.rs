@@ -179,15 +179,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             .collect()
     };
     for q in &questions {
+        // One query of this question, 8 tokens, answered in full.
+        let ask = |kv, assembly| wait(submit(&rag, &q.question, args.top_k, 8, kv, assembly)?);
         cold(&engine, &rag)?;
-        let on = wait(submit(
-            &rag,
-            &q.question,
-            args.top_k,
-            8,
-            KvMode::On,
-            reposition,
-        )?)?;
+        let on = ask(KvMode::On, reposition)?;
         if on.kv_hits != on.citations.len() {
             return Err(Error::Check(format!(
                 "expected only KV hits: {:?}",
@@ -195,39 +190,13 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             )));
         }
         if args.resident_mb > 0 {
-            let r = wait(submit(
-                &rag,
-                &q.question,
-                args.top_k,
-                8,
-                KvMode::On,
-                reposition,
-            )?)?;
-            resident.ttft.push(r.timings.first_token_ms);
-            resident.loads.push(r.timings.load_ms);
-            resident.same += usize::from(r.answer == on.answer);
+            resident.add(&ask(KvMode::On, reposition)?, &on);
         }
-        let off = wait(submit(
-            &rag,
-            &q.question,
-            args.top_k,
-            8,
-            KvMode::Off,
-            reposition,
-        )?)?;
+        let off = ask(KvMode::Off, reposition)?;
         for s in &mut timed {
             cold(&engine, &rag)?;
-            let r = wait(submit(
-                &rag,
-                &q.question,
-                args.top_k,
-                8,
-                KvMode::On,
-                s.assembly,
-            )?)?;
-            s.ttft.push(r.timings.first_token_ms);
-            s.loads.push(r.timings.load_ms);
-            s.same += usize::from(r.answer == on.answer);
+            let r = ask(KvMode::On, s.assembly)?;
+            s.add(&r, &on);
         }
         agree += usize::from(on.answer == off.answer);
         stored.push(on.timings.first_token_ms);
@@ -390,6 +359,13 @@ impl Timed {
             loads: Vec::new(),
             same: 0,
         }
+    }
+
+    /// One query's figures; `first` is the question's first (`reposition`) answer.
+    fn add(&mut self, r: &serve::Final, first: &serve::Final) {
+        self.ttft.push(r.timings.first_token_ms);
+        self.loads.push(r.timings.load_ms);
+        self.same += usize::from(r.answer == first.answer);
     }
 }
 
