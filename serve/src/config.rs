@@ -91,6 +91,9 @@ pub struct ServeConfig {
     /// host-to-device copy; least recently used out first, dropped when blocks leave the
     /// store. Outside `kv_budget_mb`.
     pub resident_mb: usize,
+    /// With `resident_mb`: at start, fill the tier in the background with the chunks read
+    /// most often (the store's access statistics, kept across restarts), hottest first.
+    pub resident_warm: bool,
     /// Built-in schedule of `rematerialize` (cron syntax, UTC, 5 fields or 6 with seconds;
     /// empty: none), and what it redoes: `all`, `stale` or `hot:N`, at most
     /// `rematerialize_limit` chunks per run (0: no limit).
@@ -139,6 +142,7 @@ impl Default for ServeConfig {
             cache_dtype: CacheDtype::default(),
             load_threads: 0,
             resident_mb: 0,
+            resident_warm: true,
             rematerialize_cron: String::new(),
             rematerialize_scope: "all".into(),
             rematerialize_limit: 0,

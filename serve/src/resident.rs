@@ -118,6 +118,11 @@ impl Resident {
         self.budget > 0
     }
 
+    /// Bytes the tier may hold.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
     /// The chunk's imported KV if it is here and nothing has left the store since it was
     /// read (`removals`: the store's count now); an older entry is dropped.
     pub fn get(&self, ns: NamespaceId, tokens: &[u32], removals: u64) -> Option<Kv> {

@@ -95,6 +95,11 @@ impl Health {
         self.closing.store(true, Ordering::Release);
     }
 
+    /// Whether the pipeline is shutting down.
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
     /// Workers that stopped while the pipeline was open.
     pub fn dead(&self) -> Vec<&'static str> {
         if self.closing.load(Ordering::Acquire) {

@@ -143,3 +143,42 @@ async fn release(f: &common::router::Fixture, app: axum::Router, rag: std::sync:
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// A server starting with a resident tier fills it in the background with the chunks read
+/// most often before it started (`serve.resident_warm`), so their first query finds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_server_warms_the_tier_with_the_most_read_chunks() {
+    let f = tokio::task::spawn_blocking(fixture).await.unwrap();
+    let question = "Who won the Osterfeld chess tournament?";
+    let (rag, app) = start(&f, ServeConfig::default());
+    let before = ask(&app, question).await;
+    release(&f, app, rag).await;
+
+    let config = ServeConfig {
+        resident_mb: 64,
+        ..ServeConfig::default()
+    };
+    let (rag, app) = start(&f, config.clone());
+    let t = std::time::Instant::now();
+    while resident(&app).await.2 < 2 {
+        assert!(t.elapsed().as_secs() < 60, "the tier was not warmed");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let warm = ask(&app, question).await;
+    assert_eq!(resident(&app).await.0, 2, "both chunks found in the tier");
+    assert_eq!(before["answer"], warm["answer"]);
+    release(&f, app, rag).await;
+
+    // Without the warm-up the first query reads the store.
+    let (rag, app) = start(
+        &f,
+        ServeConfig {
+            resident_warm: false,
+            ..config
+        },
+    );
+    assert_eq!(resident(&app).await.2, 0);
+    ask(&app, question).await;
+    assert_eq!(resident(&app).await.0, 0);
+    teardown(app, rag, f).await;
+}

@@ -32,6 +32,7 @@
 //! | `scheduler` | `ragkv-model` | continuous batching: join, step, sample, leave |
 //! | `assemble` | `ragkv-model` | a query's prompt cache by its strategy |
 //! | `writeback` | `ragkv-materialize` | stores KV prefilled for missing chunks |
+//! | `warm` | `ragkv-resident-warm` | the resident tier filled with the most-read chunks at start |
 //!
 //! Imports run one way: `job`, `fanout` ← `loader` ← `assemble` ← `scheduler`, `job` ←
 //! `writeback`; [`crate::rag`] starts the threads and is the only door in.
@@ -41,6 +42,7 @@ mod fanout;
 mod job;
 mod loader;
 mod scheduler;
+mod warm;
 mod writeback;
 
 pub(crate) use assemble::{assemble, Request as AssembleRequest};
@@ -49,4 +51,5 @@ pub(crate) use job::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 pub use job::{KvMode, Query};
 pub(crate) use loader::{read_chunks, run as loader, Source};
 pub(crate) use scheduler::{run as scheduler, Limits};
+pub(crate) use warm::warm;
 pub(crate) use writeback::run as writeback;
