@@ -1,7 +1,7 @@
 //! The resident tier's warm-up (`ragkv-resident-warm`, `serve.resident_warm`): when a server
 //! starts with `serve.resident_mb`, the chunks queries read most often (the store's access
 //! statistics, which outlive the process) are imported onto the model's device in the
-//! background, hottest first, until the tier's budget is full, so that a restart does not
+//! background (as many as the tier's budget holds, hottest first), so that a restart does not
 //! cost the hot chunks' first reads. Reads go through the store's maintenance path (not
 //! counted as accesses); a chunk missing or damaged is skipped (a query will recompute it).
 //! The thread stops early once the server is gone or closing.
@@ -47,19 +47,25 @@ pub(crate) fn warm(
             hot.push((a.reads, tokens));
         }
     }
-    // Hottest first; equal counts in a stable order.
+    // Hottest first (equal counts in a stable order) while they fit; then imported coldest
+    // first, so that the hottest are the tier's most recently used.
     hot.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
     hot.dedup_by(|a, b| a.1 == b.1);
+    let mut room = resident.budget();
+    hot.retain(|(_, tokens)| {
+        let bytes = layout.bytes_for(tokens.len());
+        // A chunk that does not fit leaves room for a smaller one.
+        let fits = bytes <= room;
+        room -= if fits { bytes } else { 0 };
+        fits
+    });
     let mut done = Warmed::default();
     let mut buf = Vec::new();
-    for (_, tokens) in hot {
+    for (_, tokens) in hot.into_iter().rev() {
         if stop() {
             break;
         }
         let bytes = layout.bytes_for(tokens.len());
-        if done.bytes + bytes > resident.budget() {
-            continue; // a smaller one may still fit
-        }
         let removals = store.removals();
         if store
             .peek_into(ns, &tokens, tokens.len(), &mut buf)
