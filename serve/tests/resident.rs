@@ -42,6 +42,10 @@ async fn chunks_come_back_from_the_device_until_blocks_leave_the_store() {
     let again = ask(&app, question).await;
     assert_eq!(resident(&app).await, (2, 2, 2), "both chunks from the tier");
     assert_eq!(first["answer"], again["answer"]);
+    let (_, _, metrics) = call(&app, "GET", "/metrics", None, None).await;
+    for line in ["ragkv_resident_hits_total 2", "ragkv_resident_chunks 2"] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
+    }
 
     // A document the question does not retrieve leaves: every entry is read again (the tier
     // cannot tell which blocks went), with the same answer.
