@@ -71,12 +71,28 @@ pub enum Error {
         /// What does not match.
         why: String,
     },
+    /// The device failed an operation on good data (memory, a copy).
+    #[error("device: {what}: {why}")]
+    Device {
+        /// What was being done.
+        what: String,
+        /// The device's error.
+        why: String,
+    },
     /// The request does not fit the model (context length, empty prompt, ...).
     #[error("invalid input: {why}")]
     Input {
         /// What does not fit.
         why: String,
     },
+}
+
+impl Error {
+    /// Whether the KV bytes or tensors themselves do not fit the model's layout (as opposed
+    /// to an operation or the device failing on them): stored KV that errs so is damaged.
+    pub fn is_kv_mismatch(&self) -> bool {
+        matches!(self, Error::Kv { .. })
+    }
 }
 
 /// Result alias for the model crate.

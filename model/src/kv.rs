@@ -304,4 +304,24 @@ mod tests {
             }
         }
     }
+
+    /// Bytes that are not whole tokens of the layout are a mismatch (stored KV that errs so
+    /// is damaged); a device's failure is not.
+    #[test]
+    fn bytes_of_the_wrong_size_are_a_kv_mismatch() {
+        let kv = kv(4, 0.0);
+        let layout = kv.layout(DType::F16).unwrap();
+        let bytes = kv.to_bytes(DType::F16).unwrap();
+        assert_eq!(
+            Kv::from_bytes(&bytes, &layout, &Device::Cpu).unwrap().len(),
+            4
+        );
+        let e = Kv::from_bytes(&bytes[..bytes.len() - 2], &layout, &Device::Cpu).unwrap_err();
+        assert!(e.is_kv_mismatch(), "{e}");
+        let device = Error::Device {
+            what: "device alloc".into(),
+            why: "out of memory".into(),
+        };
+        assert!(!device.is_kv_mismatch());
+    }
 }

@@ -100,8 +100,9 @@ mod cuda {
     }
 
     fn err(what: &str, e: impl std::fmt::Display) -> Error {
-        Error::Kv {
-            why: format!("{what}: {e}"),
+        Error::Device {
+            what: what.to_string(),
+            why: e.to_string(),
         }
     }
 

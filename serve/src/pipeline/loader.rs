@@ -324,9 +324,14 @@ fn load_one(
                 });
             match imported {
                 Ok(kv) => out.kv = Some(kv),
-                Err(e) => {
-                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not import; recomputing and replacing it");
+                Err(e) if e.is_kv_mismatch() => {
+                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not fit the model; recomputing and replacing it");
                     out.corrupt = true;
+                }
+                // The device failed (e.g. out of memory), not the data: recomputed, the stored
+                // copy left as it is.
+                Err(e) => {
+                    tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV could not be imported; recomputing");
                 }
             }
             out.import = t.elapsed();
