@@ -425,10 +425,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             max_tokens: args.max_tokens,
             assembly: None,
         };
-        let cold = || {
-            rag.drop_resident();
-            crate::ttft::drop_segment_pages(&engine)
-        };
+        let cold = || crate::ttft::cold(&engine, &rag);
         measure("ragkv", &peer, &prompts, args, &cold, args.resident_mb > 0)?
     };
     // The same prompts prefilled in full (`assembly: full`): the engines' numerics side by

@@ -79,7 +79,7 @@ pub(crate) fn drop_segment_pages(engine: &ingest::Engine) -> Result<(), Error> {
 
 /// Before a timing that reads cold: the store's pages dropped and the resident tier emptied
 /// (the store's own hot tier of decoded blocks stays; see [`run`]).
-fn cold(engine: &ingest::Engine, rag: &Rag) -> Result<(), Error> {
+pub(crate) fn cold(engine: &ingest::Engine, rag: &Rag) -> Result<(), Error> {
     rag.drop_resident();
     drop_segment_pages(engine)
 }

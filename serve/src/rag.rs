@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::overlap::Timeline;
 use crate::pipeline::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 use crate::resident::{Resident, ResidentStats};
-use crate::supervise::{contain, Faults, Health, Ticket};
+use crate::supervise::{Faults, Health, Ticket};
 
 use crate::events::{Event, Timings};
 use crate::pipeline::Query;
@@ -174,31 +174,12 @@ impl Rag {
             )?;
         }
         if resident.enabled() && config.resident_warm {
-            // Not a health-watched worker: it ends when the tier is full. It stops early once
-            // the server is closing or gone (the last holder of the tier).
-            let (r, corpus, m, h) = (
+            workers.push(crate::pipeline::start_warm(
                 resident.clone(),
                 engine.corpus().clone(),
                 metrics.clone(),
                 health.clone(),
-            );
-            let warm = move || {
-                let stop = || h.is_closing() || Arc::strong_count(&r) == 1;
-                match contain("ragkv-resident-warm", &m, || {
-                    crate::pipeline::warm(&r, &corpus, stop)
-                }) {
-                    Ok(Ok(_)) | Err(_) => {}
-                    Ok(Err(e)) => tracing::warn!(error = %e.chain(), "resident warm-up failed"),
-                }
-            };
-            std::thread::Builder::new()
-                .name("ragkv-resident-warm".into())
-                .spawn(warm)
-                .map(|h| workers.push(h))
-                .map_err(|source| Error::Spawn {
-                    thread: "ragkv-resident-warm",
-                    source,
-                })?;
+            )?);
         }
         let maintenance = crate::Maintenance::new(engine.clone(), metrics.clone());
         maintenance.schedule(config.schedules()?)?;

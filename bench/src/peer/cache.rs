@@ -54,10 +54,7 @@ pub(crate) fn measure_versus(
         max_tokens: args.max_tokens,
         assembly: None,
     };
-    let cold = || {
-        rag.drop_resident();
-        crate::ttft::drop_segment_pages(engine)
-    };
+    let cold = || crate::ttft::cold(engine, &rag);
     let side = measure(
         &format!("ragkv-{}", name(versus)),
         &peer,

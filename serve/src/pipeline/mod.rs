@@ -51,5 +51,5 @@ pub(crate) use job::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 pub use job::{KvMode, Query};
 pub(crate) use loader::{read_chunks, run as loader, Source};
 pub(crate) use scheduler::{run as scheduler, Limits};
-pub(crate) use warm::warm;
+pub(crate) use warm::start as start_warm;
 pub(crate) use writeback::run as writeback;

@@ -6,30 +6,47 @@
 //! counted as accesses); a chunk missing or damaged is skipped (a query will recompute it).
 //! The thread stops early once the server is gone or closing.
 
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ingest::Corpus;
 use model::Kv;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
 use crate::resident::Resident;
+use crate::supervise::{contain, Health};
 
-/// What a warm-up did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Warmed {
-    /// Chunks imported into the tier.
-    pub chunks: usize,
-    /// Their bytes.
-    pub bytes: usize,
+/// Starts the warm-up thread. Not a health-watched worker: it ends once the tier is full,
+/// and early once the server is closing or gone (the thread then holds the last reference
+/// to the tier); a panic in it is contained and counted.
+pub(crate) fn start(
+    resident: Arc<Resident>,
+    corpus: Arc<Corpus>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> Result<JoinHandle<()>> {
+    let run = move || {
+        let stop = || health.is_closing() || Arc::strong_count(&resident) == 1;
+        if let Ok(Err(e)) = contain("ragkv-resident-warm", &metrics, || {
+            warm(&resident, &corpus, stop)
+        }) {
+            tracing::warn!(error = %e.chain(), "resident warm-up failed");
+        }
+    };
+    std::thread::Builder::new()
+        .name("ragkv-resident-warm".into())
+        .spawn(run)
+        .map_err(|source| Error::Spawn {
+            thread: "ragkv-resident-warm",
+            source,
+        })
 }
 
 /// Imports the most-read chunks of `corpus` into `resident` until its budget is full, or
 /// `stop` says to end. Chunks never read are left out: nothing says they will be.
-pub(crate) fn warm(
-    resident: &Resident,
-    corpus: &Corpus,
-    stop: impl Fn() -> bool,
-) -> Result<Warmed> {
+fn warm(resident: &Resident, corpus: &Corpus, stop: impl Fn() -> bool) -> Result<()> {
     let t = Instant::now();
     let ns = corpus.namespace();
     let store = corpus.store();
@@ -37,7 +54,7 @@ pub(crate) fn warm(
     let mut hot: Vec<(u32, Vec<u32>)> = Vec::new();
     for (_, p) in corpus.index().points()? {
         if stop() {
-            return Ok(Warmed::default());
+            return Ok(());
         }
         if p.kv_key.is_empty() {
             continue; // not materialized (lazy, or vectors only)
@@ -59,7 +76,7 @@ pub(crate) fn warm(
         room -= if fits { bytes } else { 0 };
         fits
     });
-    let mut done = Warmed::default();
+    let (mut chunks, mut total) = (0, 0);
     let mut buf = Vec::new();
     for (_, tokens) in hot.into_iter().rev() {
         if stop() {
@@ -83,14 +100,14 @@ pub(crate) fn warm(
             }
         };
         resident.insert(ns, &tokens, kv, bytes, removals);
-        done.chunks += 1;
-        done.bytes += bytes;
+        chunks += 1;
+        total += bytes;
     }
     tracing::info!(
-        chunks = done.chunks,
-        mib = done.bytes >> 20,
+        chunks,
+        mib = total >> 20,
         secs = t.elapsed().as_secs_f64(),
         "resident tier warmed with the most-read chunks"
     );
-    Ok(done)
+    Ok(())
 }
