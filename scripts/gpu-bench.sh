@@ -27,7 +27,9 @@
 #     then on candle's operations instead of the fused GPU ones;
 #   "ab-last" for the first of those alone (the newest change);
 #   "redo" for `bench peer` again with RAGKV_CUDA_REDO=on (a chunk's recomputed rows on the
-#     fused kernels, off by default until its answers are compared);
+#     fused kernels, off by default until its answers are compared), and `bench ttft
+#     --strategy link:K` with it on the first shape (log.txt says whether each strategy's
+#     answers equal the "repair" step's);
 #   "repair" for `bench ttft --strategy S` on every shape (`link:2` to `link:64`, and the heavy
 #     `reposition+recompute:0.5`, `query-aware:0.3`): what each repair costs in time to first
 #     token against `reposition` on the GPU (issue 39's budget is 1.5x; on two CPU cores
@@ -244,6 +246,24 @@ EOF
       RAGKV_CUDA_REDO=on step "peer-redo:$s" 150 "$ragkv" bench peer --device cuda \
         --model "$file" --quantized --dataset "$ds" --docs 200 --clients 1,8 --rounds 1 \
         "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
+      # The repairs' cost with their rows on the fused kernels (issue 39's budget: 1.5x
+      # `reposition`), and whether they answer as candle's operations do: each strategy's
+      # answers_digest against the "repair" step's, when that step ran in this OUT.
+      RAGKV_CUDA_REDO=on step "repair-redo:$s" 120 "$ragkv" bench ttft --device cuda \
+        --model "$file" --quantized --dataset "$ds" --docs 200 --questions 10 \
+        --dir "$root/ttft-${s%%:*}" --strategy link:2 --strategy link:16 --strategy link:64 || true
+      python3 - "$res" "$s" >>"$logf" 2>&1 <<'EOF2' || true
+import json, sys
+res, shape = sys.argv[1], sys.argv[2]
+lines = [json.loads(l) for l in open(res) if l.startswith("{")]
+def digests(step):
+    return {l["bench"]: l["detail"]["answers_digest"] for l in lines
+            if l.get("step") == step and "answers_digest" in (l.get("detail") or {})}
+off, on = digests("repair:" + shape), digests("repair-redo:" + shape)
+for bench, d in sorted(on.items()):
+    print("=== fused recomputed rows, %s: %s" % (bench, "no repair run to compare" if bench not in off
+          else "same answers" if off[bench] == d else "answers differ"))
+EOF2
     fi
   done
   # The same `bench model` without CUDA graphs (the fused operations launched one by one),

@@ -266,6 +266,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
                 "kv_load_ms_p50": median(s.loads.clone()),
                 "reposition_kv_load_ms_p50": median(base.loads.clone()),
                 "answers_as_reposition": s.same,
+                "answers_digest": s.answers_digest(),
+                "reposition_answers_digest": base.answers_digest(),
                 "questions": questions.len(),
             }));
             lines.push(line);
@@ -349,6 +351,9 @@ struct Timed {
     loads: Vec<f64>,
     /// Answers equal to the question's first `reposition` answer.
     same: usize,
+    /// Every answer in question order, hashed: two runs of a strategy (e.g. with and without
+    /// a GPU path switched on) gave the same answers when their digests are equal.
+    digest: blake3::Hasher,
 }
 
 impl Timed {
@@ -358,6 +363,7 @@ impl Timed {
             ttft: Vec::new(),
             loads: Vec::new(),
             same: 0,
+            digest: blake3::Hasher::new(),
         }
     }
 
@@ -366,6 +372,14 @@ impl Timed {
         self.ttft.push(r.timings.first_token_ms);
         self.loads.push(r.timings.load_ms);
         self.same += usize::from(r.answer == first.answer);
+        // Length first, so that no two lists of answers hash alike.
+        self.digest.update(&(r.answer.len() as u64).to_le_bytes());
+        self.digest.update(r.answer.as_bytes());
+    }
+
+    /// The answers' digest (16 hex digits).
+    fn answers_digest(&self) -> String {
+        self.digest.finalize().to_hex()[..16].to_string()
     }
 }
 
