@@ -29,6 +29,7 @@ mod device;
 mod error;
 mod generate;
 mod gguf;
+mod gguf_reader;
 mod gpu_graph;
 mod gpu_ops;
 pub mod hub;

@@ -334,6 +334,7 @@ mod test_util;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub(crate) mod half_rows;
+pub(crate) mod iq4;
 pub(crate) mod kpacked;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod kquant;

@@ -247,12 +247,10 @@ impl Tokenizer {
     pub fn load(source: &crate::ModelSource) -> Result<Tokenizer> {
         match source {
             crate::ModelSource::Gguf(path) => {
-                let mut file = fs_err::File::open(path)?;
+                let mut file = std::io::BufReader::new(fs_err::File::open(path)?);
                 let content =
-                    candle_core::quantized::gguf_file::Content::read(&mut file).map_err(|e| {
-                        Error::Config {
-                            why: format!("{} is not a readable GGUF file: {e}", path.display()),
-                        }
+                    crate::gguf_reader::GgufFile::read(&mut file).map_err(|e| Error::Config {
+                        why: format!("{}: {e}", path.display()),
                     })?;
                 Tokenizer::from_gguf(&content.metadata)
             }

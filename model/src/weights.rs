@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{Activation, Arch, HfConfig, LayerPattern, ModelConfig, RopeStyle};
 use crate::error::{Ctx, Error, Result};
 use crate::gguf::{hf_name, shifted_norm, GgufMeta};
+use crate::gguf_reader::{GgufFile, TensorEntry, TensorType};
 use crate::quant::packed::{PackKind, Packed};
 use crate::source::ModelSource;
 
@@ -129,8 +130,21 @@ fn unpermute(w: &Tensor, heads: usize) -> Result<Tensor> {
 /// Whether a GGUF tensor stays in its file's blocks: a matrix in a quantized block type, or in
 /// F16 / BF16 (multiplied as they are, half of f32's bytes); f32 ones are converted like any
 /// dense weight.
-fn keep_quantized(info: &gguf_file::TensorInfo) -> bool {
-    info.shape.rank() == 2 && info.ggml_dtype != GgmlDType::F32
+fn keep_quantized(info: &TensorEntry) -> bool {
+    info.dims.len() == 2 && info.ty != TensorType::Ggml(GgmlDType::F32)
+}
+
+/// A GGUF header's error, naming the file.
+fn in_file(path: &Path, e: Error) -> Error {
+    match e {
+        Error::Config { why } => Error::Config {
+            why: format!("{}: {why}", path.display()),
+        },
+        Error::Unsupported { what } => Error::Unsupported {
+            what: format!("{what} in {}", path.display()),
+        },
+        other => other,
+    }
 }
 
 /// Reads a GGUF file: config, weights (matrices kept quantized when `quantized`, see
@@ -141,10 +155,8 @@ pub(crate) fn load_gguf(
     quantized: bool,
     device: &Device,
 ) -> Result<(ModelConfig, Weights, HashMap<String, gguf_file::Value>)> {
-    let mut file = fs_err::File::open(path)?;
-    let content = gguf_file::Content::read(&mut file).map_err(|e| Error::Config {
-        why: format!("{} is not a readable GGUF file: {e}", path.display()),
-    })?;
+    let mut file = std::io::BufReader::new(fs_err::File::open(path)?);
+    let content = GgufFile::read(&mut file).map_err(|e| in_file(path, e))?;
     let meta = GgufMeta(&content.metadata);
     let arch_name = meta.str("general.architecture")?.to_string();
     // llama.cpp's converter writes Mistral (v0.1-v0.3, Nemo) as `llama`; the sliding window
@@ -199,11 +211,9 @@ pub(crate) fn load_gguf(
         } else {
             RopeStyle::Half
         },
-        tie_embeddings: !content.tensor_infos.contains_key("output.weight"),
-        attn_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
-        qk_norm: content
-            .tensor_infos
-            .contains_key("blk.0.attn_q_norm.weight"),
+        tie_embeddings: !content.tensors.contains_key("output.weight"),
+        attn_bias: content.tensors.contains_key("blk.0.attn_q.bias"),
+        qk_norm: content.tensors.contains_key("blk.0.attn_q_norm.weight"),
         // Gemma 3's window comes with the file; its pattern and local base are llama.cpp's
         // constants unless the file names them.
         sliding_window: if gemma {
@@ -234,10 +244,10 @@ pub(crate) fn load_gguf(
         max_positions: meta.usize(&k("context_length")).unwrap_or(4096),
     };
     let mut cfg = cfg;
-    if content.tensor_infos.contains_key("rope_freqs.weight") {
+    if content.tensors.contains_key("rope_freqs.weight") {
         let factors = content
-            .tensor(&mut file, "rope_freqs.weight", &Device::Cpu)
-            .and_then(|q| q.dequantize(&Device::Cpu))
+            .tensor(&mut file, "rope_freqs.weight", &Device::Cpu)?
+            .dequantize(&Device::Cpu)
             .and_then(|t| t.to_dtype(DType::F64))
             .and_then(|t| t.flatten_all())
             .and_then(|t| t.to_vec1::<f64>())
@@ -256,16 +266,14 @@ pub(crate) fn load_gguf(
     let mut quant = HashMap::new();
     let mut packed = HashMap::new();
     let repack = device.is_cpu();
-    let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+    let names: Vec<String> = content.tensors.keys().cloned().collect();
     for name in names {
         let Some(hf) = hf_name(&name, arch) else {
             tracing::debug!(tensor = %name, "ignoring GGUF tensor");
             continue;
         };
-        if quantized && keep_quantized(&content.tensor_infos[&name]) {
-            let q = content
-                .tensor(&mut file, &name, device)
-                .ctx(&format!("reading {name}"))?;
+        if quantized && keep_quantized(&content.tensors[&name]) {
+            let q = content.tensor(&mut file, &name, device)?;
             match PackKind::of(q.dtype()).filter(|_| repack) {
                 Some(kind) => {
                     let (n, k) = q.shape().dims2().ctx(&format!("{name} dims"))?;
@@ -278,9 +286,7 @@ pub(crate) fn load_gguf(
             }
             continue;
         }
-        let q = content
-            .tensor(&mut file, &name, &Device::Cpu)
-            .ctx(&format!("reading {name}"))?;
+        let q = content.tensor(&mut file, &name, &Device::Cpu)?;
         let t = q
             .dequantize(&Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
