@@ -2,9 +2,10 @@
 //! rather than by candle's reader, which refuses a whole file for one tensor type it does not
 //! know. Tensors of the types candle reads are handed to it unchanged; the non-linear 4-bit
 //! types llama.cpp's users download (`IQ4_NL`, and `IQ4_XS`, whose tensors fall back to
-//! `IQ4_NL` where a row is not a multiple of 256) are converted at load into `Q8_0` blocks
-//! ([`crate::quant::iq4`]), which every kernel path of ragkv multiplies; any other type is
-//! refused with its name.
+//! `IQ4_NL` where a row is not a multiple of 256) come out as `IQ4_NL` blocks for the CPU's
+//! repacked kernels ([`GgufFile::iq4_nl_blocks`]) or as `Q8_0` blocks of the same values for
+//! every other path ([`GgufFile::tensor`], [`crate::quant::iq4`]); any other type is refused
+//! with its name.
 //!
 //! The layout (GGUF v2 and v3, little-endian; v1 with 32-bit lengths):
 //!
@@ -289,10 +290,10 @@ impl GgufFile {
         name: &str,
         device: &Device,
     ) -> Result<QTensor> {
-        let e = self.tensors.get(name).ok_or_else(|| Error::Weight {
-            name: name.into(),
-            why: "not in the GGUF file".into(),
-        })?;
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| weight(name, "not in the GGUF file".into()))?;
         let Some((per_block, block_bytes)) = e.ty.iq_block() else {
             let TensorType::Ggml(ggml_dtype) = e.ty else {
                 unreachable!("every other type is a candle one")
@@ -306,260 +307,72 @@ impl GgufFile {
                 .read(r, self.data_offset, device)
                 .ctx(&format!("reading {name}"));
         };
-        let weight = |why: String| Error::Weight {
-            name: name.into(),
-            why,
+        let raw = self.raw(r, name, e, per_block, block_bytes)?;
+        let q8 = match e.ty {
+            TensorType::Iq4Nl => iq4::nl_to_q8_0(&raw),
+            _ => iq4::xs_to_q8_0(&raw),
+        }
+        .map_err(|why| weight(name, why))?;
+        ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &q8, e.dims.clone(), device)
+            .ctx(&format!("reading {name}"))
+    }
+
+    /// The tensor `name` as `IQ4_NL` blocks, row after row, when the file holds it in one of
+    /// the `IQ4` types (`IQ4_XS` rewritten, [`iq4::xs_to_nl`]); `None` for any other type.
+    pub fn iq4_nl_blocks<R: Read + Seek>(&self, r: &mut R, name: &str) -> Result<Option<Vec<u8>>> {
+        let Some(e) = self.tensors.get(name) else {
+            return Ok(None);
         };
+        let Some((per_block, block_bytes)) = e.ty.iq_block() else {
+            return Ok(None);
+        };
+        let raw = self.raw(r, name, e, per_block, block_bytes)?;
+        match e.ty {
+            TensorType::Iq4Xs => iq4::xs_to_nl(&raw).map(Some),
+            _ => Ok(Some(raw)),
+        }
+        .map_err(|why| weight(name, why))
+    }
+
+    /// The bytes of `e` (`name`), blocks of `per_block` values in `block_bytes`.
+    fn raw<R: Read + Seek>(
+        &self,
+        r: &mut R,
+        name: &str,
+        e: &TensorEntry,
+        per_block: usize,
+        block_bytes: usize,
+    ) -> Result<Vec<u8>> {
         let row = e.dims.last().copied().unwrap_or(0);
         if row == 0 || !row.is_multiple_of(per_block) {
-            return Err(weight(format!(
-                "rows of {row} values in blocks of {per_block}"
-            )));
+            return Err(weight(
+                name,
+                format!("rows of {row} values in blocks of {per_block}"),
+            ));
         }
         let elems: usize = e.dims.iter().product();
         let len = (elems / per_block * block_bytes) as u64;
         let start = self.data_offset.saturating_add(e.offset);
         let size = r.seek(SeekFrom::End(0))?;
         if start.saturating_add(len) > size {
-            return Err(weight(format!(
-                "{len} bytes at {start} in a file of {size} bytes"
-            )));
+            return Err(weight(
+                name,
+                format!("{len} bytes at {start} in a file of {size} bytes"),
+            ));
         }
         let mut raw = vec![0; len as usize];
         r.seek(SeekFrom::Start(start))?;
         r.read_exact(&mut raw)?;
-        let q8 = match e.ty {
-            TensorType::Iq4Nl => iq4::nl_to_q8_0(&raw),
-            _ => iq4::xs_to_q8_0(&raw),
-        }
-        .map_err(weight)?;
-        ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &q8, e.dims.clone(), device)
-            .ctx(&format!("reading {name}"))
+        Ok(raw)
+    }
+}
+
+fn weight(name: &str, why: String) -> Error {
+    Error::Weight {
+        name: name.into(),
+        why,
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::iq4::LEVELS;
-    use crate::synthetic_shape::{write_shaped, Shape};
-    use crate::Arch;
-    use half::f16;
-
-    fn tiny() -> Shape {
-        Shape {
-            name: "tiny",
-            arch: Arch::Qwen2,
-            hidden: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            intermediate: 256,
-            vocab: 400,
-            rope_theta: 10_000.0,
-            context: 512,
-        }
-    }
-
-    fn open(path: &std::path::Path) -> std::io::BufReader<fs_err::File> {
-        std::io::BufReader::new(fs_err::File::open(path).unwrap())
-    }
-
-    /// A GGUF of one tensor `w`: `ne0` values per row, `rows` rows, type `code`, `data`.
-    fn one_tensor(code: u32, ne0: u64, rows: u64, data: &[u8]) -> Vec<u8> {
-        let mut f = b"GGUF".to_vec();
-        f.extend(3u32.to_le_bytes());
-        f.extend(1u64.to_le_bytes()); // tensors
-        f.extend(0u64.to_le_bytes()); // metadata
-        f.extend(1u64.to_le_bytes());
-        f.push(b'w');
-        f.extend(2u32.to_le_bytes());
-        f.extend(ne0.to_le_bytes());
-        f.extend(rows.to_le_bytes());
-        f.extend(code.to_le_bytes());
-        f.extend(0u64.to_le_bytes());
-        f.resize(f.len().div_ceil(32) * 32, 0);
-        f.extend(data);
-        f
-    }
-
-    #[test]
-    fn reads_what_candle_reads() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        write_shaped(&tiny(), GgmlDType::Q4_0, &path, 5).unwrap();
-        let theirs = candle_core::quantized::gguf_file::Content::read(&mut open(&path)).unwrap();
-        let mut r = open(&path);
-        let ours = GgufFile::read(&mut r).unwrap();
-        assert_eq!(ours.metadata.len(), theirs.metadata.len());
-        for (k, v) in &theirs.metadata {
-            assert_eq!(format!("{:?}", ours.metadata[k]), format!("{v:?}"), "{k}");
-        }
-        assert_eq!(ours.tensors.len(), theirs.tensor_infos.len());
-        assert_eq!(ours.data_offset, theirs.tensor_data_offset);
-        for (name, info) in &theirs.tensor_infos {
-            let e = &ours.tensors[name];
-            assert_eq!(e.ty, TensorType::Ggml(info.ggml_dtype), "{name}");
-            assert_eq!(e.dims, info.shape.dims(), "{name}");
-            let a = ours.tensor(&mut r, name, &Device::Cpu).unwrap();
-            let b = theirs.tensor(&mut open(&path), name, &Device::Cpu).unwrap();
-            assert_eq!(a.data().unwrap(), b.data().unwrap(), "{name}");
-        }
-    }
-
-    #[test]
-    fn an_iq4_nl_file_loads_as_the_values_it_holds() {
-        // IQ4_NL blocks are Q4_0's size: a Q4_0 file with its matrices' type codes turned to
-        // IQ4_NL's (20) is an IQ4_NL file of the same bytes.
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        write_shaped(&tiny(), GgmlDType::Q4_0, &path, 5).unwrap();
-        let q4 = GgufFile::read(&mut open(&path)).unwrap();
-        let mut bytes = fs_err::read(&path).unwrap();
-        let mut patched = 0;
-        for (name, e) in &q4.tensors {
-            if e.ty != TensorType::Ggml(GgmlDType::Q4_0) {
-                continue;
-            }
-            // The name's entry: its bytes, the dims' count and sizes, then the type code.
-            let mut key = (name.len() as u64).to_le_bytes().to_vec();
-            key.extend(name.as_bytes());
-            let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
-            let code = at + 4 + 8 * e.dims.len();
-            assert_eq!(bytes[code..code + 4], 2u32.to_le_bytes());
-            bytes[code..code + 4].copy_from_slice(&20u32.to_le_bytes());
-            patched += 1;
-        }
-        assert!(patched > 10);
-        let iq = dir.path().join("iq4_nl.gguf");
-        fs_err::write(&iq, &bytes).unwrap();
-        let mut r = open(&iq);
-        let file = GgufFile::read(&mut r).unwrap();
-        let name = "blk.0.ffn_down.weight";
-        assert_eq!(file.tensors[name].ty, TensorType::Iq4Nl);
-        let t = file.tensor(&mut r, name, &Device::Cpu).unwrap();
-        assert_eq!(t.dtype(), GgmlDType::Q8_0);
-        let raw = q4.tensor(&mut open(&path), name, &Device::Cpu).unwrap();
-        assert_eq!(t.shape().dims(), raw.shape().dims());
-        let want: Vec<f32> = raw
-            .data()
-            .unwrap()
-            .chunks_exact(18)
-            .flat_map(|b| {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                let lo = b[2..]
-                    .iter()
-                    .map(move |&q| d * f32::from(LEVELS[usize::from(q & 15)]));
-                let hi = b[2..]
-                    .iter()
-                    .map(move |&q| d * f32::from(LEVELS[usize::from(q >> 4)]));
-                lo.chain(hi).collect::<Vec<_>>()
-            })
-            .collect();
-        let got: Vec<f32> = t
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(got, want);
-        // The whole model loads and runs from it.
-        let src = crate::ModelSource::from_path(&iq).unwrap();
-        let model = crate::Model::load(&src, &crate::LoadOptions::default()).unwrap();
-        let (_, logits) = model.decoder().prefill(&[1, 2, 3, 300], 0).unwrap();
-        let v: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(v.iter().all(|x| x.is_finite()));
-    }
-
-    #[test]
-    fn iq4_xs_tensors_keep_their_shape_and_values() {
-        // Two rows of 512: four blocks; block i's scale 0.01 (i + 1), group scales 0..63 in
-        // turn, codes from a counter.
-        let mut data = Vec::new();
-        for i in 0..4u8 {
-            data.extend(f16::from_f32(0.01 * f32::from(i + 1)).to_le_bytes());
-            data.extend((0x9c4du16.wrapping_mul(u16::from(i) + 1)).to_le_bytes());
-            data.extend([0x3a, 0xc5, 0x7e, 0x01].map(|b: u8| b.wrapping_add(i)));
-            data.extend((0..128u8).map(|j| j.wrapping_mul(37).wrapping_add(i)));
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("xs.gguf");
-        fs_err::write(&path, one_tensor(23, 512, 2, &data)).unwrap();
-        let mut r = open(&path);
-        let file = GgufFile::read(&mut r).unwrap();
-        assert_eq!(file.tensors["w"].ty, TensorType::Iq4Xs);
-        let t = file.tensor(&mut r, "w", &Device::Cpu).unwrap();
-        assert_eq!(t.shape().dims(), &[2, 512]);
-        let got: Vec<f32> = t
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        // ggml's dequantize_row_iq4_xs.
-        let mut want = Vec::new();
-        for b in data.chunks_exact(136) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let sh = u16::from_le_bytes([b[2], b[3]]);
-            for ib in 0..8 {
-                let ls = i32::from((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf)
-                    | (i32::from((sh >> (2 * ib)) & 3) << 4);
-                let dl = d * (ls - 32) as f32;
-                let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
-                want.extend(
-                    qs.iter()
-                        .map(|&q| dl * f32::from(LEVELS[usize::from(q & 15)])),
-                );
-                want.extend(
-                    qs.iter()
-                        .map(|&q| dl * f32::from(LEVELS[usize::from(q >> 4)])),
-                );
-            }
-        }
-        assert_eq!(got.len(), want.len());
-        for (g, w) in got.iter().zip(&want) {
-            assert!((g - w).abs() <= w.abs() / 2048.0, "{g} against {w}");
-        }
-    }
-
-    #[test]
-    fn other_types_and_broken_headers_are_refused_with_what_is_wrong() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x.gguf");
-        // An IQ2_XXS tensor: named in the error.
-        fs_err::write(&path, one_tensor(16, 256, 1, &[0; 66])).unwrap();
-        let e = GgufFile::read(&mut open(&path)).err().unwrap().to_string();
-        assert!(e.contains("IQ2_XXS") && e.contains('w'), "{e}");
-        // An IQ4_XS tensor whose rows do not divide into 256-value blocks.
-        fs_err::write(&path, one_tensor(23, 128, 2, &[0; 136])).unwrap();
-        let mut r = open(&path);
-        let file = GgufFile::read(&mut r).unwrap();
-        let e = file
-            .tensor(&mut r, "w", &Device::Cpu)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("blocks of 256"), "{e}");
-        // Data cut short.
-        fs_err::write(&path, one_tensor(20, 64, 2, &[0; 40])).unwrap();
-        let mut r = open(&path);
-        let file = GgufFile::read(&mut r).unwrap();
-        let e = file
-            .tensor(&mut r, "w", &Device::Cpu)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("72 bytes"), "{e}");
-        // Not a GGUF file; a string longer than the file.
-        fs_err::write(&path, b"GGML\x03\0\0\0").unwrap();
-        assert!(GgufFile::read(&mut open(&path)).is_err());
-        let mut f = one_tensor(20, 32, 1, &[0; 18]);
-        f[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
-        fs_err::write(&path, f).unwrap();
-        let e = GgufFile::read(&mut open(&path)).err().unwrap().to_string();
-        assert!(e.contains("string"), "{e}");
-    }
-}
+mod tests;

@@ -27,6 +27,11 @@
 //! | Q5_0 | 22 | `d, qh[4], qs[16]` | `(q - 16) d` |
 //! | Q5_1 | 24 | `d, m, qh[4], qs[16]` | `q d + m` |
 //! | Q8_0 | 34 | `d, qs[32]` (i8) | `q d` |
+//! | IQ4_NL | 18 | `d, qs[16]` | `T[q] d` ([`iq4::LEVELS`]: 16 signed levels) |
+//!
+//! `IQ4_NL` (and `IQ4_XS`, whose groups become `IQ4_NL` blocks at load) is not a candle type:
+//! ragkv's GGUF reader hands its blocks straight to the repacked layout where the AVX2 kernels
+//! run ([`iq4`]), and converts them to `Q8_0` elsewhere.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -42,6 +47,8 @@ pub(crate) enum Kind {
     Q5_0,
     Q5_1,
     Q8_0,
+    /// llama.cpp's non-linear 4-bit type (not a [`GgmlDType`]: see [`iq4`]).
+    Iq4Nl,
 }
 
 impl Kind {
@@ -64,6 +71,7 @@ impl Kind {
             Kind::Q5_0 => 22,
             Kind::Q5_1 => 24,
             Kind::Q8_0 => 34,
+            Kind::Iq4Nl => 18,
         }
     }
 }
@@ -160,6 +168,12 @@ fn unpack(kind: Kind, blk: &[u8]) -> ([i32; QK], f32) {
                 *v = *b as i8 as i32;
             }
         }
+        Kind::Iq4Nl => {
+            for (j, b) in blk[2..18].iter().enumerate() {
+                q[j] = i32::from(iq4::LEVELS[usize::from(b & 0xF)]);
+                q[j + QK / 2] = i32::from(iq4::LEVELS[usize::from(b >> 4)]);
+            }
+        }
     }
     let m = match kind {
         Kind::Q4_1 | Kind::Q5_1 => half(blk, 2),
@@ -194,6 +208,7 @@ fn scalar_kernels(kind: Kind) -> Kernels {
         Kind::Q5_0 => k!(Kind::Q5_0),
         Kind::Q5_1 => k!(Kind::Q5_1),
         Kind::Q8_0 => k!(Kind::Q8_0),
+        Kind::Iq4Nl => k!(Kind::Iq4Nl),
     }
 }
 
@@ -345,7 +360,7 @@ mod packed_avx2;
 
 #[cfg(test)]
 mod tests {
-    use super::test_util::{uniform, weights};
+    use super::test_util::{iq4_nl_weights, uniform, weights};
     use super::*;
     use proptest::prelude::*;
 
@@ -364,9 +379,15 @@ mod tests {
     }
 
     fn check(vals: &[f32], x: &[f32], n: usize, k: usize) {
-        for (kind, dtype) in KINDS {
-            assert_eq!(Kind::of(dtype), Some(kind));
-            let (w, wd) = weights(vals, n, k, dtype);
+        let kinds = KINDS.iter().map(|&(kind, dtype)| (kind, Some(dtype)));
+        for (kind, dtype) in kinds.chain([(Kind::Iq4Nl, None)]) {
+            let (w, wd) = match dtype {
+                Some(dtype) => {
+                    assert_eq!(Kind::of(dtype), Some(kind));
+                    weights(vals, n, k, dtype)
+                }
+                None => iq4_nl_weights(vals, n, k),
+            };
             assert_eq!(w.len(), n * k / QK * kind.block_bytes(), "{kind:?} layout");
             let m = x.len() / k;
             // Reference: the dequantized weights times the quantized activations, in f64.

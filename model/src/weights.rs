@@ -18,6 +18,7 @@ use crate::error::{Ctx, Error, Result};
 use crate::gguf::{hf_name, shifted_norm, GgufMeta};
 use crate::gguf_reader::{GgufFile, TensorEntry, TensorType};
 use crate::quant::packed::{PackKind, Packed};
+use crate::quant::Kind;
 use crate::source::ModelSource;
 
 /// Weights by HF name: dense tensors, and matrices kept in their GGUF block type.
@@ -273,6 +274,18 @@ pub(crate) fn load_gguf(
             continue;
         };
         if quantized && keep_quantized(&content.tensors[&name]) {
+            // IQ4 matrices keep their 4-bit blocks where the AVX2 kernels run (VNNI CPUs
+            // included); elsewhere they are read as Q8_0 below.
+            if repack && crate::simd::avx2() {
+                if let Some(blocks) = content.iq4_nl_blocks(&mut file, &name)? {
+                    let (n, k) = (
+                        content.tensors[&name].dims[0],
+                        content.tensors[&name].dims[1],
+                    );
+                    packed.insert(hf, Arc::new(Packed::new(Kind::Iq4Nl, &blocks, n, k)));
+                    continue;
+                }
+            }
             let q = content.tensor(&mut file, &name, device)?;
             match PackKind::of(q.dtype()).filter(|_| repack) {
                 Some(kind) => {

@@ -37,6 +37,8 @@ pub(super) fn kernels(kind: Kind) -> Kernels {
         Kind::Q5_0 => k!(2),
         Kind::Q5_1 => k!(3),
         Kind::Q8_0 => k!(4),
+        // Only ever repacked (`packed_avx2`); the file-order path keeps the reference.
+        Kind::Iq4Nl => super::scalar_kernels(kind),
     }
 }
 

@@ -1,6 +1,6 @@
-//! llama.cpp's non-linear 4-bit blocks, `IQ4_NL` and `IQ4_XS`, rewritten at load as `Q8_0`
-//! blocks of the same values, so that every kernel path (the repacked CPU kernels, candle's
-//! CUDA products) multiplies them.
+//! llama.cpp's non-linear 4-bit blocks, `IQ4_NL` and `IQ4_XS`: as `IQ4_NL` blocks for the CPU's
+//! repacked AVX2 kernels, or as `Q8_0` blocks of the same values for every other path (candle's
+//! CUDA products, the portable one).
 //!
 //! Both index a fixed table of 16 signed 8-bit levels (denser near zero) with 4-bit codes;
 //! layouts (ggml's, little endian; element `j < 16` of a 32-value group is the low nibble of
@@ -12,11 +12,15 @@
 //! | IQ4_XS | 256 | 136 | `d: f16, scales_h: u16, scales_l[4], qs[128]` | `d · (s − 32) · T[q]`, `s` = 6 bits per group of 32: low 4 from `scales_l`, high 2 from `scales_h` |
 //! | Q8_0 (out) | 32 | 34 | `d: f16, q[32]: i8` | `d · q` |
 //!
+//! Where ragkv's AVX2 kernels run, `IQ4_NL` blocks are kept as they are (repacked: 4.5 bits per
+//! value, `IQ4_XS` rewritten as `IQ4_NL` blocks of 32 first, [`xs_to_nl`]) and multiplied through
+//! a byte shuffle of the table; elsewhere (a GPU, the portable path) they become `Q8_0`.
+//!
 //! `IQ4_NL` becomes `Q8_0` exactly (its scale and the table's levels are `Q8_0`'s scale and
 //! codes). An `IQ4_XS` group's scale `d · (s − 32)` is rounded to f16 (relative error at most
 //! 2⁻¹¹ in f16's normal range, below the 8-bit rounding every activation row gets before the
-//! product). The weights
-//! take 8.5 bits per value in memory, against the file's 4.25-4.5.
+//! product). As `Q8_0` the weights take 8.5 bits per value in memory, against the file's
+//! 4.25-4.5.
 
 use half::f16;
 
@@ -63,29 +67,34 @@ fn xs_scale(b: &[u8], g: usize) -> i32 {
     i32::from(low) | (i32::from((high >> (2 * g)) & 3) << 4)
 }
 
-/// `IQ4_XS` blocks as `Q8_0` blocks (each group's scale rounded to f16).
-pub(crate) fn xs_to_q8_0(raw: &[u8]) -> Result<Vec<u8>, String> {
+/// `IQ4_XS` blocks as `IQ4_NL` blocks: each group of 32 with its scale `d · (s − 32)` rounded
+/// to f16, and its codes as they are.
+pub(crate) fn xs_to_nl(raw: &[u8]) -> Result<Vec<u8>, String> {
     if !raw.len().is_multiple_of(XS_BYTES) {
         return Err(format!(
             "{} bytes of IQ4_XS blocks of {XS_BYTES}",
             raw.len()
         ));
     }
-    let mut out = Vec::with_capacity(raw.len() / XS_BYTES * 8 * Q8_BYTES);
+    let mut out = Vec::with_capacity(raw.len() / XS_BYTES * 8 * NL_BYTES);
     for b in raw.chunks_exact(XS_BYTES) {
         let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
         for g in 0..8 {
-            let dl = f16::from_f32(d * (xs_scale(b, g) - 32) as f32);
+            let s = xs_scale(b, g) - 32;
+            let dl = f16::from_f32(d * s as f32);
             if !dl.is_finite() {
-                return Err(format!(
-                    "a group scale of {d} × {} overflows f16",
-                    xs_scale(b, g) - 32
-                ));
+                return Err(format!("a group scale of {d} × {s} overflows f16"));
             }
-            q8_block(&mut out, dl.to_le_bytes(), &b[8 + 16 * g..8 + 16 * (g + 1)]);
+            out.extend(dl.to_le_bytes());
+            out.extend_from_slice(&b[8 + 16 * g..8 + 16 * (g + 1)]);
         }
     }
     Ok(out)
+}
+
+/// `IQ4_XS` blocks as `Q8_0` blocks (each group's scale rounded to f16).
+pub(crate) fn xs_to_q8_0(raw: &[u8]) -> Result<Vec<u8>, String> {
+    nl_to_q8_0(&xs_to_nl(raw)?)
 }
 
 #[cfg(test)]

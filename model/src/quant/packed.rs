@@ -22,10 +22,15 @@
 //! | Q5_0 | 352 | `d[16]` 0, `qh[64]` 32, `planes` 96 | `(u - 16) d` |
 //! | Q5_1 | 384 | `d[16]` 0, `m[16]` 32, `qh[64]` 64, `planes` 128 | `u d + m` |
 //! | Q8_0 | 544 | `d[16]` 0, `q[8][64]` 32 | `(u - 128) d` |
+//! | IQ4_NL | 288 | `d[16]` 0, `planes[4][64]` 32 | `T[u] d` (`u`: the 4-bit index; AVX2 kernels only, see below) |
 //!
 //! `d`, `m`: f16, one per row. 4/5-bit planes: byte `4r + c` of plane `j` holds vector `j`'s
 //! low four bits in its low nibble and vector `j + 4`'s in its high nibble; `qh` byte `4r + c`
 //! holds vector `i`'s fifth bit in bit `i`. Q8_0: byte `4r + c` of `q[i]`.
+//!
+//! `IQ4_NL` tiles are Q4_0's with the table's levels in place of `u − 8`; only the AVX2 kernels
+//! (`packed_avx2`: the index turned to its signed level by a byte shuffle, multiplied as Q8_0's
+//! signed quants are) take them, on VNNI CPUs too.
 //!
 //! With activations quantized per block (`d_y`, `q_y`, `s_y = d_y Σ q_y`), a tile's share of
 //! row `r`'s output is `d_r d_y Σ u q_y + m'_r s_y`, where `m' = m`, or `-bias · d` for the
@@ -52,7 +57,7 @@ impl Kind {
     /// Where the 4-bit planes (or Q8_0's bytes) start in a tile.
     fn quants_at(self) -> usize {
         match self {
-            Kind::Q4_0 | Kind::Q8_0 => 32,
+            Kind::Q4_0 | Kind::Q8_0 | Kind::Iq4Nl => 32,
             Kind::Q4_1 => 64,
             Kind::Q5_0 => 96,
             Kind::Q5_1 => 128,
@@ -68,13 +73,13 @@ impl Kind {
         }
     }
 
-    /// `u = q + bias` makes the quants unsigned.
+    /// `u = q + bias` makes the quants unsigned (`IQ4_NL` stores its index instead).
     fn bias(self) -> i32 {
         match self {
             Kind::Q4_0 => 8,
             Kind::Q5_0 => 16,
             Kind::Q8_0 => 128,
-            Kind::Q4_1 | Kind::Q5_1 => 0,
+            Kind::Q4_1 | Kind::Q5_1 | Kind::Iq4Nl => 0,
         }
     }
 
@@ -285,8 +290,13 @@ impl Packed {
 /// The 32-element-type matrices `which` of `ws` (VNNI where the CPU has it, else the
 /// portable loop).
 fn matmul_blocks(ws: &[&Packed], which: &[usize], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    // IQ4_NL tiles have AVX2 kernels only: a pass holding one takes them.
     #[cfg(target_arch = "x86_64")]
-    if Packed::available() {
+    if Packed::available()
+        && which
+            .iter()
+            .all(|&i| ws[i].kind != PackKind::Blocks(Kind::Iq4Nl))
+    {
         let mats = blocks_of(ws, which, |kind, tiles, n| avx512::Mat { kind, tiles, n });
         return avx512::packed_matmul(&mats, k, x);
     }
@@ -338,7 +348,14 @@ fn pack_blocks(kind: Kind, raw: &[u8], n: usize, k: usize) -> Vec<u8> {
             if kind.has_m() {
                 tile[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
             }
-            let (q, _) = unpack(kind, blk);
+            let (mut q, _) = unpack(kind, blk);
+            if kind == Kind::Iq4Nl {
+                // The index, not the level.
+                for (j, b) in blk[2..18].iter().enumerate() {
+                    q[j] = i32::from(b & 0xF);
+                    q[j + QK / 2] = i32::from(b >> 4);
+                }
+            }
             for (e, q) in q.iter().enumerate() {
                 let u = (q + kind.bias()) as u8;
                 let (i, pos) = (e / 4, 4 * r + e % 4);
@@ -378,7 +395,11 @@ fn dequantize_blocks_row(kind: Kind, tiles: &[u8], k: usize, j: usize, out: &mut
                 let hi = kind.qh_at().map_or(0, |at| tile[at + pos] >> i & 1);
                 lo | hi << 4
             };
-            *o = u as f32 * d + m;
+            *o = if kind == Kind::Iq4Nl {
+                f32::from(super::iq4::LEVELS[usize::from(u)]) * d
+            } else {
+                u as f32 * d + m
+            };
         }
     }
 }

@@ -5,6 +5,9 @@
 //! (4-bit quants) or four (5-bit) and `pmaddwd` widens them, and the block's scales apply to
 //! eight outputs at once. A decoded plane serves [`ROWS_PER_CALL`] activation rows.
 //!
+//! IQ4_NL's 4-bit indices become their signed levels by a byte shuffle and are multiplied
+//! as Q8_0's are.
+//!
 //! Q8_0's quants are stored `q + 128`, which `pmaddubsw` cannot take unsigned against signed
 //! activations without overflowing 16 bits: they are turned back to `q` and multiplied as
 //! `|q|` times the activation with `q`'s sign (llama.cpp's `mul_sum_i8_pairs`).
@@ -118,12 +121,13 @@ unsafe fn rows(
         Kind::Q5_0 => by_rows!(2),
         Kind::Q5_1 => by_rows!(3),
         Kind::Q8_0 => by_rows!(4),
+        Kind::Iq4Nl => by_rows!(5),
     }
 }
 
 /// Rows `8 first..8 first + n` of one group's `nb` tiles (`H` halves of eight rows from
 /// half `first`) against `R` activation rows (`nb` blocks each in `act`); row `i`'s results
-/// to `out + i * stride + 8 first`. `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0.
+/// to `out + i * stride + 8 first`. `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 IQ4_NL.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `first + H ≤ 2`; `out + i * stride + 8 first + l` is
@@ -141,8 +145,8 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
     stride: usize,
     n: usize,
 ) {
-    let tb = [288, 320, 352, 384, 544][K as usize];
-    let planes = [32, 64, 96, 128, 32][K as usize];
+    let tb = [288, 320, 352, 384, 544, 288][K as usize];
+    let planes = [32, 64, 96, 128, 32, 32][K as usize];
     assert!(tiles.len() >= nb * tb && act.len() >= R * nb && first + H <= 2 && n <= 8 * H);
     let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
@@ -171,7 +175,28 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             _mm256_set1_epi32(std::ptr::read_unaligned(q[r].add(i)))
         };
         let mut s = [[_mm256_setzero_si256(); H]; R];
-        if K == 4 {
+        if K == 5 {
+            // Each index to its signed level, then multiplied as Q8_0's quants are.
+            // SAFETY: `LEVELS` is 16 bytes.
+            let lut = _mm256_broadcastsi128_si256(unsafe {
+                _mm_loadu_si128(super::iq4::LEVELS.as_ptr().cast())
+            });
+            for j in 0..4 {
+                for e in 0..H {
+                    let p = load(planes + 64 * j, e);
+                    let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, m4));
+                    let hi =
+                        _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4));
+                    for (v, w) in [(j, lo), (j + 4, hi)] {
+                        let aw = _mm256_abs_epi8(w);
+                        for i in 0..R {
+                            let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(word(i, v), w));
+                            s[i][e] = _mm256_add_epi32(s[i][e], _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                }
+            }
+        } else if K == 4 {
             let flip = _mm256_set1_epi8(-128);
             for v in 0..8 {
                 for e in 0..H {
@@ -232,7 +257,7 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             for i in 0..R {
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(ys[i].d));
                 acc[i][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][e]), scale, acc[i][e]);
-                if K != 4 {
+                if K != 4 && K != 5 {
                     acc[i][e] = _mm256_fmadd_ps(m, _mm256_set1_ps(ys[i].s), acc[i][e]);
                 }
             }

@@ -19,6 +19,23 @@ pub(crate) fn weights(vals: &[f32], n: usize, k: usize, dtype: GgmlDType) -> (Ve
     (bytes, back)
 }
 
+/// IQ4_NL weights: Q4_0 blocks from candle (the same layout) read as IQ4_NL, and their
+/// values by ggml's `dequantize_row_iq4_nl`.
+pub(crate) fn iq4_nl_weights(vals: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let (w, _) = weights(vals, n, k, GgmlDType::Q4_0);
+    let wd = w
+        .chunks_exact(18)
+        .flat_map(|b| {
+            let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let level = move |q: u8| d * f32::from(super::iq4::LEVELS[usize::from(q)]);
+            let lo: Vec<f32> = b[2..].iter().map(|q| level(q & 0xF)).collect();
+            let hi: Vec<f32> = b[2..].iter().map(|q| level(q >> 4)).collect();
+            [lo, hi].concat()
+        })
+        .collect();
+    (w, wd)
+}
+
 /// Uniform values in `[-1, 1)` from `seed` (xorshift64).
 pub(crate) fn uniform(seed: u64) -> impl FnMut() -> f32 {
     let mut s = seed | 1;

@@ -46,6 +46,7 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
         Kind::Q5_0 => packed_rows::<2>,
         Kind::Q5_1 => packed_rows::<3>,
         Kind::Q8_0 => packed_rows::<4>,
+        Kind::Iq4Nl => unreachable!("IQ4_NL tiles take the AVX2 kernels (`matmul_blocks`)"),
     };
     for w in mats {
         let groups = w.n.div_ceil(ROWS);
