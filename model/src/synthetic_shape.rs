@@ -277,25 +277,27 @@ fn metadata(s: &Shape) -> Vec<(String, Value)> {
     meta
 }
 
+/// A Qwen2 shape small enough for unit tests (writes in milliseconds).
+#[cfg(test)]
+pub(crate) fn tiny() -> Shape {
+    Shape {
+        name: "tiny",
+        arch: Arch::Qwen2,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 256,
+        vocab: 400,
+        rope_theta: 10_000.0,
+        context: 512,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn tiny() -> Shape {
-        Shape {
-            name: "tiny",
-            arch: Arch::Qwen2,
-            hidden: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            intermediate: 256,
-            vocab: 400,
-            rope_theta: 10_000.0,
-            context: 512,
-        }
-    }
 
     #[test]
     fn written_files_load_with_the_shape_they_claim() {

@@ -2,28 +2,32 @@
 
 use super::*;
 use crate::quant::iq4::LEVELS;
-use crate::synthetic_shape::{write_shaped, Shape};
-use crate::Arch;
+use crate::synthetic_shape::{tiny, write_shaped};
 use half::f16;
-
-fn tiny() -> Shape {
-    Shape {
-        name: "tiny",
-        arch: Arch::Qwen2,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        intermediate: 256,
-        vocab: 400,
-        rope_theta: 10_000.0,
-        context: 512,
-    }
-}
 
 fn open(path: &std::path::Path) -> std::io::BufReader<fs_err::File> {
     std::io::BufReader::new(fs_err::File::open(path).unwrap())
+}
+
+/// A tensor's values.
+fn values(t: &QTensor) -> Vec<f32> {
+    t.dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The error reading tensor `w` of the file `bytes` at `path` gives.
+fn tensor_error(path: &std::path::Path, bytes: Vec<u8>) -> String {
+    fs_err::write(path, bytes).unwrap();
+    let mut r = open(path);
+    let file = GgufFile::read(&mut r).unwrap();
+    file.tensor(&mut r, "w", &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string()
 }
 
 /// A GGUF of one tensor `w`: `ne0` values per row, `rows` rows, type `code`, `data`.
@@ -117,13 +121,7 @@ fn an_iq4_nl_file_loads_as_the_values_it_holds() {
             lo.chain(hi).collect::<Vec<_>>()
         })
         .collect();
-    let got: Vec<f32> = t
-        .dequantize(&Device::Cpu)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let got = values(&t);
     assert_eq!(got, want);
     // The whole model loads from it (its matrices kept as IQ4_NL tiles where the AVX2
     // kernels run) and answers exactly as a Q8_0 file of the same values: both products
@@ -173,13 +171,7 @@ fn iq4_xs_tensors_keep_their_shape_and_values() {
     assert_eq!(file.tensors["w"].ty, TensorType::Iq4Xs);
     let t = file.tensor(&mut r, "w", &Device::Cpu).unwrap();
     assert_eq!(t.shape().dims(), &[2, 512]);
-    let got: Vec<f32> = t
-        .dequantize(&Device::Cpu)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let got = values(&t);
     // ggml's dequantize_row_iq4_xs.
     let mut want = Vec::new();
     for b in data.chunks_exact(136) {
@@ -215,24 +207,10 @@ fn other_types_and_broken_headers_are_refused_with_what_is_wrong() {
     let e = GgufFile::read(&mut open(&path)).err().unwrap().to_string();
     assert!(e.contains("IQ2_XXS") && e.contains('w'), "{e}");
     // An IQ4_XS tensor whose rows do not divide into 256-value blocks.
-    fs_err::write(&path, one_tensor(23, 128, 2, &[0; 136])).unwrap();
-    let mut r = open(&path);
-    let file = GgufFile::read(&mut r).unwrap();
-    let e = file
-        .tensor(&mut r, "w", &Device::Cpu)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = tensor_error(&path, one_tensor(23, 128, 2, &[0; 136]));
     assert!(e.contains("blocks of 256"), "{e}");
     // Data cut short.
-    fs_err::write(&path, one_tensor(20, 64, 2, &[0; 40])).unwrap();
-    let mut r = open(&path);
-    let file = GgufFile::read(&mut r).unwrap();
-    let e = file
-        .tensor(&mut r, "w", &Device::Cpu)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = tensor_error(&path, one_tensor(20, 64, 2, &[0; 40]));
     assert!(e.contains("72 bytes"), "{e}");
     // Not a GGUF file; a string longer than the file.
     fs_err::write(&path, b"GGML\x03\0\0\0").unwrap();
