@@ -215,7 +215,25 @@ fn bad(why: String) -> Error {
     }
 }
 
+/// A GGUF file opened for reading: its header parsed, the reader for its tensors.
+pub(crate) type Opened = (GgufFile, std::io::BufReader<fs_err::File>);
+
 impl GgufFile {
+    /// Opens `path` and parses its header; errors name the file.
+    pub fn open(path: &std::path::Path) -> Result<Opened> {
+        let mut r = std::io::BufReader::new(fs_err::File::open(path)?);
+        let file = GgufFile::read(&mut r).map_err(|e| match e {
+            Error::Config { why } => Error::Config {
+                why: format!("{}: {why}", path.display()),
+            },
+            Error::Unsupported { what } => Error::Unsupported {
+                what: format!("{what} in {}", path.display()),
+            },
+            other => other,
+        })?;
+        Ok((file, r))
+    }
+
     /// Parses the header of the file `r` reads (from its start).
     pub fn read<R: Read + Seek>(r: &mut R) -> Result<GgufFile> {
         let size = r.seek(SeekFrom::End(0))?;

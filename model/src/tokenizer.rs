@@ -247,11 +247,7 @@ impl Tokenizer {
     pub fn load(source: &crate::ModelSource) -> Result<Tokenizer> {
         match source {
             crate::ModelSource::Gguf(path) => {
-                let mut file = std::io::BufReader::new(fs_err::File::open(path)?);
-                let content =
-                    crate::gguf_reader::GgufFile::read(&mut file).map_err(|e| Error::Config {
-                        why: format!("{}: {e}", path.display()),
-                    })?;
+                let (content, _) = crate::gguf_reader::GgufFile::open(path)?;
                 Tokenizer::from_gguf(&content.metadata)
             }
             crate::ModelSource::HfDir(dir) => Tokenizer::from_hf_dir(dir),

@@ -135,19 +135,6 @@ fn keep_quantized(info: &TensorEntry) -> bool {
     info.dims.len() == 2 && info.ty != TensorType::Ggml(GgmlDType::F32)
 }
 
-/// A GGUF header's error, naming the file.
-fn in_file(path: &Path, e: Error) -> Error {
-    match e {
-        Error::Config { why } => Error::Config {
-            why: format!("{}: {why}", path.display()),
-        },
-        Error::Unsupported { what } => Error::Unsupported {
-            what: format!("{what} in {}", path.display()),
-        },
-        other => other,
-    }
-}
-
 /// Reads a GGUF file: config, weights (matrices kept quantized when `quantized`, see
 /// [`keep_quantized`]), and the raw metadata (for the tokenizer).
 pub(crate) fn load_gguf(
@@ -156,8 +143,7 @@ pub(crate) fn load_gguf(
     quantized: bool,
     device: &Device,
 ) -> Result<(ModelConfig, Weights, HashMap<String, gguf_file::Value>)> {
-    let mut file = std::io::BufReader::new(fs_err::File::open(path)?);
-    let content = GgufFile::read(&mut file).map_err(|e| in_file(path, e))?;
+    let (content, mut file) = GgufFile::open(path)?;
     let meta = GgufMeta(&content.metadata);
     let arch_name = meta.str("general.architecture")?.to_string();
     // llama.cpp's converter writes Mistral (v0.1-v0.3, Nemo) as `llama`; the sliding window
