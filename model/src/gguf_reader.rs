@@ -125,9 +125,11 @@ pub(crate) struct GgufFile {
     data_offset: u64,
 }
 
-/// Reads little-endian fields, bounded by the file's size.
+/// Reads little-endian fields, bounded by the file's size (the position counted here, not
+/// asked of the file: a vocabulary is ~100k strings).
 struct Fields<'a, R> {
     r: &'a mut R,
+    pos: u64,
     size: u64,
     wide: bool,
 }
@@ -136,6 +138,7 @@ impl<R: Read + Seek> Fields<'_, R> {
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0; N];
         self.r.read_exact(&mut b)?;
+        self.pos += N as u64;
         Ok(b)
     }
 
@@ -156,17 +159,18 @@ impl<R: Read + Seek> Fields<'_, R> {
         }
     }
 
-    fn remaining(&mut self) -> Result<u64> {
-        Ok(self.size.saturating_sub(self.r.stream_position()?))
+    fn remaining(&self) -> u64 {
+        self.size.saturating_sub(self.pos)
     }
 
     fn string(&mut self) -> Result<String> {
         let n = self.len()?;
-        if n > MAX_STRING || n > self.remaining()? {
+        if n > MAX_STRING || n > self.remaining() {
             return Err(bad(format!("a string of {n} bytes")));
         }
         let mut v = vec![0; n as usize];
         self.r.read_exact(&mut v)?;
+        self.pos += n;
         Ok(String::from_utf8_lossy(&v).into_owned())
     }
 
@@ -192,7 +196,7 @@ impl<R: Read + Seek> Fields<'_, R> {
                 let elem = self.u32()?;
                 let n = self.len()?;
                 // Every element takes at least a byte: no more of them than bytes left.
-                if n > MAX_ELEMENTS || n > self.remaining()? {
+                if n > MAX_ELEMENTS || n > self.remaining() {
                     return Err(bad(format!("an array of {n} elements")));
                 }
                 let mut v = Vec::with_capacity(n as usize);
@@ -240,6 +244,7 @@ impl GgufFile {
         r.seek(SeekFrom::Start(0))?;
         let mut f = Fields {
             r,
+            pos: 0,
             size,
             wide: true,
         };
@@ -253,10 +258,7 @@ impl GgufFile {
             v => return Err(bad(format!("version {v}"))),
         };
         let (tensors_n, meta_n) = (f.len()?, f.len()?);
-        if tensors_n > MAX_ELEMENTS
-            || meta_n > MAX_ELEMENTS
-            || tensors_n + meta_n > f.remaining()?
-        {
+        if tensors_n > MAX_ELEMENTS || meta_n > MAX_ELEMENTS || tensors_n + meta_n > f.remaining() {
             return Err(bad(format!(
                 "{tensors_n} tensors and {meta_n} metadata entries"
             )));
@@ -292,7 +294,7 @@ impl GgufFile {
             Some(Value::I32(a)) if *a > 0 => *a as u64,
             _ => DEFAULT_ALIGNMENT,
         };
-        let at = f.r.stream_position()?;
+        let at = f.pos;
         Ok(GgufFile {
             metadata,
             tensors,
