@@ -29,7 +29,9 @@
 #   "redo" for `bench peer` again with RAGKV_CUDA_REDO=on (a chunk's recomputed rows on the
 #     fused kernels, off by default until its answers are compared), and `bench ttft
 #     --strategy link:K` with it on the first shape (log.txt says whether each strategy's
-#     answers equal the "repair" step's);
+#     answers equal the "repair" step's: both steps' lines must be in the same OUT, so when
+#     they run in two calls give both the same OUT outside the device tool's fresh $OUT, e.g.
+#     /tmp/gb, and copy it into $OUT after each);
 #   "repair" for `bench ttft --strategy S` on every shape (`link:2` to `link:64`, and the heavy
 #     `reposition+recompute:0.5`, `query-aware:0.3`): what each repair costs in time to first
 #     token against `reposition` on the GPU (issue 39's budget is 1.5x; on two CPU cores
