@@ -344,7 +344,7 @@ pub(crate) mod packed;
 mod tile_pool;
 pub(crate) use tile_pool::{quantize_rows, tiled_matmul};
 #[cfg(test)]
-mod test_util;
+pub(crate) mod test_util;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

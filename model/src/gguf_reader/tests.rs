@@ -1,7 +1,7 @@
 //! The GGUF reader against candle's, and the IQ4 types end to end.
 
 use super::*;
-use crate::quant::iq4::LEVELS;
+use crate::quant::test_util::{iq4_nl_reference, iq4_xs_reference};
 use crate::synthetic_shape::{tiny, write_shaped};
 use half::f16;
 
@@ -106,21 +106,7 @@ fn an_iq4_nl_file_loads_as_the_values_it_holds() {
     assert_eq!(t.dtype(), GgmlDType::Q8_0);
     let raw = q4.tensor(&mut open(&path), name, &Device::Cpu).unwrap();
     assert_eq!(t.shape().dims(), raw.shape().dims());
-    let want: Vec<f32> = raw
-        .data()
-        .unwrap()
-        .chunks_exact(18)
-        .flat_map(|b| {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let lo = b[2..]
-                .iter()
-                .map(move |&q| d * f32::from(LEVELS[usize::from(q & 15)]));
-            let hi = b[2..]
-                .iter()
-                .map(move |&q| d * f32::from(LEVELS[usize::from(q >> 4)]));
-            lo.chain(hi).collect::<Vec<_>>()
-        })
-        .collect();
+    let want = iq4_nl_reference(&raw.data().unwrap());
     let got = values(&t);
     assert_eq!(got, want);
     // The whole model loads from it (its matrices kept as IQ4_NL tiles where the AVX2
@@ -172,26 +158,7 @@ fn iq4_xs_tensors_keep_their_shape_and_values() {
     let t = file.tensor(&mut r, "w", &Device::Cpu).unwrap();
     assert_eq!(t.shape().dims(), &[2, 512]);
     let got = values(&t);
-    // ggml's dequantize_row_iq4_xs.
-    let mut want = Vec::new();
-    for b in data.chunks_exact(136) {
-        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-        let sh = u16::from_le_bytes([b[2], b[3]]);
-        for ib in 0..8 {
-            let ls = i32::from((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf)
-                | (i32::from((sh >> (2 * ib)) & 3) << 4);
-            let dl = d * (ls - 32) as f32;
-            let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
-            want.extend(
-                qs.iter()
-                    .map(|&q| dl * f32::from(LEVELS[usize::from(q & 15)])),
-            );
-            want.extend(
-                qs.iter()
-                    .map(|&q| dl * f32::from(LEVELS[usize::from(q >> 4)])),
-            );
-        }
-    }
+    let want = iq4_xs_reference(&data);
     assert_eq!(got.len(), want.len());
     for (g, w) in got.iter().zip(&want) {
         assert!((g - w).abs() <= w.abs() / 2048.0, "{g} against {w}");

@@ -99,46 +99,9 @@ pub(crate) fn xs_to_q8_0(raw: &[u8]) -> Result<Vec<u8>, String> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::{iq4_nl_reference as ref_nl, iq4_xs_reference as ref_xs};
     use super::*;
     use proptest::prelude::*;
-
-    /// ggml's `dequantize_row_iq4_nl`.
-    fn ref_nl(raw: &[u8]) -> Vec<f32> {
-        let mut y = Vec::new();
-        for b in raw.chunks_exact(NL_BYTES) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let qs = &b[2..];
-            let mut v = [0f32; 32];
-            for j in 0..16 {
-                v[j] = d * f32::from(LEVELS[usize::from(qs[j] & 0xf)]);
-                v[j + 16] = d * f32::from(LEVELS[usize::from(qs[j] >> 4)]);
-            }
-            y.extend(v);
-        }
-        y
-    }
-
-    /// ggml's `dequantize_row_iq4_xs`.
-    fn ref_xs(raw: &[u8]) -> Vec<f32> {
-        let mut y = Vec::new();
-        for b in raw.chunks_exact(XS_BYTES) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let (scales_h, scales_l) = (u16::from_le_bytes([b[2], b[3]]), &b[4..8]);
-            for ib in 0..8 {
-                let ls = i32::from((scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf)
-                    | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
-                let dl = d * (ls - 32) as f32;
-                let qs = &b[8 + 16 * ib..];
-                let mut v = [0f32; 32];
-                for j in 0..16 {
-                    v[j] = dl * f32::from(LEVELS[usize::from(qs[j] & 0xf)]);
-                    v[j + 16] = dl * f32::from(LEVELS[usize::from(qs[j] >> 4)]);
-                }
-                y.extend(v);
-            }
-        }
-        y
-    }
 
     /// `Q8_0` blocks' values.
     fn q8(out: &[u8]) -> Vec<f32> {

@@ -348,16 +348,15 @@ fn pack_blocks(kind: Kind, raw: &[u8], n: usize, k: usize) -> Vec<u8> {
             if kind.has_m() {
                 tile[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
             }
-            let (mut q, _) = unpack(kind, blk);
-            if kind == Kind::Iq4Nl {
-                // The index, not the level.
-                for (j, b) in blk[2..18].iter().enumerate() {
-                    q[j] = i32::from(b & 0xF);
-                    q[j + QK / 2] = i32::from(b >> 4);
-                }
-            }
+            // IQ4_NL's tiles are Q4_0's: its 4-bit index stored, not its level.
+            let layout = if kind == Kind::Iq4Nl {
+                Kind::Q4_0
+            } else {
+                kind
+            };
+            let (q, _) = unpack(layout, blk);
             for (e, q) in q.iter().enumerate() {
-                let u = (q + kind.bias()) as u8;
+                let u = (q + layout.bias()) as u8;
                 let (i, pos) = (e / 4, 4 * r + e % 4);
                 if kind == Kind::Q8_0 {
                     tile[kind.quants_at() + 64 * i + pos] = u;

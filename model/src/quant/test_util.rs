@@ -19,20 +19,49 @@ pub(crate) fn weights(vals: &[f32], n: usize, k: usize, dtype: GgmlDType) -> (Ve
     (bytes, back)
 }
 
+/// One 32-value group of ggml's IQ4 dequantization: scale `dl`, 16 bytes of 4-bit codes.
+fn iq4_group(y: &mut Vec<f32>, dl: f32, qs: &[u8]) {
+    let level = |q: u8| dl * f32::from(super::iq4::LEVELS[usize::from(q)]);
+    y.extend(qs.iter().map(|&q| level(q & 0xF)));
+    y.extend(qs.iter().map(|&q| level(q >> 4)));
+}
+
+fn f16_at(b: &[u8]) -> f32 {
+    half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+/// ggml's `dequantize_row_iq4_nl` (blocks of 18 bytes).
+pub(crate) fn iq4_nl_reference(raw: &[u8]) -> Vec<f32> {
+    let mut y = Vec::new();
+    for b in raw.chunks_exact(18) {
+        iq4_group(&mut y, f16_at(b), &b[2..18]);
+    }
+    y
+}
+
+/// ggml's `dequantize_row_iq4_xs` (blocks of 136 bytes).
+pub(crate) fn iq4_xs_reference(raw: &[u8]) -> Vec<f32> {
+    let mut y = Vec::new();
+    for b in raw.chunks_exact(136) {
+        let (d, scales_h) = (f16_at(b), u16::from_le_bytes([b[2], b[3]]));
+        for ib in 0..8 {
+            let ls = i32::from((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf)
+                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
+            iq4_group(
+                &mut y,
+                d * (ls - 32) as f32,
+                &b[8 + 16 * ib..8 + 16 * ib + 16],
+            );
+        }
+    }
+    y
+}
+
 /// IQ4_NL weights: Q4_0 blocks from candle (the same layout) read as IQ4_NL, and their
-/// values by ggml's `dequantize_row_iq4_nl`.
+/// values by ggml's dequantization.
 pub(crate) fn iq4_nl_weights(vals: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
     let (w, _) = weights(vals, n, k, GgmlDType::Q4_0);
-    let wd = w
-        .chunks_exact(18)
-        .flat_map(|b| {
-            let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let level = move |q: u8| d * f32::from(super::iq4::LEVELS[usize::from(q)]);
-            let lo: Vec<f32> = b[2..].iter().map(|q| level(q & 0xF)).collect();
-            let hi: Vec<f32> = b[2..].iter().map(|q| level(q >> 4)).collect();
-            [lo, hi].concat()
-        })
-        .collect();
+    let wd = iq4_nl_reference(&w);
     (w, wd)
 }
 
