@@ -260,8 +260,8 @@ pub(crate) fn load_gguf(
             continue;
         };
         if quantized && keep_quantized(&content.tensors[&name]) {
-            // IQ4 matrices keep their 4-bit blocks where the AVX2 kernels run (VNNI CPUs
-            // included); elsewhere they are read as Q8_0 below.
+            // IQ4 matrices keep their 4-bit blocks where the tile kernels run (AVX2, and
+            // AVX-512 VNNI whose CPUs all have AVX2); elsewhere they are read as Q8_0 below.
             if repack && crate::simd::avx2() {
                 if let Some(blocks) = content.iq4_nl_blocks(&mut file, &name)? {
                     let (n, k) = (

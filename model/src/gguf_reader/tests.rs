@@ -109,9 +109,9 @@ fn an_iq4_nl_file_loads_as_the_values_it_holds() {
     let want = iq4_nl_reference(&raw.data().unwrap());
     let got = values(&t);
     assert_eq!(got, want);
-    // The whole model loads from it (its matrices kept as IQ4_NL tiles where the AVX2
-    // kernels run) and answers exactly as a Q8_0 file of the same values: both products
-    // sum the same integers per block.
+    // The whole model loads from it (its matrices kept as IQ4_NL tiles where the tile
+    // kernels run, AVX2 or VNNI) and answers exactly as a Q8_0 file of the same values: both
+    // products sum the same integers per block on either kernel path.
     let twin = dir.path().join("q8_0.gguf");
     let tensors: Vec<(String, QTensor)> = file
         .tensors

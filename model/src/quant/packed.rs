@@ -22,15 +22,15 @@
 //! | Q5_0 | 352 | `d[16]` 0, `qh[64]` 32, `planes` 96 | `(u - 16) d` |
 //! | Q5_1 | 384 | `d[16]` 0, `m[16]` 32, `qh[64]` 64, `planes` 128 | `u d + m` |
 //! | Q8_0 | 544 | `d[16]` 0, `q[8][64]` 32 | `(u - 128) d` |
-//! | IQ4_NL | 288 | `d[16]` 0, `planes[4][64]` 32 | `T[u] d` (`u`: the 4-bit index; AVX2 kernels only, see below) |
+//! | IQ4_NL | 288 | `d[16]` 0, `planes[4][64]` 32 | `T[u] d` (`u`: the 4-bit index, `T`: the format's 16 levels) |
 //!
 //! `d`, `m`: f16, one per row. 4/5-bit planes: byte `4r + c` of plane `j` holds vector `j`'s
 //! low four bits in its low nibble and vector `j + 4`'s in its high nibble; `qh` byte `4r + c`
 //! holds vector `i`'s fifth bit in bit `i`. Q8_0: byte `4r + c` of `q[i]`.
 //!
-//! `IQ4_NL` tiles are Q4_0's with the table's levels in place of `u − 8`; only the AVX2 kernels
-//! (`packed_avx2`: the index turned to its signed level by a byte shuffle, multiplied as Q8_0's
-//! signed quants are) take them, on VNNI CPUs too.
+//! `IQ4_NL` tiles are Q4_0's with the table's levels in place of `u − 8`: the kernels turn each
+//! index into its level by a byte shuffle (VNNI: the level + 128, unsigned as `vpdpbusd` takes
+//! it, with `m' = -128 d`; AVX2: the signed level, multiplied as Q8_0's signed quants are).
 //!
 //! With activations quantized per block (`d_y`, `q_y`, `s_y = d_y Σ q_y`), a tile's share of
 //! row `r`'s output is `d_r d_y Σ u q_y + m'_r s_y`, where `m' = m`, or `-bias · d` for the
@@ -290,13 +290,8 @@ impl Packed {
 /// The 32-element-type matrices `which` of `ws` (VNNI where the CPU has it, else the
 /// portable loop).
 fn matmul_blocks(ws: &[&Packed], which: &[usize], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
-    // IQ4_NL tiles have AVX2 kernels only: a pass holding one takes them.
     #[cfg(target_arch = "x86_64")]
-    if Packed::available()
-        && which
-            .iter()
-            .all(|&i| ws[i].kind != PackKind::Blocks(Kind::Iq4Nl))
-    {
+    if Packed::available() {
         let mats = blocks_of(ws, which, |kind, tiles, n| avx512::Mat { kind, tiles, n });
         return avx512::packed_matmul(&mats, k, x);
     }

@@ -46,7 +46,7 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
         Kind::Q5_0 => packed_rows::<2>,
         Kind::Q5_1 => packed_rows::<3>,
         Kind::Q8_0 => packed_rows::<4>,
-        Kind::Iq4Nl => unreachable!("IQ4_NL tiles take the AVX2 kernels (`matmul_blocks`)"),
+        Kind::Iq4Nl => packed_rows::<5>,
     };
     for w in mats {
         let groups = w.n.div_ceil(ROWS);
@@ -144,7 +144,7 @@ fn quantize_blocks_into(x: &[f32], out: &mut [BlockQ8]) {
 
 /// One group's tiles (`nb` blocks of 16 rows) against `r ≤ PACKED_TILE` activation rows
 /// (`nb` blocks each, row after row in `act`); row `i`'s 16 results go to `out + i *
-/// stride` (lanes in `mask`). `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0.
+/// stride` (lanes in `mask`). `K`: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 IQ4_NL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn packed_rows<const K: u8>(
     tiles: &[u8],
@@ -184,7 +184,7 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
     // lanes of `mask`, `i < R`); the tile and activation reads stay inside `tiles` and `act`
     // (their lengths asserted below; the prefetches read nothing).
     unsafe {
-        let tb = [288, 320, 352, 384, 544][K as usize];
+        let tb = [288, 320, 352, 384, 544, 288][K as usize];
         assert!(tiles.len() >= nb * tb && act.len() >= R * nb);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
@@ -211,6 +211,17 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
     }
 }
 
+/// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.
+static LEVELS_U8: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (super::super::iq4::LEVELS[i] as i16 + 128) as u8;
+        i += 1;
+    }
+    t
+};
+
 /// A tile's eight quant vectors (unsigned bytes, four elements per row lane), its rows'
 /// scales `d` and offsets `m'` (see [`super`]).
 #[inline]
@@ -224,20 +235,29 @@ unsafe fn packed_decode<const K: u8>(t: *const u8) -> ([__m512i; 8], __m512, __m
         let m = match K {
             0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
             2 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
-            4 => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
+            4 | 5 => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
             _ => half16(32),
         };
         let load = |at: usize| _mm512_loadu_si512(t.add(at) as *const _);
         if K == 4 {
             return (std::array::from_fn(|i| load(32 + 64 * i)), d, m);
         }
-        let planes = [32, 64, 96, 128][K as usize];
+        let planes = [32, 64, 96, 128, 0, 32][K as usize];
         let lo = _mm512_set1_epi8(0x0F);
         let mut v = [_mm512_setzero_si512(); 8];
         for j in 0..4 {
             let p = load(planes + 64 * j);
             v[j] = _mm512_and_si512(p, lo);
             v[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(p), lo);
+        }
+        if K == 5 {
+            // Each 4-bit index becomes its level + 128 (unsigned, 1..=241): one byte shuffle
+            // per vector through the table in every 128-bit lane; `m' = -128 d` takes the
+            // offset back out.
+            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(LEVELS_U8.as_ptr().cast()));
+            for v in v.iter_mut() {
+                *v = _mm512_shuffle_epi8(table, *v);
+            }
         }
         if K == 2 || K == 3 {
             let h = load(if K == 2 { 32 } else { 64 });
