@@ -7,6 +7,9 @@
 #                                    the path of llama-server on its last line
 #   scripts/llama-server.sh avx2     AVX2 + FMA + F16C only, AVX-512 off: the peer of ragkv's
 #                                    `model.kernels = "avx2"` path (into $RAGKV_CACHE/llama.cpp-avx2)
+#   scripts/llama-server.sh avxvnni  AVX2 + AVX-VNNI, AVX-512 off: the peer of `model.kernels =
+#                                    "avxvnni"` (Intel's cores since Alder Lake; into
+#                                    $RAGKV_CACHE/llama.cpp-avxvnni)
 #   scripts/llama-server.sh cuda     the CUDA peer of `--features cuda` (into $RAGKV_CACHE/llama.cpp-cuda):
 #                                    kernels for $CUDA_COMPUTE_CAP (default 90, H100/H200), CPU code
 #                                    for any AVX2 x86; needs the toolkit from scripts/cuda-toolkit.sh
@@ -32,6 +35,12 @@ case "$isa" in
       -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
       -DGGML_AVX_VNNI=OFF -DGGML_BMI2=ON)
     ;;
+  avxvnni)
+    dest="$cache/llama.cpp-avxvnni"
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+      -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON)
+    ;;
   cuda)
     dest="$cache/llama.cpp-cuda"
     [ -n "${CUDA_HOME:-}" ] || { log "CUDA_HOME is not set: eval \"\$(scripts/cuda-toolkit.sh)\" first"; exit 2; }
@@ -47,7 +56,7 @@ case "$isa" in
       -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
     ;;
   *)
-    log "unknown build '$isa' (native, avx2, cuda)"
+    log "unknown build '$isa' (native, avx2, avxvnni, cuda)"
     exit 2
     ;;
 esac

@@ -409,15 +409,19 @@ mod tests {
             }
             let packed = p.matmul(x);
             let portable = p.matmul_portable(x);
-            // The repacked layout's AVX2 kernels, whatever the process's kernel path says.
+            // The repacked layout's AVX2 kernels, without and with AVX-VNNI where the CPU has
+            // it, whatever the process's kernel path says.
             #[allow(unused_mut)]
-            let mut avx2_packed = portable.clone();
+            let (mut avx2_packed, mut vnni256_packed) = (portable.clone(), portable.clone());
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                avx2_packed = p.matmul_avx2(x);
+                avx2_packed = p.matmul_avx2(x, false);
+                if is_x86_feature_detected!("avxvnni") {
+                    vnni256_packed = p.matmul_avx2(x, true);
+                }
             }
             for i in 0..m {
                 for j in 0..n {
@@ -434,6 +438,7 @@ mod tests {
                         ("packed", packed[i * n + j]),
                         ("packed portable", portable[i * n + j]),
                         ("packed avx2", avx2_packed[i * n + j]),
+                        ("packed avx-vnni", vnni256_packed[i * n + j]),
                     ] {
                         let err = (got as f64 - want).abs() / scale;
                         assert!(

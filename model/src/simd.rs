@@ -3,9 +3,11 @@
 //!
 //! Every kernel family picks its fastest path at run time from what the CPU has, limited by
 //! the process's [`KernelPath`] (`model.kernels`): `auto` takes the best the CPU has,
-//! `avx2` keeps every kernel off AVX-512 (so the AVX2 path, which CPUs without AVX-512 run,
-//! can be measured on a machine that has both), `portable` keeps them on the plain loops the
-//! SIMD kernels are tested against. The path is read from `RAGKV__MODEL__KERNELS` when no
+//! `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
+//! AVX-512 run, can be measured on a machine that has both), `avxvnni` off AVX-512 but with
+//! AVX-VNNI's 256-bit integer dot products (the path of Intel's cores since Alder Lake, which
+//! have no AVX-512), `portable` keeps them on the plain loops the SIMD kernels are tested
+//! against. The path is read from `RAGKV__MODEL__KERNELS` when no
 //! program set it; weights repacked at load keep the layout of the path they were loaded
 //! under, so set it before loading a model.
 
@@ -19,19 +21,23 @@ pub enum KernelPath {
     Auto,
     /// AVX-512 (VNNI for the repacked products); the CPU must have it.
     Avx512,
-    /// AVX2 + FMA + F16C, never AVX-512; the CPU must have them.
+    /// AVX2 + FMA + F16C, never AVX-512 or AVX-VNNI; the CPU must have them.
     Avx2,
+    /// The AVX2 path with AVX-VNNI (`vpdpbusd` on 256-bit vectors) for the repacked
+    /// products, never AVX-512; the CPU must have them.
+    AvxVnni,
     /// No SIMD kernels: the portable loops.
     Portable,
 }
 
 impl KernelPath {
-    /// The setting's name (`auto`, `avx512`, `avx2`, `portable`).
+    /// The setting's name (`auto`, `avx512`, `avxvnni`, `avx2`, `portable`).
     pub fn name(self) -> &'static str {
         match self {
             KernelPath::Auto => "auto",
             KernelPath::Avx512 => "avx512",
             KernelPath::Avx2 => "avx2",
+            KernelPath::AvxVnni => "avxvnni",
             KernelPath::Portable => "portable",
         }
     }
@@ -42,6 +48,7 @@ impl KernelPath {
             KernelPath::Avx512 => 2,
             KernelPath::Avx2 => 3,
             KernelPath::Portable => 4,
+            KernelPath::AvxVnni => 5,
         }
     }
 
@@ -51,6 +58,7 @@ impl KernelPath {
             2 => KernelPath::Avx512,
             3 => KernelPath::Avx2,
             4 => KernelPath::Portable,
+            5 => KernelPath::AvxVnni,
             _ => return None,
         })
     }
@@ -61,6 +69,7 @@ impl KernelPath {
             KernelPath::Auto | KernelPath::Portable => true,
             KernelPath::Avx512 => cpu_has_avx512(),
             KernelPath::Avx2 => cpu_has_avx2(),
+            KernelPath::AvxVnni => cpu_has_avx_vnni(),
         }
     }
 
@@ -68,6 +77,7 @@ impl KernelPath {
     pub fn resolved(self) -> KernelPath {
         match self {
             KernelPath::Auto if cpu_has_avx512() => KernelPath::Avx512,
+            KernelPath::Auto if cpu_has_avx_vnni() => KernelPath::AvxVnni,
             KernelPath::Auto if cpu_has_avx2() => KernelPath::Avx2,
             KernelPath::Auto => KernelPath::Portable,
             other => other,
@@ -83,10 +93,11 @@ impl std::str::FromStr for KernelPath {
             "auto" | "" => KernelPath::Auto,
             "avx512" => KernelPath::Avx512,
             "avx2" => KernelPath::Avx2,
+            "avxvnni" => KernelPath::AvxVnni,
             "portable" => KernelPath::Portable,
             other => {
                 return Err(crate::Error::Config {
-                    why: format!("kernel path {other:?} (auto, avx512, avx2, portable)"),
+                    why: format!("kernel path {other:?} (auto, avx512, avxvnni, avx2, portable)"),
                 })
             }
         })
@@ -160,6 +171,19 @@ pub(crate) fn avx2() -> bool {
     allows_avx2() && cpu_has_avx2()
 }
 
+/// Whether the AVX2 kernels may use AVX-VNNI: the CPU has it and the path is `auto` or
+/// `avxvnni` (on `auto`, CPUs with AVX-512 VNNI take the AVX-512 kernels first).
+pub(crate) fn avx_vnni() -> bool {
+    matches!(kernel_path(), KernelPath::Auto | KernelPath::AvxVnni) && cpu_has_avx_vnni()
+}
+
+fn cpu_has_avx_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avxvnni") && cpu_has_avx2();
+    #[allow(unreachable_code)]
+    false
+}
+
 fn cpu_has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     return is_x86_feature_detected!("avx2")
@@ -177,6 +201,36 @@ fn cpu_has_avx512() -> bool {
         && cpu_has_avx2();
     #[allow(unreachable_code)]
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_round_trips_and_auto_resolves_to_one_this_cpu_runs() {
+        let all = [
+            KernelPath::Auto,
+            KernelPath::Avx512,
+            KernelPath::AvxVnni,
+            KernelPath::Avx2,
+            KernelPath::Portable,
+        ];
+        for p in all {
+            assert_eq!(p.name().parse::<KernelPath>().unwrap(), p);
+            assert_eq!(KernelPath::from_code(p.code()), Some(p));
+        }
+        let e = "sse9".parse::<KernelPath>().unwrap_err().to_string();
+        assert!(e.contains("avxvnni"), "{e}");
+        let auto = KernelPath::Auto.resolved();
+        assert!(auto != KernelPath::Auto && auto.supported(), "{auto}");
+        // AVX-512 first, then AVX-VNNI, then AVX2.
+        if cpu_has_avx512() {
+            assert_eq!(auto, KernelPath::Avx512);
+        } else if cpu_has_avx_vnni() {
+            assert_eq!(auto, KernelPath::AvxVnni);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -29,6 +29,18 @@ pub(crate) const LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// [`LEVELS`] plus 128 (1..=241): the unsigned bytes the VNNI kernels multiply (`vpdpbusd`
+/// takes unsigned weights); the offset comes back out through the activations' sums.
+pub(crate) const LEVELS_U8: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (LEVELS[i] as i16 + 128) as u8;
+        i += 1;
+    }
+    t
+};
+
 /// `IQ4_NL`: values and bytes per block.
 pub(crate) const NL_VALUES: usize = 32;
 pub(crate) const NL_BYTES: usize = 18;

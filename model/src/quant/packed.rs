@@ -236,16 +236,16 @@ impl Packed {
         outs
     }
 
-    /// [`Packed::matmul`] by the AVX2 kernels of a 32-element type (the tests' way to
-    /// reach them on a CPU whose kernel path picks VNNI).
+    /// [`Packed::matmul`] by the AVX2 kernels of a 32-element type, with AVX-VNNI (`vnni`)
+    /// or without (the tests' way to reach both on a CPU whose kernel path picks another).
     #[cfg(all(test, target_arch = "x86_64"))]
-    pub(crate) fn matmul_avx2(&self, x: &[f32]) -> Vec<f32> {
+    pub(crate) fn matmul_avx2(&self, x: &[f32], vnni: bool) -> Vec<f32> {
         let mats = blocks_of(&[self], &[0], |kind, tiles, n| super::packed_avx2::Mat {
             kind,
             tiles,
             n,
         });
-        super::packed_avx2::matmul(&mats, self.k, x).remove(0)
+        super::packed_avx2::matmul_with(&mats, self.k, x, vnni).remove(0)
     }
 
     fn k_kind(&self) -> KKind {

@@ -1,9 +1,11 @@
 //! AVX2 kernels over the repacked 32-element block types ([`super::packed`]), for CPUs
-//! without AVX-512 VNNI (and `model.kernels = "avx2"`): each 512-bit tile vector is read as
-//! two halves of eight rows; `pmaddubsw` multiplies four elements of eight rows with one
-//! activation row's four quants (broadcast), sums stay in 16 bits for up to eight vectors
-//! (4-bit quants) or four (5-bit) and `pmaddwd` widens them, and the block's scales apply to
-//! eight outputs at once. A decoded plane serves [`ROWS_PER_CALL`] activation rows.
+//! without AVX-512 VNNI (and `model.kernels = "avx2"` or `"avxvnni"`): each 512-bit tile
+//! vector is read as two halves of eight rows; `pmaddubsw` multiplies four elements of eight
+//! rows with one activation row's four quants (broadcast), sums stay in 16 bits for up to
+//! eight vectors (4-bit quants) or four (5-bit) and `pmaddwd` widens them, and the block's
+//! scales apply to eight outputs at once. A decoded plane serves [`ROWS_PER_CALL`] activation
+//! rows. CPUs with AVX-VNNI (and no AVX-512) take [`tile_vnni`] instead: one `vpdpbusd` per
+//! vector and row, every type's quants unsigned as in the AVX-512 kernel.
 //!
 //! IQ4_NL's 4-bit indices become their signed levels by a byte shuffle and are multiplied
 //! as Q8_0's are.
@@ -27,8 +29,19 @@ pub(super) struct Mat<'a> {
 }
 
 /// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once
-/// and one pass over the thread pool. Callers check `crate::simd::avx2()`.
+/// and one pass over the thread pool; with AVX-VNNI where the kernel path allows it.
+/// Callers check `crate::simd::avx2()`.
 pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    matmul_with(mats, k, x, crate::simd::avx_vnni())
+}
+
+/// [`matmul`] by the AVX-VNNI kernels (`vnni`: the CPU must have AVX-VNNI) or the plain AVX2
+/// ones.
+pub(super) fn matmul_with(mats: &[Mat<'_>], k: usize, x: &[f32], vnni: bool) -> Vec<Vec<f32>> {
+    assert!(
+        !vnni || is_x86_feature_detected!("avxvnni"),
+        "AVX-VNNI kernels on a CPU without it"
+    );
     let m = x.len() / k;
     let nb = k / QK;
     let act = quantize(x, k);
@@ -41,11 +54,13 @@ pub(super) fn matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
         let mat = &mats[p.w];
         let tb = mat.kind.tile_bytes();
         let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
-        // SAFETY: the callers checked AVX2/FMA/F16C; `t` holds the group's `nb` tiles, `act`
-        // the pass's rows (at most `ROWS_PER_CALL`); its outputs, lanes `0..p.lanes`, are this
-        // call's to write (`tiled_matmul`).
+        // SAFETY: the callers checked AVX2/FMA/F16C (and AVX-VNNI with `vnni`, asserted
+        // above); `t` holds the group's `nb` tiles, `act` the pass's rows (at most
+        // `ROWS_PER_CALL`); its outputs, lanes `0..p.lanes`, are this call's to write
+        // (`tiled_matmul`).
         unsafe {
             rows(
+                vnni,
                 mat.kind,
                 t,
                 &act[p.rows.start * nb..p.rows.end * nb],
@@ -69,13 +84,15 @@ fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8> {
     super::quantize_rows(x, k, k / QK, zero, super::quantize_row)
 }
 
-/// Lanes `0..lanes` (≤ 16) of one group's `nb` tiles against `r` activation rows.
+/// Lanes `0..lanes` (≤ 16) of one group's `nb` tiles against `r` activation rows, by
+/// [`tile_vnni`] with `vnni`, else [`tile`].
 ///
 /// # Safety
-/// As [`tile`], with `r ≤ 4`, for lanes `0..lanes`.
+/// As [`tile`] (and [`tile_vnni`] with `vnni`), with `r ≤ 4`, for lanes `0..lanes`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows(
+    vnni: bool,
     kind: Kind,
     tiles: &[u8],
     act: &[BlockQ8],
@@ -90,13 +107,13 @@ unsafe fn rows(
     // (half by half, the first half's pass streamed Q8_0 at 20 GB/s where plain reads reach
     // 34). More rows fill the registers with one half, so they take the halves in turn.
     macro_rules! by_rows {
-        ($k:expr) => {{
+        ($k:expr, $tile:ident) => {{
             if r <= 2 && lanes > 8 {
                 // SAFETY: the caller's contract, for lanes `0..lanes`.
                 unsafe {
                     match r {
-                        1 => tile::<$k, 1, 2>(tiles, act, nb, 0, out, stride, lanes),
-                        _ => tile::<$k, 2, 2>(tiles, act, nb, 0, out, stride, lanes),
+                        1 => $tile::<$k, 1, 2>(tiles, act, nb, 0, out, stride, lanes),
+                        _ => $tile::<$k, 2, 2>(tiles, act, nb, 0, out, stride, lanes),
                     }
                 }
                 return;
@@ -106,22 +123,31 @@ unsafe fn rows(
                 // SAFETY: the caller's contract, for lanes `8 half..8 half + n`.
                 unsafe {
                     match r {
-                        1 => tile::<$k, 1, 1>(tiles, act, nb, half, out, stride, n),
-                        2 => tile::<$k, 2, 1>(tiles, act, nb, half, out, stride, n),
-                        3 => tile::<$k, 3, 1>(tiles, act, nb, half, out, stride, n),
-                        _ => tile::<$k, 4, 1>(tiles, act, nb, half, out, stride, n),
+                        1 => $tile::<$k, 1, 1>(tiles, act, nb, half, out, stride, n),
+                        2 => $tile::<$k, 2, 1>(tiles, act, nb, half, out, stride, n),
+                        3 => $tile::<$k, 3, 1>(tiles, act, nb, half, out, stride, n),
+                        _ => $tile::<$k, 4, 1>(tiles, act, nb, half, out, stride, n),
                     }
                 }
             }
         }};
     }
-    match kind {
-        Kind::Q4_0 => by_rows!(0),
-        Kind::Q4_1 => by_rows!(1),
-        Kind::Q5_0 => by_rows!(2),
-        Kind::Q5_1 => by_rows!(3),
-        Kind::Q8_0 => by_rows!(4),
-        Kind::Iq4Nl => by_rows!(5),
+    macro_rules! by_kind {
+        ($tile:ident) => {
+            match kind {
+                Kind::Q4_0 => by_rows!(0, $tile),
+                Kind::Q4_1 => by_rows!(1, $tile),
+                Kind::Q5_0 => by_rows!(2, $tile),
+                Kind::Q5_1 => by_rows!(3, $tile),
+                Kind::Q8_0 => by_rows!(4, $tile),
+                Kind::Iq4Nl => by_rows!(5, $tile),
+            }
+        };
+    }
+    if vnni {
+        by_kind!(tile_vnni)
+    } else {
+        by_kind!(tile)
     }
 }
 
@@ -275,3 +301,128 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
         }
     }
 }
+
+/// [`tile`] on CPUs with AVX-VNNI (`vpdpbusd` on 256-bit vectors: Intel's cores since Alder
+/// Lake and its E-core Xeons, none of which have AVX-512; AMD Zen 5): the tile's unsigned
+/// quants (Q8_0's `q + 128`, IQ4_NL's level + 128 by a byte shuffle) times the activation's
+/// signed bytes, four products summed into each 32-bit lane by one instruction, where the
+/// AVX2 kernel spends two or four (`pmaddubsw`, `pmaddwd` and adds, or the sign trick). The
+/// offsets come back out through the activation sums (`m' s_y`), as in the AVX-512 kernel.
+///
+/// # Safety
+/// As [`tile`], and the CPU has AVX-VNNI.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
+    tiles: &[u8],
+    act: &[BlockQ8],
+    nb: usize,
+    first: usize,
+    out: *mut f32,
+    stride: usize,
+    n: usize,
+) {
+    let tb = [288, 320, 352, 384, 544, 288][K as usize];
+    let planes = [32, 64, 96, 128, 32, 32][K as usize];
+    assert!(tiles.len() >= nb * tb && act.len() >= R * nb && first + H <= 2 && n <= 8 * H);
+    let m4 = _mm256_set1_epi8(0x0F);
+    // IQ4_NL: each index to its level + 128.
+    // SAFETY: `LEVELS_U8` is 16 bytes.
+    let lut = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(LEVELS_U8.as_ptr().cast()) });
+    let mut acc = [[_mm256_setzero_ps(); H]; R];
+    for b in 0..nb {
+        let t = tiles[b * tb..(b + 1) * tb].as_ptr();
+        if first == 0 {
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
+        }
+        // As in `tile`: every offset `at` read has `at + 64 ≤ tb`, and `first + e < 2`.
+        // SAFETY: the 32 bytes lie inside this tile.
+        let load = |at: usize, e: usize| unsafe {
+            _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
+        };
+        // SAFETY: the 16 bytes lie inside this tile.
+        let half8 = |at: usize, e: usize| unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
+        };
+        let ys: [&BlockQ8; R] = std::array::from_fn(|i| &act[i * nb + b]);
+        let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
+        // SAFETY: word `i < 8` of a 32-quant block.
+        let word = |r: usize, i: usize| unsafe {
+            _mm256_set1_epi32(std::ptr::read_unaligned(q[r].add(i)))
+        };
+        // Two sums per row and half, so that one or two rows (decode steps) do not wait on
+        // `vpdpbusd`'s latency from one vector to the next.
+        let mut s = [[_mm256_setzero_si256(); H]; R];
+        let mut s2 = [[_mm256_setzero_si256(); H]; R];
+        for e in 0..H {
+            if K == 4 {
+                for v in (0..8).step_by(2) {
+                    let (w, w2) = (load(planes + 64 * v, e), load(planes + 64 * (v + 1), e));
+                    for i in 0..R {
+                        s[i][e] = _mm256_dpbusd_avx_epi32(s[i][e], w, word(i, v));
+                        s2[i][e] = _mm256_dpbusd_avx_epi32(s2[i][e], w2, word(i, v + 1));
+                    }
+                }
+                continue;
+            }
+            let bit = _mm256_set1_epi8(0x10);
+            let h = if K == 2 || K == 3 {
+                load(if K == 2 { 32 } else { 64 }, e)
+            } else {
+                _mm256_setzero_si256()
+            };
+            for j in 0..4 {
+                let p = load(planes + 64 * j, e);
+                let mut lo = _mm256_and_si256(p, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+                if K == 2 || K == 3 {
+                    let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j as i32));
+                    let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(j as i32));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
+                }
+                if K == 5 {
+                    lo = _mm256_shuffle_epi8(lut, lo);
+                    hi = _mm256_shuffle_epi8(lut, hi);
+                }
+                for i in 0..R {
+                    s[i][e] = _mm256_dpbusd_avx_epi32(s[i][e], lo, word(i, j));
+                    s2[i][e] = _mm256_dpbusd_avx_epi32(s2[i][e], hi, word(i, j + 4));
+                }
+            }
+        }
+        for e in 0..H {
+            for i in 0..R {
+                s[i][e] = _mm256_add_epi32(s[i][e], s2[i][e]);
+            }
+            let d = half8(0, e);
+            let m = match K {
+                0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                2 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                1 | 3 => half8(32, e),
+                _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
+            };
+            for i in 0..R {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ys[i].d));
+                acc[i][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][e]), scale, acc[i][e]);
+                acc[i][e] = _mm256_fmadd_ps(m, _mm256_set1_ps(ys[i].s), acc[i][e]);
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        let mut v = [0f32; 16];
+        for (e, acc) in acc.iter().enumerate() {
+            // SAFETY: `v` holds 16 f32, `8e + 8 ≤ 16`.
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *acc) };
+        }
+        for (l, v) in v.iter().take(n).enumerate() {
+            // SAFETY: the caller's contract: lanes `8 first + l`, `l < n`, of row `i`.
+            unsafe { *out.add(i * stride + 8 * first + l) = *v };
+        }
+    }
+}
+
+/// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.
+static LEVELS_U8: [u8; 16] = super::iq4::LEVELS_U8;

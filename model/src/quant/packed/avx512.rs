@@ -212,15 +212,7 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
 }
 
 /// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.
-static LEVELS_U8: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = (super::super::iq4::LEVELS[i] as i16 + 128) as u8;
-        i += 1;
-    }
-    t
-};
+static LEVELS_U8: [u8; 16] = super::super::iq4::LEVELS_U8;
 
 /// A tile's eight quant vectors (unsigned bytes, four elements per row lane), its rows'
 /// scales `d` and offsets `m'` (see [`super`]).
