@@ -247,6 +247,34 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// The tile kernels' results: for each row `i` of `acc`, its first `n` lanes (halves of
+    /// eight, `H ≤ 2`) to `out + i * stride + 8 first`.
+    ///
+    /// # Safety
+    /// `out + i * stride + 8 first + l` is writable for `i < R`, `l < n ≤ 8 H`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    pub(crate) unsafe fn store_lanes<const R: usize, const H: usize>(
+        acc: &[[__m256; H]; R],
+        out: *mut f32,
+        stride: usize,
+        first: usize,
+        n: usize,
+    ) {
+        assert!(H <= 2 && n <= 8 * H);
+        for (i, acc) in acc.iter().enumerate() {
+            let mut v = [0f32; 16];
+            for (e, acc) in acc.iter().enumerate() {
+                // SAFETY: `v` holds 16 f32, `8e + 8 ≤ 16`.
+                unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *acc) };
+            }
+            for (l, v) in v.iter().take(n).enumerate() {
+                // SAFETY: the caller's contract: lanes `8 first + l`, `l < n`, of row `i`.
+                unsafe { *out.add(i * stride + 8 * first + l) = *v };
+            }
+        }
+    }
+
     /// ggml's `ggml_v_expf` (AVX2) for arguments up to 87 (no overflow branch); those below
     /// -87 are clamped there (their `exp` is 0 to f32 anyway): max error about 1.5 ulp.
     #[inline]

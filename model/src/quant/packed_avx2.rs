@@ -289,17 +289,8 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             }
         }
     }
-    for (i, acc) in acc.iter().enumerate() {
-        let mut v = [0f32; 16];
-        for (e, acc) in acc.iter().enumerate() {
-            // SAFETY: `v` holds 16 f32, `8e + 8 ≤ 16`.
-            unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *acc) };
-        }
-        for (l, v) in v.iter().take(n).enumerate() {
-            // SAFETY: the caller's contract: lanes `8 first + l`, `l < n`, of row `i`.
-            unsafe { *out.add(i * stride + 8 * first + l) = *v };
-        }
-    }
+    // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
+    unsafe { crate::simd::x86::store_lanes(&acc, out, stride, first, n) };
 }
 
 /// [`tile`] on CPUs with AVX-VNNI (`vpdpbusd` on 256-bit vectors: Intel's cores since Alder
@@ -411,17 +402,8 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
             }
         }
     }
-    for (i, acc) in acc.iter().enumerate() {
-        let mut v = [0f32; 16];
-        for (e, acc) in acc.iter().enumerate() {
-            // SAFETY: `v` holds 16 f32, `8e + 8 ≤ 16`.
-            unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *acc) };
-        }
-        for (l, v) in v.iter().take(n).enumerate() {
-            // SAFETY: the caller's contract: lanes `8 first + l`, `l < n`, of row `i`.
-            unsafe { *out.add(i * stride + 8 * first + l) = *v };
-        }
-    }
+    // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
+    unsafe { crate::simd::x86::store_lanes(&acc, out, stride, first, n) };
 }
 
 /// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.

@@ -501,15 +501,6 @@ unsafe fn avx2_tile<const T: u8, const R: usize, const H: usize>(
             }
         }
     }
-    for (i, acc) in acc.iter().enumerate() {
-        let mut v = [0f32; 16];
-        for (e, a) in acc.iter().enumerate() {
-            // SAFETY: `v` has 16 writable f32, `e < H ≤ 2`.
-            unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(8 * e), *a) };
-        }
-        for (l, v) in v.iter().take(n).enumerate() {
-            // SAFETY: the caller's contract: lanes `8 first + l < 8 first + n` of row `i`.
-            unsafe { *out.add(i * stride + 8 * first + l) = *v };
-        }
-    }
+    // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
+    unsafe { crate::simd::x86::store_lanes(&acc, out, stride, first, n) };
 }
