@@ -31,7 +31,7 @@ pub(crate) const LEVELS: [i8; 16] = [
 
 /// [`LEVELS`] plus 128 (1..=241): the unsigned bytes the VNNI kernels multiply (`vpdpbusd`
 /// takes unsigned weights); the offset comes back out through the activations' sums.
-pub(crate) const LEVELS_U8: [u8; 16] = {
+pub(crate) static LEVELS_U8: [u8; 16] = {
     let mut t = [0u8; 16];
     let mut i = 0;
     while i < 16 {

@@ -171,35 +171,18 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
     stride: usize,
     n: usize,
 ) {
-    let tb = [288, 320, 352, 384, 544, 288][K as usize];
-    let planes = [32, 64, 96, 128, 32, 32][K as usize];
-    assert!(tiles.len() >= nb * tb && act.len() >= R * nb && first + H <= 2 && n <= 8 * H);
-    let m4 = _mm256_set1_epi8(0x0F);
+    assert!(tiles.len() >= nb * tile_bytes(K) && act.len() >= R * nb);
+    assert!(first + H <= 2 && n <= 8 * H);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..nb {
-        let t = tiles[b * tb..(b + 1) * tb].as_ptr();
-        if first == 0 {
-            // The tile after next: decode steps stream the weights from memory.
-            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
-            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
-        }
-        // The loads below read at the layout's offsets `at`, all with `at + 64 ≤ tb`, and
-        // `first + e < 2`. Half `e`'s 32 bytes of the 64 at `at`:
-        // SAFETY: the 32 bytes lie inside this tile.
-        let load = |at: usize, e: usize| unsafe {
-            _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
-        };
-        // SAFETY: the 16 bytes lie inside this tile.
-        let half8 = |at: usize, e: usize| unsafe {
-            _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
-        };
-        let ys: [&BlockQ8; R] = std::array::from_fn(|i| &act[i * nb + b]);
-        let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
-        // SAFETY: word `i < 8` of a 32-quant block.
-        let word = |r: usize, i: usize| unsafe {
-            _mm256_set1_epi32(std::ptr::read_unaligned(q[r].add(i)))
-        };
+        let blk = Block::<R>::new::<K>(tiles, act, nb, b, first);
+        // The reads below stay in this tile (`Block::load`'s contract): the layout's offsets
+        // `at` have `at + 64 ≤` its bytes, and `first + e < 2`.
+        // SAFETY: as said.
+        let load = |at: usize, e: usize| unsafe { blk.load(at, e) };
+        // SAFETY: word `i < 8` of a 32-quant block, `r < R`.
+        let word = |r: usize, i: usize| unsafe { blk.word(r, i) };
         let mut s = [[_mm256_setzero_si256(); H]; R];
         if K == 5 {
             // Each index to its signed level, then multiplied as Q8_0's quants are.
@@ -209,10 +192,9 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             });
             for j in 0..4 {
                 for e in 0..H {
-                    let p = load(planes + 64 * j, e);
-                    let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, m4));
-                    let hi =
-                        _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4));
+                    // SAFETY: the tile is of kind `K` (`rows`' dispatch), `first + e < 2`.
+                    let (lo, hi) = unsafe { blk.nibbles::<K>(j, e) };
+                    let (lo, hi) = (_mm256_shuffle_epi8(lut, lo), _mm256_shuffle_epi8(lut, hi));
                     for (v, w) in [(j, lo), (j + 4, hi)] {
                         let aw = _mm256_abs_epi8(w);
                         for i in 0..R {
@@ -226,7 +208,7 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             let flip = _mm256_set1_epi8(-128);
             for v in 0..8 {
                 for e in 0..H {
-                    let w = _mm256_xor_si256(load(planes + 64 * v, e), flip);
+                    let w = _mm256_xor_si256(load(32 + 64 * v, e), flip);
                     let aw = _mm256_abs_epi8(w);
                     for i in 0..R {
                         let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(word(i, v), w));
@@ -235,25 +217,11 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
                 }
             }
         } else {
-            let bit = _mm256_set1_epi8(0x10);
             for e in 0..H {
-                let h = if K == 2 || K == 3 {
-                    load(if K == 2 { 32 } else { 64 }, e)
-                } else {
-                    _mm256_setzero_si256()
-                };
                 let mut part = [_mm256_setzero_si256(); R];
                 for j in 0..4 {
-                    let p = load(planes + 64 * j, e);
-                    let mut lo = _mm256_and_si256(p, m4);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
-                    if K == 2 || K == 3 {
-                        // Vector `j`'s fifth bit is bit j of `h`, vector `j + 4`'s bit j + 4.
-                        let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j as i32));
-                        let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(j as i32));
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
-                    }
+                    // SAFETY: the tile is of kind `K` (`rows`' dispatch), `first + e < 2`.
+                    let (lo, hi) = unsafe { blk.nibbles::<K>(j, e) };
                     for (i, part) in part.iter_mut().enumerate() {
                         let pq = _mm256_add_epi16(
                             _mm256_maddubs_epi16(lo, word(i, j)),
@@ -272,22 +240,9 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
                 }
             }
         }
-        for e in 0..H {
-            let d = half8(0, e);
-            let m = match K {
-                0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                2 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                1 | 3 => half8(32, e),
-                _ => _mm256_setzero_ps(),
-            };
-            for i in 0..R {
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ys[i].d));
-                acc[i][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][e]), scale, acc[i][e]);
-                if K != 4 && K != 5 {
-                    acc[i][e] = _mm256_fmadd_ps(m, _mm256_set1_ps(ys[i].s), acc[i][e]);
-                }
-            }
-        }
+        // Q8_0 and IQ4_NL were multiplied signed here: no offset to take back.
+        // SAFETY: the tile is of kind `K`, `first + e < 2`.
+        unsafe { blk.accumulate::<K, H>(&s, K != 4 && K != 5, &mut acc) };
     }
     // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
     unsafe { crate::simd::x86::store_lanes(&acc, out, stride, first, n) };
@@ -314,35 +269,20 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
     stride: usize,
     n: usize,
 ) {
-    let tb = [288, 320, 352, 384, 544, 288][K as usize];
-    let planes = [32, 64, 96, 128, 32, 32][K as usize];
-    assert!(tiles.len() >= nb * tb && act.len() >= R * nb && first + H <= 2 && n <= 8 * H);
-    let m4 = _mm256_set1_epi8(0x0F);
+    assert!(tiles.len() >= nb * tile_bytes(K) && act.len() >= R * nb);
+    assert!(first + H <= 2 && n <= 8 * H);
     // IQ4_NL: each index to its level + 128.
     // SAFETY: `LEVELS_U8` is 16 bytes.
-    let lut = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(LEVELS_U8.as_ptr().cast()) });
+    let lut = _mm256_broadcastsi128_si256(unsafe {
+        _mm_loadu_si128(super::iq4::LEVELS_U8.as_ptr().cast())
+    });
     let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..nb {
-        let t = tiles[b * tb..(b + 1) * tb].as_ptr();
-        if first == 0 {
-            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
-            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
-        }
-        // As in `tile`: every offset `at` read has `at + 64 ≤ tb`, and `first + e < 2`.
-        // SAFETY: the 32 bytes lie inside this tile.
-        let load = |at: usize, e: usize| unsafe {
-            _mm256_loadu_si256(t.add(at + 32 * (first + e)).cast())
-        };
-        // SAFETY: the 16 bytes lie inside this tile.
-        let half8 = |at: usize, e: usize| unsafe {
-            _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * (first + e)).cast()))
-        };
-        let ys: [&BlockQ8; R] = std::array::from_fn(|i| &act[i * nb + b]);
-        let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
-        // SAFETY: word `i < 8` of a 32-quant block.
-        let word = |r: usize, i: usize| unsafe {
-            _mm256_set1_epi32(std::ptr::read_unaligned(q[r].add(i)))
-        };
+        let blk = Block::<R>::new::<K>(tiles, act, nb, b, first);
+        // SAFETY: as in `tile`.
+        let load = |at: usize, e: usize| unsafe { blk.load(at, e) };
+        // SAFETY: word `i < 8` of a 32-quant block, `r < R`.
+        let word = |r: usize, i: usize| unsafe { blk.word(r, i) };
         // Two sums per row and half, so that one or two rows (decode steps) do not wait on
         // `vpdpbusd`'s latency from one vector to the next.
         let mut s = [[_mm256_setzero_si256(); H]; R];
@@ -350,7 +290,7 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
         for e in 0..H {
             if K == 4 {
                 for v in (0..8).step_by(2) {
-                    let (w, w2) = (load(planes + 64 * v, e), load(planes + 64 * (v + 1), e));
+                    let (w, w2) = (load(32 + 64 * v, e), load(32 + 64 * (v + 1), e));
                     for i in 0..R {
                         s[i][e] = _mm256_dpbusd_avx_epi32(s[i][e], w, word(i, v));
                         s2[i][e] = _mm256_dpbusd_avx_epi32(s2[i][e], w2, word(i, v + 1));
@@ -358,22 +298,9 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
                 }
                 continue;
             }
-            let bit = _mm256_set1_epi8(0x10);
-            let h = if K == 2 || K == 3 {
-                load(if K == 2 { 32 } else { 64 }, e)
-            } else {
-                _mm256_setzero_si256()
-            };
             for j in 0..4 {
-                let p = load(planes + 64 * j, e);
-                let mut lo = _mm256_and_si256(p, m4);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
-                if K == 2 || K == 3 {
-                    let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j as i32));
-                    let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(j as i32));
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
-                }
+                // SAFETY: the tile is of kind `K` (`rows`' dispatch), `first + e < 2`.
+                let (mut lo, mut hi) = unsafe { blk.nibbles::<K>(j, e) };
                 if K == 5 {
                     lo = _mm256_shuffle_epi8(lut, lo);
                     hi = _mm256_shuffle_epi8(lut, hi);
@@ -388,23 +315,154 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
             for i in 0..R {
                 s[i][e] = _mm256_add_epi32(s[i][e], s2[i][e]);
             }
-            let d = half8(0, e);
-            let m = match K {
-                0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                2 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-                1 | 3 => half8(32, e),
-                _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
-            };
-            for i in 0..R {
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ys[i].d));
-                acc[i][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][e]), scale, acc[i][e]);
-                acc[i][e] = _mm256_fmadd_ps(m, _mm256_set1_ps(ys[i].s), acc[i][e]);
-            }
         }
+        // SAFETY: the tile is of kind `K`, `first + e < 2`.
+        unsafe { blk.accumulate::<K, H>(&s, true, &mut acc) };
     }
     // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
     unsafe { crate::simd::x86::store_lanes(&acc, out, stride, first, n) };
 }
 
-/// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.
-static LEVELS_U8: [u8; 16] = super::iq4::LEVELS_U8;
+/// Bytes of a tile of kind `K` (`tile`'s numbering).
+const fn tile_bytes(k: u8) -> usize {
+    [288, 320, 352, 384, 544, 288][k as usize]
+}
+
+/// Where kind `K`'s quants start in its tile.
+const fn planes_at(k: u8) -> usize {
+    [32, 64, 96, 128, 32, 32][k as usize]
+}
+
+/// Block `b` of a group's tiles and of the activation rows, as both tile kernels read it:
+/// the tile from half `first`, and each row's block.
+struct Block<'a, const R: usize> {
+    t: *const u8,
+    first: usize,
+    ys: [&'a BlockQ8; R],
+}
+
+impl<'a, const R: usize> Block<'a, R> {
+    /// Block `b` of `tiles` (kind `K`) and of the `R` rows of `act` (`nb` blocks each); the
+    /// first half's pass prefetches the tile after next (decode steps stream the weights from
+    /// memory).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn new<const K: u8>(
+        tiles: &[u8],
+        act: &'a [BlockQ8],
+        nb: usize,
+        b: usize,
+        first: usize,
+    ) -> Self {
+        let tb = tile_bytes(K);
+        let t = tiles[b * tb..(b + 1) * tb].as_ptr();
+        if first == 0 {
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb).cast());
+            _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(2 * tb + 64).cast());
+        }
+        Block {
+            t,
+            first,
+            ys: std::array::from_fn(|i| &act[i * nb + b]),
+        }
+    }
+
+    /// Half `e`'s 32 bytes of the 64 at offset `at` of the tile.
+    ///
+    /// # Safety
+    /// `at + 64` is at most the tile's bytes; `first + e < 2`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load(&self, at: usize, e: usize) -> __m256i {
+        // SAFETY: the caller's contract: the 32 bytes lie inside this tile.
+        unsafe { _mm256_loadu_si256(self.t.add(at + 32 * (self.first + e)).cast()) }
+    }
+
+    /// Half `e`'s eight f16 at offset `at` (the rows' `d` or `m`), as f32.
+    ///
+    /// # Safety
+    /// As [`Block::load`].
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn half8(&self, at: usize, e: usize) -> __m256 {
+        // SAFETY: the caller's contract: the 16 bytes lie inside this tile.
+        unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(
+                self.t.add(at + 16 * (self.first + e)).cast(),
+            ))
+        }
+    }
+
+    /// Row `r`'s quants `4i..4i + 4`, broadcast.
+    ///
+    /// # Safety
+    /// `r < R`, `i < 8`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn word(&self, r: usize, i: usize) -> __m256i {
+        let q: *const i32 = self.ys[r].qs.as_ptr().cast();
+        // SAFETY: the caller's contract: word `i < 8` of a 32-quant block.
+        _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(q.add(i)) })
+    }
+
+    /// Plane `j`'s low and high nibbles (vectors `j` and `j + 4`) of half `e`, with their
+    /// fifth bits for the Q5 kinds: unsigned quants (`K` < 4) or IQ4_NL indices.
+    ///
+    /// # Safety
+    /// The tile is of kind `K` (not Q8_0); `j < 4`, `first + e < 2`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibbles<const K: u8>(&self, j: usize, e: usize) -> (__m256i, __m256i) {
+        let m4 = _mm256_set1_epi8(0x0F);
+        // SAFETY: the caller's contract; the planes end at the tile's end.
+        let p = unsafe { self.load(planes_at(K) + 64 * j, e) };
+        let mut lo = _mm256_and_si256(p, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+        if K == 2 || K == 3 {
+            // SAFETY: the `qh` plane (32 or 64) lies inside a Q5 tile.
+            let h = unsafe { self.load(if K == 2 { 32 } else { 64 }, e) };
+            // Vector `j`'s fifth bit is bit j of `h`, vector `j + 4`'s bit j + 4.
+            let bit = _mm256_set1_epi8(0x10);
+            let l = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j as i32));
+            let u = _mm256_srl_epi16(h, _mm_cvtsi32_si128(j as i32));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(l, bit));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(u, bit));
+        }
+        (lo, hi)
+    }
+
+    /// `acc += d d_y s (+ m' s_y with `offset`)` for each row and half: the block's integer
+    /// sums `s` scaled, and the unsigned quants' offset (`m'`: Q4_1/Q5_1's minimum, else
+    /// `-bias d`, 128 for Q8_0 and IQ4_NL's level + 128) taken back through the activation
+    /// sums.
+    ///
+    /// # Safety
+    /// The tile is of kind `K`; `first + H ≤ 2`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const K: u8, const H: usize>(
+        &self,
+        s: &[[__m256i; H]; R],
+        offset: bool,
+        acc: &mut [[__m256; H]; R],
+    ) {
+        for e in 0..H {
+            // SAFETY: the caller's contract: `d` at 0, `m` at 32 in Q4_1/Q5_1 tiles.
+            let d = unsafe { self.half8(0, e) };
+            let m = match K {
+                0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                2 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                // SAFETY: as above.
+                1 | 3 => unsafe { self.half8(32, e) },
+                _ => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
+            };
+            for ((acc, s), y) in acc.iter_mut().zip(s).zip(&self.ys) {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
+                acc[e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[e]), scale, acc[e]);
+                if offset {
+                    acc[e] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[e]);
+                }
+            }
+        }
+    }
+}

@@ -211,9 +211,6 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
     }
 }
 
-/// `IQ4_NL`'s levels plus 128: the unsigned bytes `vpdpbusd` multiplies.
-static LEVELS_U8: [u8; 16] = super::super::iq4::LEVELS_U8;
-
 /// A tile's eight quant vectors (unsigned bytes, four elements per row lane), its rows'
 /// scales `d` and offsets `m'` (see [`super`]).
 #[inline]
@@ -246,7 +243,9 @@ unsafe fn packed_decode<const K: u8>(t: *const u8) -> ([__m512i; 8], __m512, __m
             // Each 4-bit index becomes its level + 128 (unsigned, 1..=241): one byte shuffle
             // per vector through the table in every 128-bit lane; `m' = -128 d` takes the
             // offset back out.
-            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(LEVELS_U8.as_ptr().cast()));
+            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(
+                super::super::iq4::LEVELS_U8.as_ptr().cast(),
+            ));
             for v in v.iter_mut() {
                 *v = _mm512_shuffle_epi8(table, *v);
             }
