@@ -241,7 +241,7 @@ unsafe fn tile<const K: u8, const R: usize, const H: usize>(
             }
         }
         // Q8_0 and IQ4_NL were multiplied signed here: no offset to take back.
-        // SAFETY: the tile is of kind `K`, `first + e < 2`.
+        // SAFETY: the tile is of kind `K`, `first + H ≤ 2` (asserted).
         unsafe { blk.accumulate::<K, H>(&s, K != 4 && K != 5, &mut acc) };
     }
     // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
@@ -316,7 +316,7 @@ unsafe fn tile_vnni<const K: u8, const R: usize, const H: usize>(
                 s[i][e] = _mm256_add_epi32(s[i][e], s2[i][e]);
             }
         }
-        // SAFETY: the tile is of kind `K`, `first + e < 2`.
+        // SAFETY: the tile is of kind `K`, `first + H ≤ 2` (asserted).
         unsafe { blk.accumulate::<K, H>(&s, true, &mut acc) };
     }
     // SAFETY: the caller's contract: rows `i < R`, lanes `8 first..8 first + n`.
