@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::overlap::Timeline;
 use crate::pipeline::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 use crate::resident::{Resident, ResidentStats};
-use crate::supervise::{Faults, Health, Ticket};
+use crate::supervise::{Alive, Faults, Health, Ticket};
 
 use crate::events::{Event, Timings};
 use crate::pipeline::Query;
@@ -122,14 +122,15 @@ impl Rag {
         let (compute_tx, compute_rx) = bounded::<ComputeJob>(1);
         let (wb_tx, wb_rx) = bounded::<Writeback>(64);
         let mut workers = Vec::new();
-        let mut spawn = |name: &'static str, f: Box<dyn FnOnce() + Send>| {
+        // Each worker gets its health guard and drops it before the queues it feeds close
+        // (their senders live in its closure, dropped after it returns): a worker that stops
+        // is reported stopped before the workers downstream see their input end and stop
+        // too, so health names the first to stop.
+        let mut spawn = |name: &'static str, f: Box<dyn FnOnce(Alive) + Send>| {
             let alive = health.register(name);
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(move || {
-                    let _alive = alive;
-                    f()
-                })
+                .spawn(move || f(alive))
                 .map(|h| workers.push(h))
                 .map_err(|source| Error::Spawn {
                     thread: name,
@@ -152,7 +153,10 @@ impl Rag {
             let p = prefix.clone();
             spawn(
                 "ragkv-loader",
-                Box::new(move || crate::pipeline::loader(&w, &tl, &p, load_rx, compute_tx)),
+                Box::new(move |alive| {
+                    crate::pipeline::loader(&w, &tl, &p, load_rx, &compute_tx);
+                    drop(alive);
+                }),
             )?;
         }
         {
@@ -161,8 +165,9 @@ impl Rag {
             let limits = config.limits();
             spawn(
                 "ragkv-model",
-                Box::new(move || {
-                    crate::pipeline::scheduler(&w, &timeline, &p, limits, compute_rx, wb_tx)
+                Box::new(move |alive| {
+                    crate::pipeline::scheduler(&w, &timeline, &p, limits, compute_rx, &wb_tx);
+                    drop(alive);
                 }),
             )?;
         }
@@ -170,7 +175,7 @@ impl Rag {
             let w = worker();
             spawn(
                 "ragkv-materialize",
-                Box::new(move || crate::pipeline::writeback(&w, wb_rx)),
+                Box::new(move |_alive| crate::pipeline::writeback(&w, wb_rx)),
             )?;
         }
         if resident.enabled() && config.resident_warm {

@@ -37,7 +37,7 @@ pub(crate) fn run(
     timeline: &Timeline,
     prefix: &Prefix,
     rx: Receiver<LoadJob>,
-    tx: Sender<ComputeJob>,
+    tx: &Sender<ComputeJob>,
 ) {
     let m = &w.metrics;
     let mut fanout = Fanout::new(w.load_threads);

@@ -134,7 +134,7 @@ pub(crate) fn run(
     prefix: &Prefix,
     limits: Limits,
     rx: Receiver<ComputeJob>,
-    wb: Sender<Writeback>,
+    wb: &Sender<Writeback>,
 ) {
     let m = &*w.metrics;
     let token_bytes = limits.cache_token_bytes(w.corpus.model());
@@ -203,7 +203,7 @@ pub(crate) fn run(
                 if Faults::take(&w.faults.panic_model) {
                     panic!("injected model fault");
                 }
-                join(w, prefix, &limits, cj, &wb)
+                join(w, prefix, &limits, cj, wb)
             });
             match r.and_then(|r| r) {
                 Ok(mut a) => {
