@@ -39,7 +39,9 @@
 #   "q4" for `bench ttft` again on stored KV in q4 (3.5x fewer bytes to read and copy; its
 #     own directory);
 #   "ncu" for Nsight Compute's GPU time of every kernel of a short `bench model` run, into
-#     OUT/ncu.csv),
+#     OUT/ncu.csv;
+#   "cpu-peer" for issue 37's q8-cache `bench peer` (1 and 8 clients, q8 against f16 caches)
+#     on this machine's CPU alone, with the real SmolLM2 file shipped as for "quickstart"),
 # GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
 # GPU_BENCH_RESIDENT_MB (default 4096: `serve.resident_mb` of the ttft and peer steps, chunk KV
 #   kept in GPU memory between queries: `ttft_resident_p50`, and `bench peer`'s warm phase;
@@ -268,6 +270,19 @@ for bench, d in sorted(on.items()):
 EOF2
     fi
   done
+  # Issue 37's q8 decoding-cache bars on this machine's CPU (its 16 cores, where a batched
+  # step's attention over the caches is bound by memory rather than, as on the 2-core build
+  # machines, by arithmetic): the real SmolLM2 file (shipped as $DIR/smollm2.part*), no GPU.
+  if [[ $steps == *" cpu-peer "* ]]; then
+    local smol="$root/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if [ -f "$smol" ]; then
+      step cpu-peer 300 "$ragkv" bench peer --device cpu --model "$smol" --quantized \
+        --dataset "$ds" --docs 200 --skip-llama --clients 1,8 --rounds 4 --cache-dtype q8 \
+        --versus-cache f16 --dir "$root/cpu-peer" || true
+    else
+      log "cpu-peer: no SmolLM2 file shipped (smollm2.part*): skipped"
+    fi
+  fi
   # The same `bench model` without CUDA graphs (the fused operations launched one by one),
   # then on the path before both (candle's attention, separate projections, cudarc's event
   # tracking on): what each changed, on this machine, beside llama.cpp again.
