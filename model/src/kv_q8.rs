@@ -155,16 +155,29 @@ pub(crate) fn dequantize_row(row: &[u8], out: &mut [f32]) {
 /// rotated ([`rotate`]) then quantized.
 pub(crate) fn quantize(t: &Tensor) -> Result<Tensor> {
     let (b, h, n, d) = t.dims4().ctx("q8 rows")?;
-    let mut x = t
-        .to_dtype(DType::F32)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .ctx("q8 rows")?;
+    let mut x = floats(t)?;
     let w = row_bytes(d);
     let mut out = vec![0u8; b * h * n * w];
     rotate(&mut x, d);
     quantize_rows(&x, d, &mut out);
     Tensor::from_vec(out, (b, h, n, w), t.device()).ctx("q8 rows")
+}
+
+/// `t`'s elements as f32, in order. f16 rows (a store's, the loader's) are widened eight
+/// at a time (F16C where the CPU has it): candle's `to_dtype` converts one element per call,
+/// which took half of a loader thread's time for q8 caches.
+fn floats(t: &Tensor) -> Result<Vec<f32>> {
+    let flat = t.flatten_all().ctx("q8 rows")?;
+    if flat.dtype() != DType::F16 {
+        return flat
+            .to_dtype(DType::F32)
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("q8 rows");
+    }
+    let half = flat.to_vec1::<half::f16>().ctx("q8 rows")?;
+    let mut x = vec![0f32; half.len()];
+    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&half[..], &mut x);
+    Ok(x)
 }
 
 /// A q8 tensor `(1, heads, n, row_bytes(d))` widened to `dtype` `(1, heads, n, d)`, the

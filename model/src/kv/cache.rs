@@ -26,6 +26,15 @@ fn to_cache_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
         t.contiguous().ctx("kv cache rows")
     } else if dtype == Q8_CACHE {
         kv_q8::quantize(t)
+    } else if dtype == DType::F16 && t.dtype() == DType::F32 && t.device().is_cpu() {
+        // Eight at a time (F16C where the CPU has it; candle converts one per call).
+        let x = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("kv cache rows")?;
+        let mut h = vec![half::f16::ZERO; x.len()];
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &x);
+        Tensor::from_vec(h, t.dims(), t.device()).ctx("kv cache rows")
     } else {
         t.to_dtype(dtype)
             .and_then(|t| t.contiguous())
@@ -325,5 +334,34 @@ impl KvCache {
     /// Forgets everything past `n` tokens.
     pub fn truncate(&mut self, n: usize) {
         self.len = self.len.min(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 rows go into an f16 cache as candle's conversion rounds them (to nearest, ties to
+    /// even), bit for bit, through the vectorized path; q8 rows from f16 and from f32
+    /// floats of the same values are the same bytes.
+    #[test]
+    fn rows_convert_as_candle_rounds_them() {
+        let dev = Device::Cpu;
+        let x: Vec<f32> = (0..2 * 37 * 64)
+            .map(|i| ((i as f32) * 0.37).sin() * 300.0 + 1e-4 * i as f32)
+            .collect();
+        let t = Tensor::from_vec(x, (1, 2, 37, 64), &dev).unwrap();
+        let fast = to_cache_rows(&t, DType::F16).unwrap();
+        let want = t.to_dtype(DType::F16).unwrap();
+        assert_eq!(fast.dims(), want.dims());
+        let bits = |t: &Tensor| -> Vec<u16> {
+            let v = t.flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
+            v.iter().map(|h| h.to_bits()).collect()
+        };
+        assert_eq!(bits(&fast), bits(&want));
+        let from_f16 = to_cache_rows(&want, Q8_CACHE).unwrap();
+        let from_f32 = to_cache_rows(&want.to_dtype(DType::F32).unwrap(), Q8_CACHE).unwrap();
+        let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+        assert_eq!(bytes(&from_f16), bytes(&from_f32));
     }
 }
