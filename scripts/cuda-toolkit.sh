@@ -87,7 +87,14 @@ fi
 # Link-time stub of the driver library, generated from the entry points cudarc binds.
 stub="$root/lib64/stubs/libcuda.so"
 if [ ! -f "$stub" ]; then
-  cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort | tail -n 1 || true)
+  find_cudarc() { ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort | tail -n 1 || true; }
+  cudarc=$(find_cudarc)
+  if [ -z "$cudarc" ]; then
+    # A fresh machine has not unpacked cudarc yet (only the cuda feature needs it).
+    log "fetching the crates' sources (cudarc's entry points name the stub's symbols)"
+    cargo fetch --manifest-path "$(dirname "$0")/../Cargo.toml" >&2 || true
+    cudarc=$(find_cudarc)
+  fi
   [ -n "$cudarc" ] || { log "cudarc sources not found: run 'cargo fetch' first"; exit 1; }
   mkdir -p "$root/lib64/stubs"
   grep -rhoE 'pub unsafe fn cu[A-Za-z0-9_]+' "$cudarc/src/driver/sys/" | sed 's/pub unsafe fn //' | sort -u |
