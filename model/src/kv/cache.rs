@@ -27,14 +27,11 @@ fn to_cache_rows(t: &Tensor, dtype: DType) -> Result<Tensor> {
     } else if dtype == Q8_CACHE {
         kv_q8::quantize(t)
     } else if dtype == DType::F16 && t.dtype() == DType::F32 && t.device().is_cpu() {
-        // Eight at a time (F16C where the CPU has it; candle converts one per call).
         let x = t
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .ctx("kv cache rows")?;
-        let mut h = vec![half::f16::ZERO; x.len()];
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &x);
-        Tensor::from_vec(h, t.dims(), t.device()).ctx("kv cache rows")
+        Tensor::from_vec(super::narrow_f16(&x), t.dims(), t.device()).ctx("kv cache rows")
     } else {
         t.to_dtype(dtype)
             .and_then(|t| t.contiguous())
