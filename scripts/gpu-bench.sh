@@ -270,9 +270,9 @@ for bench, d in sorted(on.items()):
 EOF2
     fi
   done
-  # Issue 37's q8 decoding-cache bars on this machine's CPU (its 16 cores, where a batched
-  # step's attention over the caches is bound by memory rather than, as on the 2-core build
-  # machines, by arithmetic): the real SmolLM2 file (shipped as $DIR/smollm2.part*), no GPU.
+  # Issue 37's q8 decoding-cache bars on this machine's CPU (its 16 cores: on the 2-core
+  # build machines a batched step is bound by both cores' whole work, weights and caches
+  # alike): the real SmolLM2 file (shipped as $DIR/smollm2.part*), no GPU.
   if [[ $steps == *" cpu-peer "* ]]; then
     local smol="$root/cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     if [ -f "$smol" ]; then

@@ -174,9 +174,9 @@ fn floats(t: &Tensor) -> Result<Vec<f32>> {
             .and_then(|t| t.to_vec1::<f32>())
             .ctx("q8 rows");
     }
-    let half = flat.to_vec1::<half::f16>().ctx("q8 rows")?;
-    let mut x = vec![0f32; half.len()];
-    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&half[..], &mut x);
+    let h = flat.to_vec1::<half::f16>().ctx("q8 rows")?;
+    let mut x = vec![0f32; h.len()];
+    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&h[..], &mut x);
     Ok(x)
 }
 
