@@ -42,7 +42,9 @@
 #     OUT/ncu.csv;
 #   "cpu-peer" for issue 37's q8-cache `bench peer` (1 and 8 clients, q8 against f16 caches)
 #     on this machine's CPU alone, with the real SmolLM2 file shipped as for "quickstart"),
-# GPU_BENCH_TTFT_ARGS (more `bench ttft` flags, e.g. "--codec q8");
+# GPU_BENCH_CODEC (default q8, `kvstore.codec`'s default: the stored chunk KV of the ttft, repair,
+#   redo and peer steps; "none" stores f16 as the runs before 2026-11-29 did);
+# GPU_BENCH_TTFT_ARGS (more `bench ttft` flags);
 # GPU_BENCH_RESIDENT_MB (default 4096: `serve.resident_mb` of the ttft and peer steps, chunk KV
 #   kept in GPU memory between queries: `ttft_resident_p50`, and `bench peer`'s warm phase;
 #   0 turns it off);
@@ -190,6 +192,9 @@ print(json.dumps({"bench": "h2d_pinned_limit", "ours": gbs, "baseline": gbs, "ra
     server_peer=(--skip-llama)
   fi
   local resident="${GPU_BENCH_RESIDENT_MB:-4096}"
+  # Stored chunk KV in the product's default codec (q8: half of f16's bytes to read and copy).
+  local codec="${GPU_BENCH_CODEC:-q8}"
+  local kv=(--codec "$codec")
   local synth_args=()
   for s in $shapes; do synth_args+=(--synthetic "$s"); done
   if [[ $steps == *" model "* ]]; then
@@ -221,10 +226,10 @@ EOF
     fi
     if [[ $steps == *" ttft "* ]]; then
       local ttft=("$ragkv" bench ttft --device cuda --model "$file" --quantized --dataset "$ds"
-        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" --resident-mb "$resident"
-        ${GPU_BENCH_TTFT_ARGS:-})
+        --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}-$codec" "${kv[@]}"
+        --resident-mb "$resident" ${GPU_BENCH_TTFT_ARGS:-})
       # Should the pinned upload fail, the same run on candle's own copy.
-      step "ttft:$s" 90 "${ttft[@]}" ||
+      step "ttft:$s" 120 "${ttft[@]}" ||
         RAGKV_CUDA_UPLOAD=plain step "ttft-plain:$s" 90 "${ttft[@]}" || true
     fi
     if [[ $steps == *" q4 "* ]]; then
@@ -233,7 +238,7 @@ EOF
     fi
     if [[ $steps == *" repair "* ]]; then
       step "repair:$s" 120 "$ragkv" bench ttft --device cuda --model "$file" --quantized \
-        --dataset "$ds" --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}" \
+        --dataset "$ds" --docs 200 --questions 10 --dir "$root/ttft-${s%%:*}-$codec" "${kv[@]}" \
         --strategy link:2 --strategy link:16 --strategy link:32 --strategy link:64 \
         --strategy reposition+recompute:0.5 --strategy query-aware:0.3 || true
     fi
@@ -242,20 +247,21 @@ EOF
       RAGKV_LOG="warn,serve::pipeline=debug,model::decoder=debug" \
         step "peer:$s" 150 "$ragkv" bench peer --device cuda --model "$file" --quantized \
         --dataset "$ds" --docs 200 --clients 1,8,32 --rounds 1 --resident-mb "$resident" \
-        "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
+        "${server_peer[@]}" --dir "$root/peer-${s%%:*}-$codec" "${kv[@]}" || true
     fi
     # The same with a chunk's recomputed rows on the fused kernels (RAGKV_CUDA_REDO=on): its
     # answers_stored_kv against the default's says whether that path may become the default.
     if [[ $steps == *" redo "* && $s == "${shapes%% *}" ]]; then
       RAGKV_CUDA_REDO=on step "peer-redo:$s" 150 "$ragkv" bench peer --device cuda \
         --model "$file" --quantized --dataset "$ds" --docs 200 --clients 1,8 --rounds 1 \
-        "${server_peer[@]}" --dir "$root/peer-${s%%:*}" || true
+        "${server_peer[@]}" --dir "$root/peer-${s%%:*}-$codec" "${kv[@]}" || true
       # The repairs' cost with their rows on the fused kernels (issue 39's budget: 1.5x
       # `reposition`), and whether they answer as candle's operations do: each strategy's
       # answers_digest against the "repair" step's, when that step ran in this OUT.
       RAGKV_CUDA_REDO=on step "repair-redo:$s" 120 "$ragkv" bench ttft --device cuda \
         --model "$file" --quantized --dataset "$ds" --docs 200 --questions 10 \
-        --dir "$root/ttft-${s%%:*}" --strategy link:2 --strategy link:16 --strategy link:64 || true
+        --dir "$root/ttft-${s%%:*}-$codec" "${kv[@]}" --strategy link:2 --strategy link:16 \
+        --strategy link:64 || true
       python3 - "$res" "$s" >>"$logf" 2>&1 <<'EOF2' || true
 import json, sys
 res, shape = sys.argv[1], sys.argv[2]
@@ -294,7 +300,7 @@ EOF2
     local first="${shapes%% *}"
     step "ttft-one-loader:$first" 90 "$ragkv" bench ttft --device cuda \
       --model "$synth/${first%%:*}-${first##*:}.gguf" --quantized --dataset "$ds" --docs 200 \
-      --questions 10 --dir "$root/ttft-${first%%:*}" --load-threads 1 || true
+      --questions 10 --dir "$root/ttft-${first%%:*}-$codec" "${kv[@]}" --load-threads 1 || true
   fi
   if [[ $steps == *" ab "* ]]; then
     RAGKV_CUDA_NORM_Q8=off \

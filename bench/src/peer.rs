@@ -106,6 +106,10 @@ pub struct Args {
     /// finds every chunk there.
     #[arg(long, default_value_t = 0)]
     pub resident_mb: usize,
+    /// Codec of ragkv's stored chunk KV (`kvstore.codec`: none, q8, q4, ...; `ragkv ingest`
+    /// stores q8 by default); use a separate `--dir` per codec.
+    #[arg(long, default_value = "none", value_parser = crate::qa::parse_codec)]
+    pub codec: kvstore::Codec,
 }
 
 /// One answered query, as the client saw it.
@@ -370,7 +374,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         &ds,
         args.docs,
         "peer",
-        kvstore::Codec::None,
+        args.codec,
     )?);
     let questions: Vec<String> = dataset::questions(&ds, args.questions)?
         .into_iter()

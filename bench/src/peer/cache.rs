@@ -2,11 +2,12 @@
 //! decoding-cache dtype against another on the same engine, prompts and clients, and how
 //! closely the two answer alike: teacher-forced (the `versus` caches' greedy answer to each
 //! question fed through both kinds of caches the same way, the share of token decisions on
-//! which they agree, and the mean KL divergence of their next-token distributions, over all
-//! `--max-tokens` decisions and up to the end of the answer proper) and free-running (the
-//! share of each answer both produce from its start: greedy answers of 64 tokens drift apart
-//! after any near-tie, so this one is low even between f32 and f16 caches). The f32 caches' teacher-forced agreement with the same `versus` caches
-//! comes with it: the floor rounding alone sets for this measure.
+//! which they agree, with a 95 % bootstrap interval over the questions, and the mean KL
+//! divergence of their next-token distributions, over all `--max-tokens` decisions and up to
+//! the end of the answer proper) and free-running (the share of each answer both produce
+//! from its start: greedy answers of 64 tokens drift apart after any near-tie, so this one is
+//! low even between f32 and f16 caches). The f32 caches' teacher-forced agreement with the
+//! same `versus` caches comes with it: the floor rounding alone sets for this measure.
 
 use std::sync::Arc;
 
@@ -69,15 +70,21 @@ pub(crate) fn measure_versus(
 }
 
 /// Teacher-forced decisions compared: all of them, and those of the answer proper.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct Forced {
     all: score::Forced,
+    /// Agreeing and forced decisions of each question (all of them): its interval resamples
+    /// whole questions, whose decisions within one answer are not independent.
+    per_question: Vec<(f64, f64)>,
     /// Decisions up to and including the first one where the reference's own caches choose
     /// an end-of-turn token (answers run on past it: end-of-turn tokens are banned so that
     /// every answer is `--max-tokens` long, and what follows is the model rambling through
     /// near-ties).
     answer: score::Forced,
 }
+
+/// Resamples of the bootstrap interval of an agreement.
+const RESAMPLES: usize = 2000;
 
 fn share(f: score::Forced) -> f64 {
     f.agree as f64 / f.tokens.max(1) as f64
@@ -146,7 +153,9 @@ fn forced_agreement(
             .map_or(decisions.len(), |i| i + 1);
         for (rag, f) in others.iter().zip(&mut out) {
             let got = rows(rag)?;
-            f.all += score::forced(&want, &got, &decisions);
+            let all = score::forced(&want, &got, &decisions);
+            f.per_question.push((all.agree as f64, all.tokens as f64));
+            f.all += all;
             let (w, g, t) = (&want[..end], &got[..end], &decisions[..end]);
             f.answer += score::forced(w, g, t);
         }
@@ -197,7 +206,8 @@ pub(crate) fn lines(
     qps.detail = Some(serde_json::json!({
         "qps_by_clients": {"clients": args.clients, "ours": ours.qps, "baseline": theirs.qps},
     }));
-    let f = forced[0];
+    let f = &forced[0];
+    let ci = score::bootstrap_ratio_ci95(&f.per_question, RESAMPLES);
     let mut agree = Line::higher(
         &format!("peer.cache_answer_tokens.{}", name(args.cache_dtype)),
         share(f.all),
@@ -207,6 +217,8 @@ pub(crate) fn lines(
     );
     let mut detail = serde_json::json!({
         "forced_tokens": f.all.tokens,
+        "ci95": [ci.0, ci.1],
+        "questions": f.per_question.len(),
         "kl_mean": kl_mean(f.all),
         "to_end_of_answer": {"share": share(f.answer), "tokens": f.answer.tokens,
                              "kl_mean": kl_mean(f.answer)},
@@ -214,8 +226,10 @@ pub(crate) fn lines(
                          "common_prefix_tokens": common, "tokens": total},
     });
     if let Some(floor) = forced.get(1) {
+        let ci = score::bootstrap_ratio_ci95(&floor.per_question, RESAMPLES);
         detail["f32_caches"] = serde_json::json!({
             "share": share(floor.all),
+            "ci95": [ci.0, ci.1],
             "kl_mean": kl_mean(floor.all),
             "to_end_of_answer": share(floor.answer),
             "to_end_kl_mean": kl_mean(floor.answer),
