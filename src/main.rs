@@ -161,6 +161,7 @@ enum BenchCommand {
 
 fn main() {
     model::pin_thread_count();
+    model::tune_heap();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RAGKV_LOG")

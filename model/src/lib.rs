@@ -32,6 +32,7 @@ mod gguf;
 mod gguf_reader;
 mod gpu_graph;
 mod gpu_ops;
+mod heap;
 pub mod hub;
 mod joined;
 mod kv;
@@ -63,6 +64,7 @@ pub use error::{Error, Result};
 pub use generate::{
     generate, logits_row, Advance, Decoding, FinishReason, GenerateParams, Generation, Sampler,
 };
+pub use heap::tune_heap;
 pub use kv::{to_schema_dtype as kv_schema_dtype, Kv, KvCache};
 pub use kv_q8::{q8_bytes_per_token, Q8_CACHE};
 pub use loaded::{models_dir, LoadOptions, Model, QWEN_CODER_FILE, SMOLLM2_FILE};

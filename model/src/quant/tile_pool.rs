@@ -36,7 +36,9 @@ pub(crate) fn tiled_matmul(
     }
     let groups = first.last().copied().unwrap_or(0);
     let chunk = (256 * 1024 / act_row_bytes.max(1)).clamp(step, 256) / step * step;
-    let mut outs: Vec<Vec<f32>> = heights.iter().map(|n| vec![0f32; m * n]).collect();
+    // Not zeroed first: the passes write every element (below), and zeroing hundreds of
+    // megabytes per prefill ran on the calling thread alone while the pool waited.
+    let mut outs: Vec<Vec<f32>> = heights.iter().map(|n| Vec::with_capacity(m * n)).collect();
     let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
     candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
         for a0 in (0..m).step_by(chunk) {
@@ -60,6 +62,13 @@ pub(crate) fn tiled_matmul(
             }
         }
     });
+    for (o, n) in outs.iter_mut().zip(heights) {
+        // SAFETY: the capacity is `m * n`; the tasks covered every group `g` of the matrix
+        // (lanes `16g..16g + min(16, n - 16g)`, so every column) for every row `0..m`, and
+        // `pass` writes every lane it is handed (its contract), so all `m * n` elements are
+        // initialized. Had a pass panicked, `execute_chunked` would not have returned.
+        unsafe { o.set_len(m * n) };
+    }
     outs
 }
 
