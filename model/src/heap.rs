@@ -8,12 +8,13 @@
 //! zeroes every 4 KiB page at its first write, and it gives the free top of its heap back to
 //! the kernel past a trim threshold (twice the mmap threshold), so the next buffer faults
 //! again. `perf` of a 1.5B prefill (2026-11-29, Zen 5): page faults, page clearing and
-//! unmapping ~8 % of the samples, half of them inside the products' stores.
+//! unmapping ~8 % of the samples, a third of them inside the products' stores.
 //!
 //! [`tune_heap`] fixes both thresholds instead: blocks up to 32 MiB come from the heap, and
 //! freed memory stays there for the next pass (the process keeps its peak heap resident, as
-//! a server wants its working set). Measured on the same VM: 1.5B prefill 233-267 → 281-322
-//! tokens/s (docs/BENCHMARKS.md, "The heap under the compute buffers").
+//! a server wants its working set). Measured on the same VM: prefill +29 % on the 1.5B
+//! (267-278 → 348-356 tokens/s), +40 % on Qwen2.5-0.5B, SmolLM2 and decoding unchanged
+//! (docs/BENCHMARKS.md, "The heap under the compute buffers").
 
 /// The mmap threshold: glibc's largest (`DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit targets).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
