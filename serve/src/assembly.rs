@@ -61,7 +61,8 @@
 //! prompt's start"). Both together (`prompt+neighbours:1`): `link:2` 37 %, `link:8` 47 % at 2×
 //! `reposition`'s TTFT, `link:32` 49 % at 4.5×, `link:64` 54 % (F1 within full prefill's
 //! interval) at ~7.8× on two CPU cores, where each recomputed token costs a question token's
-//! compute; `ragkv bench ttft --strategy` times a strategy's cost on any device.
+//! compute; a second neighbour (`prompt+neighbours:2`) adds nothing measurable (`link:2` 39 %,
+//! `link:8` 45 %); `ragkv bench ttft --strategy` times a strategy's cost on any device.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
