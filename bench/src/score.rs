@@ -130,6 +130,9 @@ pub fn forced(reference: &[Vec<f32>], strategy: &[Vec<f32>], targets: &[u32]) ->
     out
 }
 
+/// Draws of every bootstrap interval the benchmarks report.
+pub const RESAMPLES: usize = 10_000;
+
 /// 95 % bootstrap interval (percentile method, `resamples` draws, fixed seed) of the mean of
 /// paired differences `d` (one per question).
 pub fn bootstrap_ci95(d: &[f64], resamples: usize) -> (f64, f64) {

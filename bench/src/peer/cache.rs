@@ -83,9 +83,6 @@ struct Forced {
     answer: score::Forced,
 }
 
-/// Resamples of the bootstrap interval of an agreement.
-const RESAMPLES: usize = 2000;
-
 fn share(f: score::Forced) -> f64 {
     f.agree as f64 / f.tokens.max(1) as f64
 }
@@ -207,7 +204,7 @@ pub(crate) fn lines(
         "qps_by_clients": {"clients": args.clients, "ours": ours.qps, "baseline": theirs.qps},
     }));
     let f = &forced[0];
-    let ci = score::bootstrap_ratio_ci95(&f.per_question, RESAMPLES);
+    let ci = score::bootstrap_ratio_ci95(&f.per_question, score::RESAMPLES);
     let mut agree = Line::higher(
         &format!("peer.cache_answer_tokens.{}", name(args.cache_dtype)),
         share(f.all),
@@ -226,7 +223,7 @@ pub(crate) fn lines(
                          "common_prefix_tokens": common, "tokens": total},
     });
     if let Some(floor) = forced.get(1) {
-        let ci = score::bootstrap_ratio_ci95(&floor.per_question, RESAMPLES);
+        let ci = score::bootstrap_ratio_ci95(&floor.per_question, score::RESAMPLES);
         detail["f32_caches"] = serde_json::json!({
             "share": share(floor.all),
             "ci95": [ci.0, ci.1],

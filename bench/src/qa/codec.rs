@@ -131,7 +131,7 @@ pub(crate) fn vs_uncompressed(line: &mut QaLine, xs: &[&Answer], header: &RunHea
     }
     let n = pairs.len() as f64;
     let diffs: Vec<f64> = pairs.iter().map(|(a, u)| a.f1 - u.f1).collect();
-    let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
+    let (lo, hi) = score::bootstrap_ci95(&diffs, score::RESAMPLES);
     let tokens = pairs.iter().map(|(_, u)| u.tokens).sum::<usize>();
     let agree = pairs.iter().map(|(_, u)| u.agree).sum::<usize>();
     let per_question: Vec<(f64, f64)> = pairs
@@ -143,7 +143,7 @@ pub(crate) fn vs_uncompressed(line: &mut QaLine, xs: &[&Answer], header: &RunHea
     line.f1_points_vs_uncompressed_ci95 = Some((lo * 100.0, hi * 100.0));
     line.agreement_tokens_vs_uncompressed = Some(agree as f64 / tokens.max(1) as f64);
     line.agreement_tokens_vs_uncompressed_ci95 =
-        Some(score::bootstrap_ratio_ci95(&per_question, 10_000));
+        Some(score::bootstrap_ratio_ci95(&per_question, score::RESAMPLES));
     line.kl_vs_uncompressed =
         Some(pairs.iter().map(|(_, u)| u.kl_sum).sum::<f64>() / tokens.max(1) as f64);
 }

@@ -30,7 +30,7 @@ pub(crate) fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
             let xs = of(name);
             let sum = |f: &dyn Fn(&Answer) -> f64| xs.iter().map(|a| f(a)).sum::<f64>();
             let diffs: Vec<f64> = xs.iter().zip(&full).map(|(a, r)| a.f1 - r.f1).collect();
-            let (lo, hi) = score::bootstrap_ci95(&diffs, 10_000);
+            let (lo, hi) = score::bootstrap_ci95(&diffs, score::RESAMPLES);
             let tokens = xs.iter().map(|a| a.forced_tokens).sum::<usize>();
             let agree = xs.iter().map(|a| a.forced_agree).sum::<usize>();
             let per_question: Vec<(f64, f64)> = xs
@@ -47,7 +47,7 @@ pub(crate) fn summarize(done: &[Logged], header: &RunHeader) -> Vec<QaLine> {
                 f1_points_ci95: (lo * 100.0, hi * 100.0),
                 agreement_answers: sum(&|a| f64::from(u8::from(a.identical))) / n,
                 agreement_tokens: agree as f64 / tokens.max(1) as f64,
-                agreement_tokens_ci95: score::bootstrap_ratio_ci95(&per_question, 10_000),
+                agreement_tokens_ci95: score::bootstrap_ratio_ci95(&per_question, score::RESAMPLES),
                 forced_tokens: tokens,
                 kl_mean: sum(&|a| a.kl_sum) / tokens.max(1) as f64,
                 gap_closed: None,
