@@ -201,9 +201,9 @@ impl Kernel {
             Kernel::Packed(p) => x
                 .apply_op1_no_bwd(&PackedOp(p.clone()))
                 .ctx("quantized matmul"),
-            // Prefill-sized inputs of the K-quants left in file order (Q2_K, Q3_K, or no
-            // tiled kernels on this CPU) take candle's product: the row kernels decode every
-            // weight block again for each four rows, and lose prefill to it.
+            // Prefill-sized inputs of the K-quants left in file order (no tiled kernels on
+            // this CPU) take candle's product: the row kernels decode every weight block
+            // again for each four rows, and lose prefill to it.
             Kernel::Rows(
                 r @ FileRows {
                     rows: Rows::K(_), ..

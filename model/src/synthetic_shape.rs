@@ -96,8 +96,8 @@ pub fn shape(name: &str) -> Result<&'static Shape> {
     })
 }
 
-/// A block type by its llama.cpp name: `f16`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q8_0`, `q4_k`,
-/// `q5_k`, `q6_k` (case-insensitive, `q4k` too).
+/// A block type by its llama.cpp name: `f16`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q8_0`, `q2_k`,
+/// `q3_k`, `q4_k`, `q5_k`, `q6_k` (case-insensitive, `q4k` too).
 pub fn block_type(name: &str) -> Result<GgmlDType> {
     let n = name.to_ascii_lowercase().replace('_', "");
     Ok(match n.as_str() {
@@ -107,14 +107,17 @@ pub fn block_type(name: &str) -> Result<GgmlDType> {
         "q50" => GgmlDType::Q5_0,
         "q51" => GgmlDType::Q5_1,
         "q80" => GgmlDType::Q8_0,
+        "q2k" => GgmlDType::Q2K,
+        "q3k" => GgmlDType::Q3K,
         "q4k" => GgmlDType::Q4K,
         "q5k" => GgmlDType::Q5K,
         "q6k" => GgmlDType::Q6K,
         _ => {
             return Err(Error::Input {
                 why: format!(
-                "unknown block type {name:?} (f16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)"
-            ),
+                    "unknown block type {name:?} \
+                 (f16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)"
+                ),
             })
         }
     })
@@ -350,8 +353,9 @@ mod tests {
             .to_string()
             .contains("smollm2-135m"));
         assert_eq!(block_type("Q4_K").unwrap(), GgmlDType::Q4K);
+        assert_eq!(block_type("q3_k").unwrap(), GgmlDType::Q3K);
         assert_eq!(block_type("q8_0").unwrap(), GgmlDType::Q8_0);
-        assert!(block_type("q3_k").is_err());
+        assert!(block_type("iq2_xxs").is_err());
         for s in SHAPES {
             assert_eq!(s.heads % s.kv_heads, 0, "{}", s.name);
         }

@@ -1,35 +1,41 @@
-//! K-quant matrices (Q4_K, Q5_K, Q6_K) repacked at load for tiled products: sixteen weight
-//! rows interleaved per super-block, so one integer instruction multiplies four elements of
-//! sixteen rows with one activation row's four quants (`vpdpbusd` on AVX-512 VNNI; on AVX2
-//! each half of the tile is eight rows for `pmaddubsw`), and a decoded super-block serves
-//! several activation rows from registers (the prefill's GEMM) instead of one (the row
+//! K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) repacked at load for tiled products:
+//! sixteen weight rows interleaved per super-block, so one integer instruction multiplies four
+//! elements of sixteen rows with one activation row's four quants (`vpdpbusd` on AVX-512 VNNI;
+//! on AVX2 each half of the tile is eight rows for `pmaddubsw`), and a decoded super-block
+//! serves several activation rows from registers (the prefill's GEMM) instead of one (the row
 //! kernels of [`super::kquant`], which decode every weight block again for each four rows).
 //!
 //! **Layout** (in memory only, built from the GGUF blocks at load; all offsets in bytes): the
 //! matrix is a sequence of *tiles*, group by group (rows `16g..16g+16`), super-block by
-//! super-block within a group. In the quant planes, element `32j + 4i + c` of row `r`
-//! (sub-block `j < 8`, vector `i < 8`, `c < 4`) sits at byte `4r + c` of 64: the order
-//! `vpdpbusd` takes four bytes per 32-bit lane in. Quants are unsigned (`u`: Q6_K's `q + 32`).
+//! super-block within a group. Element `32j + 4i + c` of row `r` (sub-block `j < 8`, vector
+//! `i < 8`, `c < 4`) sits at byte `4r + c` of a 64-byte vector: the order `vpdpbusd` takes
+//! four bytes per 32-bit lane in. Quants are unsigned (`u`: Q6_K's `q + 32`, Q3_K's `q + 4`).
 //!
 //! | type | tile bytes | tile layout (offsets) | value |
 //! |---|---:|---|---|
+//! | Q2_K | 1,344 | `d[16]` 0, `dmin[16]` 32, `sm[8][16][2]` 64, `lo2[8][2][64]` 320 | `d sc_g u - dmin m_g` |
+//! | Q3_K | 1,824 | `d[16]` 0, `scp[8][16][2]` 32, `lo2[8][2][64]` 288, `hb[8][64]` 1,312 | `d sc_g (u - 4)` |
 //! | Q4_K | 2,368 | `d[16]` 0, `dmin[16]` 32, `sc[8][16]` 64, `mp[4][16][2]` 192, `planes[8][4][64]` 320 | `d sc_j u - dmin m_j` |
 //! | Q5_K | 2,880 | as Q4_K, then `qh[8][64]` 2,368 | `d sc_j u - dmin m_j` |
 //! | Q6_K | 3,360 | `d[16]` 0, `scp[8][16][2]` 32, `planes[8][4][64]` 288, `hi[8][2][64]` 2,336 | `d sc_g (u - 32)` |
 //!
 //! `d`, `dmin`: f16 per row. `sc` (u8): sub-block `j`'s scale for row `r` at `16j + r`. `mp`
 //! (u8), `scp` (i8): a pair per row, widened to i16 pairs (one 32-bit lane per row) when
-//! used: `mp[p]` the minimums of sub-blocks `2p`, `2p + 1`; `scp[j]` Q6_K's scales of its
-//! 16-element groups `2j`, `2j + 1`. Planes: byte `4r +
-//! c` of `planes[j][i]` holds vector `i`'s low four bits in its low nibble and vector `i + 4`'s
-//! in its high nibble. Q5_K `qh[j]`: bit `i` of byte `4r + c` is vector `i`'s fifth bit. Q6_K
-//! `hi[j][h]`: bits `2i'..2i'+2` of byte `4r + c` are vector `4h + i'`'s two high bits.
+//! used: `mp[p]` the minimums of sub-blocks `2p`, `2p + 1`; `scp[j]` the scales of the
+//! 16-element groups `g = 2j`, `2j + 1` (Q6_K's, Q3_K's less 32). `sm` (Q2_K): the same pair
+//! per row, each byte group `g`'s 4-bit scale in its low nibble and 4-bit minimum in its high
+//! one (the file's own bytes). Planes: byte `4r + c` of `planes[j][i]` holds vector `i`'s low
+//! four bits in its low nibble and vector `i + 4`'s in its high nibble. Q5_K `qh[j]`: bit `i`
+//! of byte `4r + c` is vector `i`'s fifth bit. Q6_K `hi[j][h]`: bits `2i'..2i'+2` of byte
+//! `4r + c` are vector `4h + i'`'s two high bits; Q2_K's and Q3_K's `lo2[j][h]` hold their
+//! two low bits the same way, and Q3_K's `hb[j]` its third bit as Q5_K's `qh` does.
 //!
-//! Sixteen rows' integer sums come out of a sub-block at once; the sub-block scales multiply
-//! them per lane, the minimums (Q4_K, Q5_K) and Q6_K's `-32` offset apply through the
-//! activation block's sums (pairs of i16 against `mp` / `scp`, `vpdpwssd` or `pmaddwd`). A
-//! Q6_K tile has exactly the file's bytes; Q4_K/Q5_K tiles 4 bytes more per row and
-//! super-block (their 6-bit scales and minimums unpacked to bytes): 2-3 % more memory.
+//! Sixteen rows' integer sums come out of a sub-block (or 16-element group) at once; the
+//! scales multiply them per lane, the minimums (Q2_K, Q4_K, Q5_K) and the offsets of Q3_K and
+//! Q6_K apply through the activation block's sums (pairs of i16 against `mp` / `sm` / `scp`,
+//! `vpdpwssd` or `pmaddwd`). Q2_K and Q6_K tiles have exactly the file's bytes, Q3_K's 4
+//! bytes more per row and super-block (its 6-bit scales unpacked to bytes, 3.6 %), Q4_K's
+//! and Q5_K's 4 more as well (scales and minimums unpacked: 2-3 %).
 
 use half::f16;
 
@@ -50,10 +56,18 @@ pub(super) const QH5: usize = 2368;
 pub(super) const SCP6: usize = 32;
 pub(super) const Q6: usize = 288;
 pub(super) const HI6: usize = 2336;
+pub(super) const SCP3: usize = 32;
+pub(super) const LO3: usize = 288;
+pub(super) const HB3: usize = 1312;
+pub(super) const SM2: usize = 64;
+pub(super) const LO2: usize = 320;
 
 /// Whether `kind` has a repacked layout.
 pub(crate) fn repacks(kind: KKind) -> bool {
-    matches!(kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
+    matches!(
+        kind,
+        KKind::Q2K | KKind::Q3K | KKind::Q4K | KKind::Q5K | KKind::Q6K
+    )
 }
 
 /// Bytes of a tile (16 rows of one super-block).
@@ -62,7 +76,8 @@ pub(crate) fn tile_bytes(kind: KKind) -> usize {
         KKind::Q4K => 2368,
         KKind::Q5K => 2880,
         KKind::Q6K => 3360,
-        KKind::Q2K | KKind::Q3K => unreachable!("{kind:?} is not repacked"),
+        KKind::Q3K => 1824,
+        KKind::Q2K => 1344,
     }
 }
 
@@ -77,40 +92,72 @@ pub(crate) fn pack(kind: KKind, raw: &[u8], n: usize, k: usize) -> Vec<u8> {
         let (g, b) = (t / nb, t % nb);
         for r in 0..ROWS.min(n - g * ROWS) {
             let u = kquant::unpack(kind, &raw[((g * ROWS + r) * nb + b) * bb..][..bb]);
-            tile[D + 2 * r..D + 2 * r + 2].copy_from_slice(&f16::from_f32(u.d).to_le_bytes());
-            let six = kind == KKind::Q6K;
-            if six {
-                for j in 0..8 {
-                    tile[SCP6 + 32 * j + 2 * r] = u.sc[2 * j] as i8 as u8;
-                    tile[SCP6 + 32 * j + 2 * r + 1] = u.sc[2 * j + 1] as i8 as u8;
-                }
-            } else {
-                tile[DMIN + 2 * r..DMIN + 2 * r + 2]
-                    .copy_from_slice(&f16::from_f32(u.dmin).to_le_bytes());
-                for j in 0..8 {
-                    tile[SC + 16 * j + r] = u.sc[2 * j] as u8;
-                }
-                for p in 0..4 {
-                    tile[MP + 32 * p + 2 * r] = u.mn[4 * p] as u8;
-                    tile[MP + 32 * p + 2 * r + 1] = u.mn[4 * p + 2] as u8;
-                }
-            }
-            let planes = if six { Q6 } else { Q45 };
-            for (e, q) in u.q.iter().enumerate() {
-                let uq = if six { (*q + 32) as u8 } else { *q as u8 };
-                let (j, i, pos) = (e / 32, e % 32 / 4, 4 * r + e % 4);
-                tile[planes + 256 * j + 64 * (i % 4) + pos] |= (uq & 0xF) << (4 * (i / 4));
-                match kind {
-                    KKind::Q5K => tile[QH5 + 64 * j + pos] |= (uq >> 4 & 1) << i,
-                    KKind::Q6K => {
-                        tile[HI6 + 128 * j + 64 * (i / 4) + pos] |= (uq >> 4 & 3) << (2 * (i % 4))
-                    }
-                    _ => {}
-                }
-            }
+            pack_row(kind, &u, tile, r);
         }
     }
     tiles
+}
+
+/// Row `r`'s scales and quants of one super-block (`u`) into its place in `tile`.
+fn pack_row(kind: KKind, u: &kquant::Unpacked, tile: &mut [u8], r: usize) {
+    let half = |tile: &mut [u8], at: usize, v: f32| {
+        tile[at + 2 * r..at + 2 * r + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes())
+    };
+    half(tile, D, u.d);
+    match kind {
+        KKind::Q6K | KKind::Q3K => {
+            let at = if kind == KKind::Q6K { SCP6 } else { SCP3 };
+            for j in 0..8 {
+                tile[at + 32 * j + 2 * r] = u.sc[2 * j] as i8 as u8;
+                tile[at + 32 * j + 2 * r + 1] = u.sc[2 * j + 1] as i8 as u8;
+            }
+        }
+        KKind::Q2K => {
+            half(tile, DMIN, u.dmin);
+            for j in 0..8 {
+                for h in 0..2 {
+                    let g = 2 * j + h;
+                    tile[SM2 + 32 * j + 2 * r + h] = (u.sc[g] | u.mn[g] << 4) as u8;
+                }
+            }
+        }
+        KKind::Q4K | KKind::Q5K => {
+            half(tile, DMIN, u.dmin);
+            for j in 0..8 {
+                tile[SC + 16 * j + r] = u.sc[2 * j] as u8;
+            }
+            for p in 0..4 {
+                tile[MP + 32 * p + 2 * r] = u.mn[4 * p] as u8;
+                tile[MP + 32 * p + 2 * r + 1] = u.mn[4 * p + 2] as u8;
+            }
+        }
+    }
+    for (e, q) in u.q.iter().enumerate() {
+        let (j, i, pos) = (e / 32, e % 32 / 4, 4 * r + e % 4);
+        // Two bits of vector `i` in `lo2[j][i / 4]` (Q6_K's high bits, Q2_K/Q3_K's low ones).
+        let mut two =
+            |at: usize, v: u8| tile[at + 128 * j + 64 * (i / 4) + pos] |= v << (2 * (i % 4));
+        match kind {
+            KKind::Q2K => two(LO2, *q as u8),
+            KKind::Q3K => {
+                let uq = (*q + 4) as u8;
+                two(LO3, uq & 3);
+                tile[HB3 + 64 * j + pos] |= (uq >> 2) << i;
+            }
+            _ => {
+                let (planes, uq) = match kind {
+                    KKind::Q6K => (Q6, (*q + 32) as u8),
+                    _ => (Q45, *q as u8),
+                };
+                match kind {
+                    KKind::Q5K => tile[QH5 + 64 * j + pos] |= (uq >> 4 & 1) << i,
+                    KKind::Q6K => two(HI6, uq >> 4 & 3),
+                    _ => {}
+                }
+                tile[planes + 256 * j + 64 * (i % 4) + pos] |= (uq & 0xF) << (4 * (i / 4));
+            }
+        }
+    }
 }
 
 /// Row `j` of a repacked `(n, k)` matrix, dequantized into `out` (`k` long).
@@ -124,15 +171,26 @@ pub(crate) fn dequantize_row(kind: KKind, tiles: &[u8], k: usize, j: usize, out:
         let d = half(t, D + 2 * r);
         for (e, o) in out.iter_mut().enumerate() {
             let (sb, i, pos) = (e / 32, e % 32 / 4, 4 * r + e % 4);
-            let planes = if kind == KKind::Q6K { Q6 } else { Q45 };
-            let mut u = t[planes + 256 * sb + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
+            let two = |at: usize| t[at + 128 * sb + 64 * (i / 4) + pos] >> (2 * (i % 4)) & 3;
+            // Group `2 sb + i / 4`'s byte of a pair per row (`scp`, `sm`).
+            let pair = |at: usize| t[at + 32 * sb + 2 * r + i / 4];
+            let nibbles = |at: usize| t[at + 256 * sb + 64 * (i % 4) + pos] >> (4 * (i / 4)) & 0xF;
             *o = match kind {
-                KKind::Q6K => {
-                    u |= (t[HI6 + 128 * sb + 64 * (i / 4) + pos] >> (2 * (i % 4)) & 3) << 4;
-                    let sc = t[SCP6 + 32 * sb + 2 * r + i / 4] as i8 as f32;
-                    d * sc * (u as f32 - 32.0)
+                KKind::Q2K => {
+                    let sm = pair(SM2);
+                    let (sc, m) = (f32::from(sm & 0xF), f32::from(sm >> 4));
+                    d * sc * f32::from(two(LO2)) - half(t, DMIN + 2 * r) * m
                 }
-                _ => {
+                KKind::Q3K => {
+                    let u = two(LO3) | (t[HB3 + 64 * sb + pos] >> i & 1) << 2;
+                    d * pair(SCP3) as i8 as f32 * (f32::from(u) - 4.0)
+                }
+                KKind::Q6K => {
+                    let u = nibbles(Q6) | two(HI6) << 4;
+                    d * pair(SCP6) as i8 as f32 * (f32::from(u) - 32.0)
+                }
+                KKind::Q4K | KKind::Q5K => {
+                    let mut u = nibbles(Q45);
                     if kind == KKind::Q5K {
                         u |= (t[QH5 + 64 * sb + pos] >> i & 1) << 4;
                     }
@@ -282,7 +340,9 @@ mod tests {
     use candle_core::quantized::GgmlDType;
     use proptest::prelude::*;
 
-    const KINDS: [(KKind, GgmlDType); 3] = [
+    const KINDS: [(KKind, GgmlDType); 5] = [
+        (KKind::Q2K, GgmlDType::Q2K),
+        (KKind::Q3K, GgmlDType::Q3K),
         (KKind::Q4K, GgmlDType::Q4K),
         (KKind::Q5K, GgmlDType::Q5K),
         (KKind::Q6K, GgmlDType::Q6K),

@@ -110,7 +110,8 @@ impl From<KKind> for PackKind {
 
 impl PackKind {
     /// The repacked layout a GGUF matrix of `dtype` gets on this CPU (and kernel path), if
-    /// any: the 32-element types and Q4_K/Q5_K/Q6_K wherever AVX2 (or AVX-512 VNNI) runs.
+    /// any: the 32-element types and the K-quants (Q2_K to Q6_K) wherever AVX2 (or AVX-512
+    /// VNNI) runs.
     pub(crate) fn of(dtype: GgmlDType) -> Option<PackKind> {
         if let Some(kind) = Kind::of(dtype) {
             return (Packed::available() || crate::simd::avx2()).then_some(PackKind::Blocks(kind));
