@@ -25,6 +25,8 @@ use model::{Kv, LoadOptions, Logits, Model, ModelSource};
 
 use crate::{median, Error, Line};
 
+mod fidelity;
+
 /// Arguments of `ragkv bench model`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -72,6 +74,13 @@ pub struct Args {
     /// own cache type) or `f32` (the library's default; figures recorded before 2026-11-26).
     #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
     pub cache: String,
+    /// Also score the quantized path against the dequantized reference (f32 weights and
+    /// activations) on the first `--prompt-tokens` tokens of this text file: the share of
+    /// positions whose greedy next token is the reference's (`model.quantized_agreement`) and
+    /// the mean KL of the next-token distributions. A GGUF on the CPU only; loads the f32
+    /// weights too (about 4x the file in memory).
+    #[arg(long, value_name = "TEXT_FILE")]
+    pub fidelity: Option<PathBuf>,
 }
 
 /// Resident set size of this process, bytes (Linux; 0 elsewhere).
@@ -116,7 +125,11 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
             |n| n.to_string_lossy().into_owned(),
         );
         for mut line in run_one(args, path)? {
-            line.detail = Some(serde_json::json!({"model": name, "kernels": kernels.name()}));
+            let mut detail = serde_json::json!({"model": name, "kernels": kernels.name()});
+            if let Some(serde_json::Value::Object(own)) = line.detail.take() {
+                detail.as_object_mut().expect("an object").extend(own);
+            }
+            line.detail = Some(detail);
             lines.push(line);
         }
     }
@@ -372,6 +385,11 @@ fn run_one(args: &Args, path: PathBuf) -> Result<Vec<Line>, Error> {
             )
             .bar(1.0),
         );
+    }
+    if let (Some(text), ModelSource::Gguf(_), true, false) =
+        (&args.fidelity, &source, device.is_cpu(), args.dequantized)
+    {
+        lines.push(fidelity::line(&source, &ours, text, args.prompt_tokens)?);
     }
     lines.extend([
         Line::higher(

@@ -354,6 +354,16 @@ impl GgufFile {
         .map_err(|why| weight(name, why))
     }
 
+    /// The tensor `name`'s own `IQ4_XS` blocks, row after row; `None` for any other type.
+    pub fn iq4_xs_blocks<R: Read + Seek>(&self, r: &mut R, name: &str) -> Result<Option<Vec<u8>>> {
+        match self.tensors.get(name) {
+            Some(e) if e.ty == TensorType::Iq4Xs => self
+                .raw(r, name, e, iq4::XS_VALUES, iq4::XS_BYTES)
+                .map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// The bytes of `e` (`name`), blocks of `per_block` values in `block_bytes`.
     fn raw<R: Read + Seek>(
         &self,

@@ -261,14 +261,23 @@ pub(crate) fn load_gguf(
         };
         if quantized && keep_quantized(&content.tensors[&name]) {
             // IQ4 matrices keep their 4-bit blocks where the tile kernels run (AVX2, and
-            // AVX-512 VNNI whose CPUs all have AVX2); elsewhere they are read as Q8_0 below.
+            // AVX-512 VNNI whose CPUs all have AVX2): IQ4_XS in K-quant tiles where those
+            // kernels take it, else as IQ4_NL blocks; elsewhere they are read as Q8_0 below.
             if repack && crate::simd::avx2() {
-                if let Some(blocks) = content.iq4_nl_blocks(&mut file, &name)? {
-                    let (n, k) = (
-                        content.tensors[&name].dims[0],
-                        content.tensors[&name].dims[1],
-                    );
-                    packed.insert(hf, Arc::new(Packed::new(Kind::Iq4Nl, &blocks, n, k)));
+                let dims = &content.tensors[&name].dims;
+                let blocks = match PackKind::iq4_xs() {
+                    Some(kind) => content.iq4_xs_blocks(&mut file, &name)?.map(|b| (kind, b)),
+                    None => None,
+                };
+                let blocks = match blocks {
+                    Some(b) => Some(b),
+                    None => content
+                        .iq4_nl_blocks(&mut file, &name)?
+                        .map(|b| (PackKind::from(Kind::Iq4Nl), b)),
+                };
+                if let Some((kind, blocks)) = blocks {
+                    let (n, k) = (dims[0], dims[1]);
+                    packed.insert(hf, Arc::new(Packed::new(kind, &blocks, n, k)));
                     continue;
                 }
             }

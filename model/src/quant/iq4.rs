@@ -41,6 +41,18 @@ pub(crate) static LEVELS_U8: [u8; 16] = {
     t
 };
 
+/// The 4-bit index of each level of [`LEVELS`] (by the level's byte, `level as u8`; 0
+/// elsewhere).
+pub(crate) static CODES: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut i = 0;
+    while i < 16 {
+        t[LEVELS[i] as u8 as usize] = i as u8;
+        i += 1;
+    }
+    t
+};
+
 /// `IQ4_NL`: values and bytes per block.
 pub(crate) const NL_VALUES: usize = 32;
 pub(crate) const NL_BYTES: usize = 18;
@@ -73,7 +85,7 @@ pub(crate) fn nl_to_q8_0(raw: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// Group `g`'s 6-bit scale of an `IQ4_XS` block.
-fn xs_scale(b: &[u8], g: usize) -> i32 {
+pub(crate) fn xs_scale(b: &[u8], g: usize) -> i32 {
     let high = u16::from_le_bytes([b[2], b[3]]);
     let low = (b[4 + g / 2] >> (4 * (g % 2))) & 0xf;
     i32::from(low) | (i32::from((high >> (2 * g)) & 3) << 4)

@@ -18,6 +18,7 @@
 //! | Q4_K | 2,368 | `d[16]` 0, `dmin[16]` 32, `sc[8][16]` 64, `mp[4][16][2]` 192, `planes[8][4][64]` 320 | `d sc_j u - dmin m_j` |
 //! | Q5_K | 2,880 | as Q4_K, then `qh[8][64]` 2,368 | `d sc_j u - dmin m_j` |
 //! | Q6_K | 3,360 | `d[16]` 0, `scp[8][16][2]` 32, `planes[8][4][64]` 288, `hi[8][2][64]` 2,336 | `d sc_g (u - 32)` |
+//! | IQ4_XS | 2,208 | `d[16]` 0, `sx[8][16]` 32, `planes[8][4][64]` 160 | `d sx_j T[u]` |
 //!
 //! `d`, `dmin`: f16 per row. `sc` (u8): sub-block `j`'s scale for row `r` at `16j + r`. `mp`
 //! (u8), `scp` (i8): a pair per row, widened to i16 pairs (one 32-bit lane per row) when
@@ -29,6 +30,10 @@
 //! of byte `4r + c` is vector `i`'s fifth bit. Q6_K `hi[j][h]`: bits `2i'..2i'+2` of byte
 //! `4r + c` are vector `4h + i'`'s two high bits; Q2_K's and Q3_K's `lo2[j][h]` hold their
 //! two low bits the same way, and Q3_K's `hb[j]` its third bit as Q5_K's `qh` does.
+//! IQ4_XS (`super::iq4`): `sx` (i8) is sub-block `j`'s scale less 32 for row `r` at `16j + r`,
+//! the planes hold 4-bit indices into the table `T` of 16 levels, which the kernels look up
+//! by a byte shuffle (as `T[u] + 128`, unsigned, for `vpdpbusd`, the 128 taken back through
+//! the activation sums; signed for AVX2's `pmaddubsw` sign trick).
 //!
 //! Sixteen rows' integer sums come out of a sub-block (or 16-element group) at once; the
 //! scales multiply them per lane, the minimums (Q2_K, Q4_K, Q5_K) and the offsets of Q3_K and
@@ -61,12 +66,14 @@ pub(super) const LO3: usize = 288;
 pub(super) const HB3: usize = 1312;
 pub(super) const SM2: usize = 64;
 pub(super) const LO2: usize = 320;
+pub(super) const SX: usize = 32;
+pub(super) const QX: usize = 160;
 
 /// Whether `kind` has a repacked layout.
 pub(crate) fn repacks(kind: KKind) -> bool {
     matches!(
         kind,
-        KKind::Q2K | KKind::Q3K | KKind::Q4K | KKind::Q5K | KKind::Q6K
+        KKind::Q2K | KKind::Q3K | KKind::Q4K | KKind::Q5K | KKind::Q6K | KKind::Iq4Xs
     )
 }
 
@@ -78,6 +85,7 @@ pub(crate) fn tile_bytes(kind: KKind) -> usize {
         KKind::Q6K => 3360,
         KKind::Q3K => 1824,
         KKind::Q2K => 1344,
+        KKind::Iq4Xs => 2208,
     }
 }
 
@@ -121,6 +129,11 @@ fn pack_row(kind: KKind, u: &kquant::Unpacked, tile: &mut [u8], r: usize) {
                 }
             }
         }
+        KKind::Iq4Xs => {
+            for j in 0..8 {
+                tile[SX + 16 * j + r] = u.sc[2 * j] as i8 as u8;
+            }
+        }
         KKind::Q4K | KKind::Q5K => {
             half(tile, DMIN, u.dmin);
             for j in 0..8 {
@@ -147,6 +160,7 @@ fn pack_row(kind: KKind, u: &kquant::Unpacked, tile: &mut [u8], r: usize) {
             _ => {
                 let (planes, uq) = match kind {
                     KKind::Q6K => (Q6, (*q + 32) as u8),
+                    KKind::Iq4Xs => (QX, super::iq4::CODES[usize::from(*q as u8)]),
                     _ => (Q45, *q as u8),
                 };
                 match kind {
@@ -188,6 +202,10 @@ pub(crate) fn dequantize_row(kind: KKind, tiles: &[u8], k: usize, j: usize, out:
                 KKind::Q6K => {
                     let u = nibbles(Q6) | two(HI6) << 4;
                     d * pair(SCP6) as i8 as f32 * (f32::from(u) - 32.0)
+                }
+                KKind::Iq4Xs => {
+                    let level = super::iq4::LEVELS[usize::from(nibbles(QX))];
+                    d * t[SX + 16 * sb + r] as i8 as f32 * f32::from(level)
                 }
                 KKind::Q4K | KKind::Q5K => {
                     let mut u = nibbles(Q45);
@@ -376,35 +394,58 @@ mod tests {
     fn check(vals: &[f32], x: &[f32], n: usize, k: usize) {
         for (kind, dtype) in KINDS {
             let (w, wd) = weights(vals, n, k, dtype);
-            let tiles = pack(kind, &w, n, k);
-            assert_eq!(tiles.len(), n.div_ceil(ROWS) * k / QK_K * tile_bytes(kind));
-            // The repacked rows are candle's (ggml's) dequantized rows, exactly.
-            let mut row = vec![0f32; k];
-            for j in 0..n {
-                dequantize_row(kind, &tiles, k, j, &mut row);
-                assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} repacked row {j}");
-            }
-            let xq: Vec<f32> = x
-                .chunks_exact(k)
-                .flat_map(kquant::quantize_row)
-                .flat_map(|y| y.qs.map(|q| q as f32 * y.d))
-                .collect();
-            let mut results = vec![("portable", matmul_portable(kind, &tiles, n, k, x))];
-            let mat = Mat {
-                kind,
-                tiles: &tiles,
-                n,
-            };
-            for (name, kern) in every_path(kind) {
-                results.push((
-                    name,
-                    matmul_many_with(std::slice::from_ref(&mat), k, x, |_| kern).remove(0),
-                ));
-            }
-            for (name, got) in results {
-                assert_product(&got, &wd, &xq, n, k, 1e-4, &format!("{kind:?} {name}"));
-            }
+            check_tiles(kind, &w, &wd, x, n, k);
         }
+    }
+
+    /// `w` (`n` rows of `k` in `kind`'s file blocks, `wd` their values) repacked: its rows
+    /// are `wd` exactly, and every path's product with `x` is `wd`'s with `x` quantized.
+    fn check_tiles(kind: KKind, w: &[u8], wd: &[f32], x: &[f32], n: usize, k: usize) {
+        let tiles = pack(kind, w, n, k);
+        assert_eq!(tiles.len(), n.div_ceil(ROWS) * k / QK_K * tile_bytes(kind));
+        // The repacked rows are candle's (ggml's) dequantized rows, exactly.
+        let mut row = vec![0f32; k];
+        for j in 0..n {
+            dequantize_row(kind, &tiles, k, j, &mut row);
+            assert_eq!(row, wd[j * k..(j + 1) * k], "{kind:?} repacked row {j}");
+        }
+        let xq: Vec<f32> = x
+            .chunks_exact(k)
+            .flat_map(kquant::quantize_row)
+            .flat_map(|y| y.qs.map(|q| q as f32 * y.d))
+            .collect();
+        let mut results = vec![("portable", matmul_portable(kind, &tiles, n, k, x))];
+        let mat = Mat {
+            kind,
+            tiles: &tiles,
+            n,
+        };
+        for (name, kern) in every_path(kind) {
+            results.push((
+                name,
+                matmul_many_with(std::slice::from_ref(&mat), k, x, |_| kern).remove(0),
+            ));
+        }
+        for (name, got) in results {
+            assert_product(&got, wd, &xq, n, k, 1e-4, &format!("{kind:?} {name}"));
+        }
+    }
+
+    /// `n` rows of `k` in IQ4_XS blocks: codes and 6-bit scales from `next`, each block's
+    /// `d` a random f16 of magnitude up to `spread`; and ggml's values for them.
+    fn iq4_xs(
+        n: usize,
+        k: usize,
+        spread: f32,
+        next: &mut impl FnMut() -> f32,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let bytes = n * k / QK_K * super::super::iq4::XS_BYTES;
+        let mut w: Vec<u8> = (0..bytes).map(|_| ((next() + 1.0) * 128.0) as u8).collect();
+        for b in w.chunks_exact_mut(super::super::iq4::XS_BYTES) {
+            b[..2].copy_from_slice(&f16::from_f32(next() * spread).to_le_bytes());
+        }
+        let wd = super::super::test_util::iq4_xs_reference(&w);
+        (w, wd)
     }
 
     #[test]
@@ -438,8 +479,53 @@ mod tests {
         check(&vals, &x, n, k);
     }
 
+    #[test]
+    fn iq4_xs_tiles_match_ggml_values() {
+        let mut next = uniform(7);
+        let (n, k) = (37, 2 * QK_K);
+        for m in [1, 2, 5, 11] {
+            let (w, wd) = iq4_xs(n, k, 0.01, &mut next);
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 4.0).collect();
+            check_tiles(KKind::Iq4Xs, &w, &wd, &x, n, k);
+        }
+        // Extremes: every code 0 (level -127) at the largest and smallest scales (6-bit
+        // scales 0 and 63: -32 and +31), against activations at ±127.
+        let (n, k) = (16, QK_K);
+        let mut w = vec![0u8; n * super::super::iq4::XS_BYTES];
+        for (r, b) in w.chunks_exact_mut(super::super::iq4::XS_BYTES).enumerate() {
+            b[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+            let (h, l) = if r % 2 == 0 {
+                (0u16, 0u8)
+            } else {
+                (0xFFFF, 0xFF)
+            };
+            b[2..4].copy_from_slice(&h.to_le_bytes());
+            b[4..8].fill(l);
+        }
+        let wd = super::super::test_util::iq4_xs_reference(&w);
+        let x: Vec<f32> = (0..3 * k)
+            .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        check_tiles(KKind::Iq4Xs, &w, &wd, &x, n, k);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn random_iq4_xs_matrices_match(
+            n in 1usize..40,
+            blocks in 1usize..4,
+            m in 1usize..12,
+            seed in any::<u64>(),
+            spread in 1e-3f32..10.0,
+        ) {
+            let k = blocks * QK_K;
+            let mut next = uniform(seed);
+            let (w, wd) = iq4_xs(n, k, spread, &mut next);
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
+            check_tiles(KKind::Iq4Xs, &w, &wd, &x, n, k);
+        }
+
         #[test]
         fn random_matrices_match(
             n in 1usize..40,

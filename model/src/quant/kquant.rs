@@ -52,6 +52,10 @@ pub(crate) enum KKind {
     Q4K,
     Q5K,
     Q6K,
+    /// llama.cpp's `IQ4_XS` (`super::iq4`'s table): 4-bit indices into 16 levels, a 6-bit
+    /// scale per 32 values. Not a K-quant, but multiplied as one (256-value super-blocks,
+    /// integer sub-block scales) where the tiled kernels run; candle has no such type.
+    Iq4Xs,
 }
 
 impl KKind {
@@ -74,6 +78,7 @@ impl KKind {
             KKind::Q4K => 144,
             KKind::Q5K => 176,
             KKind::Q6K => 210,
+            KKind::Iq4Xs => super::iq4::XS_BYTES,
         }
     }
 }
@@ -212,6 +217,17 @@ pub(crate) fn unpack(kind: KKind, blk: &[u8]) -> Unpacked {
                 }
             }
         }
+        KKind::Iq4Xs => {
+            u.d = half(blk, 0);
+            for g in 0..8 {
+                let s = super::iq4::xs_scale(blk, g) - 32;
+                u.sc[2 * g..2 * g + 2].fill(s);
+                for (l, b) in blk[8 + 16 * g..8 + 16 * (g + 1)].iter().enumerate() {
+                    u.q[32 * g + l] = super::iq4::LEVELS[usize::from(b & 0xF)];
+                    u.q[32 * g + 16 + l] = super::iq4::LEVELS[usize::from(b >> 4)];
+                }
+            }
+        }
         KKind::Q6K => {
             let (ql, qh, scales) = (&blk[0..128], &blk[128..192], &blk[192..208]);
             u.d = half(blk, 208);
@@ -265,7 +281,7 @@ fn dot_scalar(kind: KKind, w: &[u8], a: &[BlockQ8K]) -> f32 {
     acc
 }
 
-fn scalar_kernels(kind: KKind) -> RowKernels<BlockQ8K> {
+pub(super) fn scalar_kernels(kind: KKind) -> RowKernels<BlockQ8K> {
     macro_rules! k {
         ($kind:expr) => {
             RowKernels {
@@ -280,6 +296,7 @@ fn scalar_kernels(kind: KKind) -> RowKernels<BlockQ8K> {
         KKind::Q4K => k!(KKind::Q4K),
         KKind::Q5K => k!(KKind::Q5K),
         KKind::Q6K => k!(KKind::Q6K),
+        KKind::Iq4Xs => k!(KKind::Iq4Xs),
     }
 }
 

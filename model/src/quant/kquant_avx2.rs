@@ -45,6 +45,8 @@ pub(super) fn kernels(kind: KKind) -> RowKernels<BlockQ8K> {
             // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q6k::<4>(w, a) },
         },
+        // No row kernel of its own: its matrices are tiled wherever AVX2 runs.
+        KKind::Iq4Xs => super::kquant::scalar_kernels(kind),
     }
 }
 

@@ -122,6 +122,18 @@ impl PackKind {
     }
 }
 
+impl PackKind {
+    /// The layout an `IQ4_XS` matrix gets on this CPU when not the IQ4_NL blocks it can be
+    /// rewritten as: K-quant tiles (256-value super-blocks, integer sub-block scales, one
+    /// float product per super-block instead of eight) where the AVX-512 VNNI or plain AVX2
+    /// tile kernels run; `None` where the 32-element tiles' AVX-VNNI kernel (256-bit
+    /// `vpdpbusd`, which the K-quant tiles have no kernel for) multiplies IQ4_NL faster.
+    pub(crate) fn iq4_xs() -> Option<PackKind> {
+        (kpacked::available() && (super::avx512_vnni() || !crate::simd::avx_vnni()))
+            .then_some(PackKind::K(KKind::Iq4Xs))
+    }
+}
+
 /// A weight matrix `(n, k)` in a repacked layout (module docs, [`super::kpacked`]).
 pub(crate) struct Packed {
     kind: PackKind,

@@ -12,7 +12,9 @@
 use std::arch::x86_64::*;
 
 use super::super::kquant::{BlockQ8K, KKind};
-use super::{TileKernel, D, DMIN, HB3, HI6, LO2, LO3, MP, Q45, Q6, QH5, SC, SCP3, SCP6, SM2};
+use super::{
+    TileKernel, D, DMIN, HB3, HI6, LO2, LO3, MP, Q45, Q6, QH5, QX, SC, SCP3, SCP6, SM2, SX,
+};
 
 mod avx2;
 
@@ -29,11 +31,12 @@ const fn kind_code(kind: KKind) -> u8 {
         KKind::Q6K => 2,
         KKind::Q3K => 3,
         KKind::Q2K => 4,
+        KKind::Iq4Xs => 5,
     }
 }
 
 /// Tile bytes by `T` (`super::tile_bytes`).
-const TILE: [usize; 5] = [2368, 2880, 3360, 1824, 1344];
+const TILE: [usize; 6] = [2368, 2880, 3360, 1824, 1344, 2208];
 
 /// Tiles ahead of the one being multiplied that are prefetched.
 const PREFETCH: usize = 4;
@@ -75,7 +78,8 @@ pub(super) fn vnni(kind: KKind) -> TileKernel {
         1 => vnni_rows::<1>,
         2 => vnni_rows::<2>,
         3 => vnni_rows::<3>,
-        _ => vnni_rows::<4>,
+        4 => vnni_rows::<4>,
+        _ => vnni_rows::<5>,
     }
 }
 
@@ -86,7 +90,8 @@ pub(super) fn avx2(kind: KKind) -> TileKernel {
         1 => avx2::rows::<1>,
         2 => avx2::rows::<2>,
         3 => avx2::rows::<3>,
-        _ => avx2::rows::<4>,
+        4 => avx2::rows::<4>,
+        _ => avx2::rows::<5>,
     }
 }
 
@@ -119,6 +124,8 @@ unsafe fn bcast512(p: *const i32, i: usize) -> __m512i {
     _mm512_set1_epi32(unsafe { std::ptr::read_unaligned(p.add(i)) })
 }
 
+// Sub-block and row indices address several arrays in step (`s`, `isum`, `b32`).
+#[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 unsafe fn vnni_tile<const T: u8, const R: usize>(
@@ -151,7 +158,46 @@ unsafe fn vnni_tile<const T: u8, const R: usize>(
         let ys: [&BlockQ8K; R] = std::array::from_fn(|i| &act[i * nb + b]);
         let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
         let mut isum = [_mm512_setzero_si512(); R];
-        if T < 2 {
+        if T == 5 {
+            // IQ4_XS: each index to its level + 128 (`vpshufb` within each 128-bit lane).
+            // SAFETY: `LEVELS_U8` is 16 bytes.
+            let lut = _mm512_broadcast_i32x4(unsafe {
+                _mm_loadu_si128(super::super::iq4::LEVELS_U8.as_ptr().cast())
+            });
+            for j in 0..8 {
+                prefetch_part(t, tb, j);
+                // SAFETY: 16 bytes at `SX + 16j`, inside the tile.
+                let sc =
+                    _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(t.add(SX + 16 * j).cast()) });
+                // The sums start at -128 times the activations' sum over the sub-block: the
+                // levels were taken as `T[u] + 128`.
+                let mut s: [__m512i; R] = std::array::from_fn(|i| {
+                    _mm512_set1_epi32(-128 * i32::from(b32[i * nb + b][j]))
+                });
+                for p in 0..4 {
+                    let plane = load(QX + 256 * j + 64 * p);
+                    let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(plane, m4));
+                    let hi = _mm512_shuffle_epi8(
+                        lut,
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m4),
+                    );
+                    for i in 0..R {
+                        // SAFETY: words `8j + p (+ 4) < 64` of a 256-quant block.
+                        let (a, c) =
+                            unsafe { (bcast512(q[i], 8 * j + p), bcast512(q[i], 8 * j + p + 4)) };
+                        s[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i], lo, a), hi, c);
+                    }
+                }
+                for i in 0..R {
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(s[i], sc));
+                }
+            }
+            let d = half16(D);
+            for i in 0..R {
+                let yd = _mm512_set1_ps(ys[i].d);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, yd), acc[i]);
+            }
+        } else if T < 2 {
             for j in 0..8 {
                 // Decode steps stream the weights from memory.
                 prefetch_part(t, tb, j);

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use super::super::super::kquant::BlockQ8K;
 use super::{
-    prefetch_part, D, DMIN, HB3, HI6, LO2, LO3, MP, Q45, Q6, QH5, SC, SCP3, SCP6, SM2, TILE,
+    prefetch_part, D, DMIN, HB3, HI6, LO2, LO3, MP, Q45, Q6, QH5, QX, SC, SCP3, SCP6, SM2, SX, TILE,
 };
 
 /// # Safety
@@ -106,7 +106,62 @@ unsafe fn tile<const T: u8, const R: usize, const H: usize>(
         let ys: [&BlockQ8K; R] = std::array::from_fn(|i| &act[i * nb + b]);
         let q: [*const i32; R] = ys.map(|y| y.qs.as_ptr().cast());
         let mut isum = [[_mm256_setzero_si256(); H]; R];
-        if T < 2 {
+        if T == 5 {
+            // IQ4_XS: each index to its signed level, multiplied as `|w|` times the
+            // activation with `w`'s sign (a level times a quant fits `pmaddubsw`'s pairs
+            // once, not twice: each pair goes to `pmaddwd` with the sub-block scale at once).
+            // SAFETY: `LEVELS` is 16 bytes.
+            let lut = _mm256_broadcastsi128_si256(unsafe {
+                _mm_loadu_si128(super::super::super::iq4::LEVELS.as_ptr().cast())
+            });
+            let lo16 = _mm256_set1_epi32(0xFFFF);
+            for j in 0..8 {
+                if first == 0 {
+                    prefetch_part(t, tb, j);
+                }
+                // Sub-block `j`'s scale in both i16 halves of each row's lane.
+                let sc: [__m256i; H] = std::array::from_fn(|e| {
+                    // SAFETY: 8 bytes at `SX + 16j + 8 (first + e)`, inside the tile.
+                    let s = _mm256_cvtepi8_epi32(unsafe {
+                        _mm_loadl_epi64(t.add(SX + 16 * j + 8 * (first + e)).cast())
+                    });
+                    _mm256_or_si256(_mm256_and_si256(s, lo16), _mm256_slli_epi32::<16>(s))
+                });
+                for p in 0..4 {
+                    // SAFETY: words `8j + p (+ 4) < 64` of a 256-quant block.
+                    let ac: [(__m256i, __m256i); R] = std::array::from_fn(|i| unsafe {
+                        (bcast256(q[i], 8 * j + p), bcast256(q[i], 8 * j + p + 4))
+                    });
+                    for e in 0..H {
+                        let plane = load(QX + 256 * j + 64 * p, e);
+                        let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(plane, m4));
+                        let hi = _mm256_shuffle_epi8(
+                            lut,
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(plane), m4),
+                        );
+                        let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                        for i in 0..R {
+                            let (a, c) = ac[i];
+                            let x = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(a, lo));
+                            let y = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(c, hi));
+                            let xy = _mm256_add_epi32(
+                                _mm256_madd_epi16(x, sc[e]),
+                                _mm256_madd_epi16(y, sc[e]),
+                            );
+                            isum[i][e] = _mm256_add_epi32(isum[i][e], xy);
+                        }
+                    }
+                }
+            }
+            for e in 0..H {
+                let d = half8(D, e);
+                for i in 0..R {
+                    let yd = _mm256_set1_ps(ys[i].d);
+                    let a = &mut acc[i][e];
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][e]), _mm256_mul_ps(d, yd), *a);
+                }
+            }
+        } else if T < 2 {
             for j in 0..8 {
                 // The first half's pass brings the tile for both.
                 if first == 0 {
