@@ -13,8 +13,11 @@
 //! | Q8_0 (out) | 32 | 34 | `d: f16, q[32]: i8` | `d · q` |
 //!
 //! Where ragkv's AVX2 kernels run, `IQ4_NL` blocks are kept as they are (repacked: 4.5 bits per
-//! value, `IQ4_XS` rewritten as `IQ4_NL` blocks of 32 first, [`xs_to_nl`]) and multiplied through
-//! a byte shuffle of the table; elsewhere (a GPU, the portable path) they become `Q8_0`.
+//! value) and multiplied through a byte shuffle of the table; `IQ4_XS` matrices go to the
+//! K-quant tiles (`super::kpacked`: 256-value super-blocks, the 6-bit scales applied in
+//! integers, 4.31 bits per value) where the AVX-512 VNNI or plain AVX2 tile kernels run, and
+//! are rewritten as `IQ4_NL` blocks of 32 ([`xs_to_nl`]) for the AVX-VNNI kernels; elsewhere
+//! (a GPU, the portable path) both become `Q8_0`.
 //!
 //! `IQ4_NL` becomes `Q8_0` exactly (its scale and the table's levels are `Q8_0`'s scale and
 //! codes). An `IQ4_XS` group's scale `d · (s − 32)` is rounded to f16 (relative error at most
