@@ -77,6 +77,10 @@ impl Model {
         if weights.has_quantized() {
             weights_hash.push_str("+q8-activations");
         }
+        // IQ4_XS in K-quant tiles rounds activations per 256 values, IQ4_NL tiles per 32.
+        if weights.has_iq4_xs_tiles() {
+            weights_hash.push_str("+iq4xs-q8k");
+        }
         let name = source.name();
         let decoder = Decoder::new(cfg, &weights, opts.dtype, &opts.device)?;
         tracing::info!(arch = decoder.config().arch.name(), layers = decoder.config().layers, elapsed = ?t.elapsed(), "model loaded");

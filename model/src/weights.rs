@@ -63,6 +63,14 @@ impl Weights {
         !self.quant.is_empty() || !self.packed.is_empty()
     }
 
+    /// Whether some `IQ4_XS` matrix is multiplied in K-quant tiles (its activations rounded
+    /// per 256 values, not per 32 as in the IQ4_NL tiles other kernel paths use).
+    pub(crate) fn has_iq4_xs_tiles(&self) -> bool {
+        self.packed
+            .values()
+            .any(|p| p.kind() == PackKind::K(crate::quant::kquant::KKind::Iq4Xs))
+    }
+
     /// Whether `name` exists, dense or quantized.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

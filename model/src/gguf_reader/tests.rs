@@ -163,6 +163,9 @@ fn iq4_xs_tensors_keep_their_shape_and_values() {
     for (g, w) in got.iter().zip(&want) {
         assert!((g - w).abs() <= w.abs() / 2048.0, "{g} against {w}");
     }
+    // The file's own blocks, for the K-quant tiles; no such blocks of another type.
+    assert_eq!(file.iq4_xs_blocks(&mut r, "w").unwrap(), Some(data));
+    assert_eq!(file.iq4_xs_blocks(&mut r, "nothing").unwrap(), None);
 }
 
 #[test]

@@ -38,9 +38,10 @@
 //! Sixteen rows' integer sums come out of a sub-block (or 16-element group) at once; the
 //! scales multiply them per lane, the minimums (Q2_K, Q4_K, Q5_K) and the offsets of Q3_K and
 //! Q6_K apply through the activation block's sums (pairs of i16 against `mp` / `sm` / `scp`,
-//! `vpdpwssd` or `pmaddwd`). Q2_K and Q6_K tiles have exactly the file's bytes, Q3_K's 4
-//! bytes more per row and super-block (its 6-bit scales unpacked to bytes, 3.6 %), Q4_K's
-//! and Q5_K's 4 more as well (scales and minimums unpacked: 2-3 %).
+//! `vpdpwssd` or `pmaddwd`; IQ4_XS's 128 starts each sub-block's sums). Q2_K and Q6_K tiles
+//! have exactly the file's bytes, IQ4_XS's 2 more per row and super-block (1.5 %), Q3_K's 4
+//! more (its 6-bit scales unpacked to bytes, 3.6 %), Q4_K's and Q5_K's 4 more as well
+//! (scales and minimums unpacked: 2-3 %).
 
 use half::f16;
 

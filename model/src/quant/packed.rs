@@ -120,9 +120,7 @@ impl PackKind {
             .filter(|k| kpacked::repacks(*k) && kpacked::available())
             .map(PackKind::K)
     }
-}
 
-impl PackKind {
     /// The layout an `IQ4_XS` matrix gets on this CPU when not the IQ4_NL blocks it can be
     /// rewritten as: K-quant tiles (256-value super-blocks, integer sub-block scales, one
     /// float product per super-block instead of eight) where the AVX-512 VNNI or plain AVX2
@@ -170,6 +168,11 @@ impl Packed {
             PackKind::K(kind) => kpacked::pack(kind, raw, n, k),
         };
         Packed { kind, n, k, tiles }
+    }
+
+    /// Its layout.
+    pub(crate) fn kind(&self) -> PackKind {
+        self.kind
     }
 
     /// `(n, k)`.

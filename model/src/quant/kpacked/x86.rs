@@ -2,12 +2,14 @@
 //! instruction per four elements of sixteen rows and one activation row) and AVX2 (each
 //! 512-bit tile vector read as two halves of eight rows, `pmaddubsw` pairs summed in 16 bits
 //! and `pmaddwd` with the sub-block scales into 32-bit sums, as llama.cpp's AVX2 K-quant
-//! kernels do). Each decoded plane of a tile serves every activation row of the call
-//! (`VNNI_ROWS` / `AVX2_ROWS`), their sums held in registers.
+//! kernels do; in `x86/avx2.rs`). Each decoded plane of a tile serves every activation row of
+//! the call (`VNNI_ROWS` / `AVX2_ROWS`), their sums held in registers.
 //!
 //! Overflow bounds (activation quants in `[-127, 127]`): a 16-bit partial sum takes at most
-//! two planes (four `pmaddubsw` of Q4_K/Q5_K quants < 32, or two of Q6_K's < 64: ≤ 32,004);
-//! a super-block's 32-bit sum stays below 2^29.
+//! two planes (four `pmaddubsw` of Q4_K/Q5_K quants < 32, or two of Q6_K's < 64: ≤ 32,004),
+//! or four of Q2_K's and Q3_K's (< 8: ≤ 7,112); IQ4_XS's levels (|level| ≤ 127) go from each
+//! `pmaddubsw` (≤ 32,258) straight to `pmaddwd`. A super-block's 32-bit sum stays below 2^29
+//! (IQ4_XS: below 2^28, eight sub-blocks of ≤ 32 · 127² times a scale ≤ 32).
 
 use std::arch::x86_64::*;
 
