@@ -71,7 +71,10 @@ fn every_k_quant_type_computes_as_its_dequantized_weights() {
                 .to_scalar::<f32>()
                 .unwrap()
         };
-        let (ep, es) = (max_diff(&qp, &dp) / scale(&dp), max_diff(&qs, &ds) / scale(&ds));
+        let (ep, es) = (
+            max_diff(&qp, &dp) / scale(&dp),
+            max_diff(&qs, &ds) / scale(&ds),
+        );
         eprintln!("{dtype:?}: prompt {ep:e}, step {es:e} of the largest logit");
         assert!(
             ep < 0.05 && es < 0.05,

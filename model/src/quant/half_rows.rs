@@ -73,12 +73,16 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
 /// holds one block of f32 at a time, never the matrix.
 const GEMM_ROWS: usize = 16;
 /// Weight rows widened at a time (k = 2048: 2 MiB of f32).
-const BLOCK: usize = 256;
+const BLOCK: usize = 1024;
 
 /// `x @ w.T`: `w` holds `n` rows of `k` 16-bit floats, `x` holds `m` rows of `k` f32; the
 /// result is `m` rows of `n`.
 pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
     if x.len() / k >= GEMM_ROWS {
+        #[cfg(target_arch = "x86_64")]
+        if gemm512::available() {
+            return gemm512::matmul(kind, w, n, k, x);
+        }
         if let Ok(y) = matmul_gemm(kind, w, n, k, x) {
             return y;
         }
@@ -101,10 +105,11 @@ fn matmul_gemm(
     let mut block = vec![0f32; BLOCK.min(n) * k];
     for r0 in (0..n).step_by(BLOCK) {
         let rows = BLOCK.min(n - r0);
-        let src = &w[2 * r0 * k..2 * (r0 + rows) * k];
-        for (d, b) in block.iter_mut().zip(src.chunks_exact(2)) {
-            *d = widen(kind, b);
-        }
+        widen_into(
+            kind,
+            &w[2 * r0 * k..2 * (r0 + rows) * k],
+            &mut block[..rows * k],
+        );
         let wt = Tensor::from_slice(&block[..rows * k], (rows, k), &Device::Cpu)?;
         let y: Vec<f32> = xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1()?;
         for (o, y) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
@@ -114,14 +119,31 @@ fn matmul_gemm(
     Ok(out)
 }
 
+/// `src`'s 16-bit floats widened into `dst` (as many), eight per instruction where AVX2 runs.
+fn widen_into(kind: HalfKind, src: &[u8], dst: &mut [f32]) {
+    assert_eq!(src.len(), 2 * dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2() {
+        // SAFETY: AVX2 and F16C were detected (`crate::simd::avx2()`).
+        return unsafe { avx2::widen_into(kind, src, dst) };
+    }
+    for (d, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+        *d = widen(kind, b);
+    }
+}
+
 fn matmul_with(kern: &RowKernels<f32>, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
     let rows: Vec<Vec<f32>> = x.chunks_exact(k).map(<[f32]>::to_vec).collect();
     super::matmul_rows(kern, w, n, 2 * k, &rows, 1024)
 }
 
 #[cfg(target_arch = "x86_64")]
+mod gemm512;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! AVX2 + FMA + F16C: eight weights widened per load, four independent sums per row.
+    //! AVX2 + FMA + F16C: eight weights widened per load; one activation row keeps four
+    //! independent sums, four rows one each.
     use std::arch::x86_64::*;
 
     use super::{widen, HalfKind, RowKernels};
@@ -130,13 +152,13 @@ mod avx2 {
         match kind {
             HalfKind::F16 => RowKernels {
                 // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
-                one: |w, x| unsafe { dot::<false, 1>(w, [x])[0] },
+                one: |w, x| unsafe { dot1::<false>(w, x) },
                 // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 four: |w, x| unsafe { dot::<false, 4>(w, x) },
             },
             HalfKind::BF16 => RowKernels {
                 // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
-                one: |w, x| unsafe { dot::<true, 1>(w, [x])[0] },
+                one: |w, x| unsafe { dot1::<true>(w, x) },
                 // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
                 four: |w, x| unsafe { dot::<true, 4>(w, x) },
             },
@@ -161,6 +183,49 @@ mod avx2 {
     fn acts8(x: &[f32; 8]) -> __m256 {
         // SAFETY: `x` is 8 readable f32; `loadu` takes any alignment.
         unsafe { _mm256_loadu_ps(x.as_ptr()) }
+    }
+
+    /// [`super::widen_into`] eight values at a time.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn widen_into(kind: HalfKind, src: &[u8], dst: &mut [f32]) {
+        let body = dst.len() / 8 * 8;
+        for (d, w) in dst[..body]
+            .chunks_exact_mut(8)
+            .zip(src[..2 * body].chunks_exact(16))
+        {
+            let w: &[u8; 16] = w.try_into().expect("16 bytes");
+            let v = match kind {
+                HalfKind::F16 => weights8::<false>(w),
+                HalfKind::BF16 => weights8::<true>(w),
+            };
+            // SAFETY: `d` is 8 writable f32; `storeu` takes any alignment.
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), v) };
+        }
+        for (d, b) in dst[body..].iter_mut().zip(src[2 * body..].chunks_exact(2)) {
+            *d = widen(kind, b);
+        }
+    }
+
+    /// One weight row against one activation row (a decode step), four independent sums so
+    /// that the multiply-adds do not wait on each other's latency: the step then reads the
+    /// weights at memory speed, which one chain of sums could not.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot1<const BF: bool>(w: &[u8], x: &[f32]) -> f32 {
+        let k = x.len();
+        assert!(w.len() >= 2 * k);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let body = k / 32 * 32;
+        for i in (0..body).step_by(32) {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let at = i + 8 * u;
+                let wv = weights8::<BF>(w[2 * at..2 * at + 16].try_into().expect("16 bytes"));
+                let xv = acts8(x[at..at + 8].try_into().expect("8 values"));
+                *acc = _mm256_fmadd_ps(wv, xv, *acc);
+            }
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let [rest] = dot::<BF, 1>(&w[2 * body..], [&x[body..]]);
+        crate::simd::x86::hsum256(sum) + rest
     }
 
     /// One weight row (`BF`: BF16, else F16) against `R` activation rows.
@@ -223,8 +288,12 @@ mod tests {
                 .into_iter()
                 .map(|(name, kern)| (name, matmul_with(&kern, &w, n, k, x)))
                 .collect();
-            // The prefill path, whatever the row count.
+            // The prefill paths, whatever the row count.
             paths.push(("gemm", matmul_gemm(kind, &w, n, k, x).unwrap()));
+            #[cfg(target_arch = "x86_64")]
+            if gemm512::available() {
+                paths.push(("gemm512", gemm512::matmul(kind, &w, n, k, x)));
+            }
             for (name, got) in paths {
                 for i in 0..m {
                     for j in 0..n {
