@@ -131,6 +131,8 @@ fn acts16(x: &[f32], at: usize, valid: usize) -> __m512 {
 ///
 /// # Safety
 /// The CPU has AVX-512F/BW/VL and F16C; those outputs are writable.
+// Row indices address the accumulators and the activation rows in step.
+#[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 unsafe fn tile<const BF: bool, const RM: usize, const R: usize>(
