@@ -83,6 +83,10 @@ pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) ->
         if gemm512::available() {
             return gemm512::matmul(kind, w, n, k, x);
         }
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2() {
+            return gemm_avx2::matmul(kind, w, n, k, x);
+        }
         if let Ok(y) = matmul_gemm(kind, w, n, k, x) {
             return y;
         }
@@ -139,6 +143,8 @@ fn matmul_with(kern: &RowKernels<f32>, w: &[u8], n: usize, k: usize, x: &[f32]) 
 
 #[cfg(target_arch = "x86_64")]
 mod gemm512;
+#[cfg(target_arch = "x86_64")]
+mod gemm_avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -168,7 +174,7 @@ mod avx2 {
     /// Eight weights from `w` (16 bytes) as f32.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
+    pub(super) fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
         // SAFETY: `w` is 16 readable bytes; `loadu` takes any alignment.
         let h = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
         if BF {
@@ -293,6 +299,10 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if gemm512::available() {
                 paths.push(("gemm512", gemm512::matmul(kind, &w, n, k, x)));
+            }
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::avx2() {
+                paths.push(("gemm_avx2", gemm_avx2::matmul(kind, &w, n, k, x)));
             }
             for (name, got) in paths {
                 for i in 0..m {

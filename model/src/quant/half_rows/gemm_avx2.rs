@@ -1,0 +1,123 @@
+//! [`super::gemm512`]'s register-tile GEMM on AVX2 + FMA + F16C (CPUs without AVX-512): eight
+//! lanes, two weight rows times four activation rows (eight accumulators, sixteen registers
+//! in all), the remainder of `k` past a multiple of eight added in scalar code.
+
+use std::arch::x86_64::*;
+
+use super::{avx2::weights8, widen, HalfKind};
+
+/// Activation rows per kernel call.
+pub(super) const ROWS: usize = 4;
+
+/// `x @ w.T` (`w`: `n` rows of `k` 16-bit floats, `x`: `m` rows of `k` f32). Callers check
+/// `crate::simd::avx2()`.
+pub(super) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    assert!(
+        crate::simd::avx2(),
+        "AVX2 F16 kernels on a CPU without AVX2/FMA/F16C"
+    );
+    assert_eq!(w.len(), 2 * n * k, "({n}, {k}) 16-bit matrix bytes");
+    let m = x.len() / k;
+    super::super::tiled_matmul(&[n], m, 4 * k, ROWS, |p| {
+        let rows = &x[p.rows.start * k..p.rows.end * k];
+        let group = &w[2 * 16 * p.g * k..2 * (16 * p.g + p.lanes) * k];
+        // SAFETY: AVX2, FMA and F16C were checked (asserted above); the pass's outputs,
+        // lanes `0..p.lanes` of rows `0..p.rows.len()` at `p.out` with `p.stride`, are this
+        // call's to write (`tiled_matmul`), and `group` holds `p.lanes` rows.
+        unsafe {
+            match kind {
+                HalfKind::F16 => group_rows::<false>(group, k, rows, p.out, p.stride, p.lanes),
+                HalfKind::BF16 => group_rows::<true>(group, k, rows, p.out, p.stride, p.lanes),
+            }
+        }
+    })
+    .remove(0)
+}
+
+/// Up to 16 weight rows (`lanes`, `k` each in `w`) against the activation rows `x` (at most
+/// [`ROWS`]), two weight rows at a time (then one).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `out + i * stride + l` is writable for each activation
+/// row `i` and `l < lanes`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_rows<const BF: bool>(
+    w: &[u8],
+    k: usize,
+    x: &[f32],
+    out: *mut f32,
+    stride: usize,
+    lanes: usize,
+) {
+    let r = x.len() / k;
+    let mut l = 0;
+    while l < lanes {
+        let take = if lanes - l >= 2 { 2 } else { 1 };
+        let wl = &w[2 * l * k..2 * (l + take) * k];
+        macro_rules! by_rows {
+            ($rm:literal) => {
+                // SAFETY: the caller's contract, for lanes `l..l + take`.
+                unsafe {
+                    match r {
+                        1 => tile::<BF, $rm, 1>(wl, k, x, out.add(l), stride),
+                        2 => tile::<BF, $rm, 2>(wl, k, x, out.add(l), stride),
+                        3 => tile::<BF, $rm, 3>(wl, k, x, out.add(l), stride),
+                        _ => tile::<BF, $rm, 4>(wl, k, x, out.add(l), stride),
+                    }
+                }
+            };
+        }
+        if take == 2 {
+            by_rows!(2)
+        } else {
+            by_rows!(1)
+        }
+        l += take;
+    }
+}
+
+/// `RM` weight rows (`k` each in `w`) against `R` activation rows of `x`: output `(i, l)` to
+/// `out + i * stride + l`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; those outputs are writable.
+// Row indices address the accumulators and the activation rows in step.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const BF: bool, const RM: usize, const R: usize>(
+    w: &[u8],
+    k: usize,
+    x: &[f32],
+    out: *mut f32,
+    stride: usize,
+) {
+    assert!(w.len() >= 2 * RM * k && x.len() >= R * k);
+    let mut acc = [[_mm256_setzero_ps(); R]; RM];
+    let body = k / 8 * 8;
+    for c in (0..body).step_by(8) {
+        let wv: [__m256; RM] = std::array::from_fn(|j| {
+            let at = 2 * (j * k + c);
+            weights8::<BF>(w[at..at + 16].try_into().expect("16 bytes"))
+        });
+        for i in 0..R {
+            let v: &[f32; 8] = x[i * k + c..i * k + c + 8].try_into().expect("8 values");
+            // SAFETY: `v` is 8 readable f32; `loadu` takes any alignment.
+            let xv = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+            for j in 0..RM {
+                acc[j][i] = _mm256_fmadd_ps(wv[j], xv, acc[j][i]);
+            }
+        }
+    }
+    let kind = if BF { HalfKind::BF16 } else { HalfKind::F16 };
+    for j in 0..RM {
+        for i in 0..R {
+            let mut sum = crate::simd::x86::hsum256(acc[j][i]);
+            for c in body..k {
+                sum += widen(kind, &w[2 * (j * k + c)..2 * (j * k + c) + 2]) * x[i * k + c];
+            }
+            // SAFETY: the caller's contract: output `(i, j)` is writable.
+            unsafe { *out.add(i * stride + j) = sum };
+        }
+    }
+}
