@@ -67,10 +67,10 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
     scalar_kernels(kind)
 }
 
-/// Activation rows from which a product widens blocks of weight rows to f32 and multiplies
-/// them with candle's GEMM (prefill) instead of the row kernels (decode): the widening is
-/// paid once per block for every row, and the GEMM runs at the dense path's speed; memory
-/// holds one block of f32 at a time, never the matrix.
+/// Activation rows from which a product takes a GEMM (prefill) instead of the row kernels
+/// (decode): the register-tile one of `gemm512` / `gemm_avx2` where AVX-512 or AVX2 runs,
+/// else blocks of weight rows widened to f32 for candle's GEMM (the widening paid once per
+/// block for every row; memory holds one block of f32 at a time, never the matrix).
 const GEMM_ROWS: usize = 16;
 /// Weight rows widened at a time (k = 2048: 2 MiB of f32).
 const BLOCK: usize = 1024;
@@ -81,17 +81,51 @@ pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) ->
     if x.len() / k >= GEMM_ROWS {
         #[cfg(target_arch = "x86_64")]
         if gemm512::available() {
-            return gemm512::matmul(kind, w, n, k, x);
+            return tiled_gemm(gemm512::kernel(kind), w, n, k, x);
         }
         #[cfg(target_arch = "x86_64")]
         if crate::simd::avx2() {
-            return gemm_avx2::matmul(kind, w, n, k, x);
+            return tiled_gemm(gemm_avx2::kernel(kind), w, n, k, x);
         }
         if let Ok(y) = matmul_gemm(kind, w, n, k, x) {
             return y;
         }
     }
     matmul_with(&kernels(kind), w, n, k, x)
+}
+
+/// A register-tile kernel over one group of weight rows: `(w, k, x, out, stride, lanes)`,
+/// the group's `lanes` (≤ 16) rows of `k` 16-bit floats in `w` against the activation rows
+/// `x` (at most the kernel's count), output `(i, l)` to `out + i * stride + l`.
+///
+/// # Safety
+/// The CPU has the features of the kernel's instruction set (its module checks them when it
+/// hands the kernel out); those outputs are writable.
+#[cfg(target_arch = "x86_64")]
+type GroupKernel = unsafe fn(&[u8], usize, &[f32], *mut f32, usize, usize);
+
+/// [`matmul`] by a register-tile kernel (`gemm512`, `gemm_avx2`) taking `rows` activation rows
+/// a call, its groups of 16 weight rows shared over the thread pool.
+#[cfg(target_arch = "x86_64")]
+fn tiled_gemm(
+    (kern, rows): (GroupKernel, usize),
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    assert_eq!(w.len(), 2 * n * k, "({n}, {k}) 16-bit matrix bytes");
+    let m = x.len() / k;
+    super::tiled_matmul(&[n], m, 4 * k, rows, |p| {
+        let act = &x[p.rows.start * k..p.rows.end * k];
+        let group = &w[2 * 16 * p.g * k..2 * (16 * p.g + p.lanes) * k];
+        // SAFETY: the kernel's module checked its CPU features when it handed it out; the
+        // pass's outputs, lanes `0..p.lanes` of rows `0..p.rows.len()` at `p.out` with
+        // `p.stride`, are this call's to write (`tiled_matmul`), and `group` holds `p.lanes`
+        // rows.
+        unsafe { kern(group, k, act, p.out, p.stride, p.lanes) }
+    })
+    .remove(0)
 }
 
 /// [`matmul`] by blocks of [`BLOCK`] weight rows widened to f32 and candle's GEMM.
@@ -298,11 +332,14 @@ mod tests {
             paths.push(("gemm", matmul_gemm(kind, &w, n, k, x).unwrap()));
             #[cfg(target_arch = "x86_64")]
             if gemm512::available() {
-                paths.push(("gemm512", gemm512::matmul(kind, &w, n, k, x)));
+                paths.push(("gemm512", tiled_gemm(gemm512::kernel(kind), &w, n, k, x)));
             }
             #[cfg(target_arch = "x86_64")]
             if crate::simd::avx2() {
-                paths.push(("gemm_avx2", gemm_avx2::matmul(kind, &w, n, k, x)));
+                paths.push((
+                    "gemm_avx2",
+                    tiled_gemm(gemm_avx2::kernel(kind), &w, n, k, x),
+                ));
             }
             for (name, got) in paths {
                 for i in 0..m {

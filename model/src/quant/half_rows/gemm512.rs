@@ -3,15 +3,14 @@
 //! and multiplied with the activation rows by a register tile of four weight rows times up
 //! to [`ROWS`] activation rows (24 accumulators of sixteen lanes each along `k`, reduced once
 //! at the end): 24 multiply-adds per ten loads, so the loop runs at the multiply-add units'
-//! rate. The groups of 16 weight rows are shared over the thread pool by
-//! [`super::super::tiled_matmul`].
+//! rate. [`super::tiled_gemm`] shares the groups of 16 weight rows over the thread pool.
 
 use std::arch::x86_64::*;
 
 use super::HalfKind;
 
 /// Activation rows per kernel call.
-pub(super) const ROWS: usize = 6;
+const ROWS: usize = 6;
 
 /// Whether this CPU (and the kernel path) runs [`matmul`].
 pub(super) fn available() -> bool {
@@ -22,29 +21,17 @@ pub(super) fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// `x @ w.T` (`w`: `n` rows of `k` 16-bit floats, `x`: `m` rows of `k` f32). Only where
-/// [`available`].
-pub(super) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+/// The group kernel for `kind` ([`super::GroupKernel`]) and the activation rows it takes.
+/// Only where [`available`].
+pub(super) fn kernel(kind: HalfKind) -> (super::GroupKernel, usize) {
     assert!(
         available(),
         "AVX-512 F16 kernels on a CPU without AVX-512F/BW/VL"
     );
-    assert_eq!(w.len(), 2 * n * k, "({n}, {k}) 16-bit matrix bytes");
-    let m = x.len() / k;
-    super::super::tiled_matmul(&[n], m, 4 * k, ROWS, |p| {
-        let rows = &x[p.rows.start * k..p.rows.end * k];
-        let group = &w[2 * 16 * p.g * k..2 * (16 * p.g + p.lanes) * k];
-        // SAFETY: AVX-512F/BW/VL and F16C were checked (`available`, asserted above); the pass's
-        // outputs, lanes `0..p.lanes` of rows `0..p.rows.len()` at `p.out` with `p.stride`,
-        // are this call's to write (`tiled_matmul`), and `group` holds `p.lanes` rows.
-        unsafe {
-            match kind {
-                HalfKind::F16 => group_rows::<false>(group, k, rows, p.out, p.stride, p.lanes),
-                HalfKind::BF16 => group_rows::<true>(group, k, rows, p.out, p.stride, p.lanes),
-            }
-        }
-    })
-    .remove(0)
+    match kind {
+        HalfKind::F16 => (group_rows::<false>, ROWS),
+        HalfKind::BF16 => (group_rows::<true>, ROWS),
+    }
 }
 
 /// Up to 16 weight rows (`lanes`, `k` each in `w`) against the activation rows `x` (at most

@@ -7,31 +7,18 @@ use std::arch::x86_64::*;
 use super::{avx2::weights8, widen, HalfKind};
 
 /// Activation rows per kernel call.
-pub(super) const ROWS: usize = 4;
+const ROWS: usize = 4;
 
-/// `x @ w.T` (`w`: `n` rows of `k` 16-bit floats, `x`: `m` rows of `k` f32). Callers check
-/// `crate::simd::avx2()`.
-pub(super) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+/// The group kernel for `kind` ([`super::GroupKernel`]) and the activation rows it takes.
+pub(super) fn kernel(kind: HalfKind) -> (super::GroupKernel, usize) {
     assert!(
         crate::simd::avx2(),
         "AVX2 F16 kernels on a CPU without AVX2/FMA/F16C"
     );
-    assert_eq!(w.len(), 2 * n * k, "({n}, {k}) 16-bit matrix bytes");
-    let m = x.len() / k;
-    super::super::tiled_matmul(&[n], m, 4 * k, ROWS, |p| {
-        let rows = &x[p.rows.start * k..p.rows.end * k];
-        let group = &w[2 * 16 * p.g * k..2 * (16 * p.g + p.lanes) * k];
-        // SAFETY: AVX2, FMA and F16C were checked (asserted above); the pass's outputs,
-        // lanes `0..p.lanes` of rows `0..p.rows.len()` at `p.out` with `p.stride`, are this
-        // call's to write (`tiled_matmul`), and `group` holds `p.lanes` rows.
-        unsafe {
-            match kind {
-                HalfKind::F16 => group_rows::<false>(group, k, rows, p.out, p.stride, p.lanes),
-                HalfKind::BF16 => group_rows::<true>(group, k, rows, p.out, p.stride, p.lanes),
-            }
-        }
-    })
-    .remove(0)
+    match kind {
+        HalfKind::F16 => (group_rows::<false>, ROWS),
+        HalfKind::BF16 => (group_rows::<true>, ROWS),
+    }
 }
 
 /// Up to 16 weight rows (`lanes`, `k` each in `w`) against the activation rows `x` (at most
