@@ -72,7 +72,7 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
 /// else blocks of weight rows widened to f32 for candle's GEMM (the widening paid once per
 /// block for every row; memory holds one block of f32 at a time, never the matrix).
 const GEMM_ROWS: usize = 16;
-/// Weight rows widened at a time (k = 2048: 2 MiB of f32).
+/// Weight rows widened at a time (k = 2048: 8 MiB of f32).
 const BLOCK: usize = 1024;
 
 /// `x @ w.T`: `w` holds `n` rows of `k` 16-bit floats, `x` holds `m` rows of `k` f32; the
