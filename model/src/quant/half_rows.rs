@@ -208,7 +208,7 @@ mod avx2 {
     /// Eight weights from `w` (16 bytes) as f32.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
+    fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
         // SAFETY: `w` is 16 readable bytes; `loadu` takes any alignment.
         let h = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
         if BF {

@@ -78,39 +78,35 @@ unsafe fn group_rows<const BF: bool>(
     }
 }
 
-/// Sixteen 16-bit floats of `w` from element `at` (the first `valid`, the rest zero) as f32.
+/// Sixteen 16-bit floats (`BF`: BF16, else F16) as f32.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-fn widen16<const BF: bool>(w: &[u8], at: usize, valid: usize) -> __m512i {
-    let h = if valid >= 16 {
-        let bytes: &[u8; 32] = w[2 * at..2 * at + 32].try_into().expect("32 bytes");
-        // SAFETY: `bytes` is 32 readable bytes; `loadu` takes any alignment.
-        unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
-    } else {
-        let bytes = &w[2 * at..2 * (at + valid)];
-        // SAFETY: the masked load reads only the `valid` elements `bytes` holds.
-        unsafe { _mm256_maskz_loadu_epi16((1u16 << valid) - 1, bytes.as_ptr().cast()) }
-    };
+#[target_feature(enable = "avx512f,f16c")]
+fn widen_half<const BF: bool>(h: __m256i) -> __m512 {
     if BF {
-        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
     } else {
-        _mm512_castps_si512(_mm512_cvtph_ps(h))
+        _mm512_cvtph_ps(h)
     }
 }
 
-/// Sixteen f32 of `x` from `at` (the first `valid`, the rest zero).
+/// The last `valid` (< 16) 16-bit floats of a weight row from element `at`, the rest zero,
+/// as f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+fn widen16<const BF: bool>(w: &[u8], at: usize, valid: usize) -> __m512 {
+    let bytes = &w[2 * at..2 * (at + valid)];
+    // SAFETY: the masked load reads only the `valid` elements `bytes` holds.
+    let h = unsafe { _mm256_maskz_loadu_epi16((1u16 << valid) - 1, bytes.as_ptr().cast()) };
+    widen_half::<BF>(h)
+}
+
+/// The last `valid` (< 16) f32 of an activation row from `at`, the rest zero.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn acts16(x: &[f32], at: usize, valid: usize) -> __m512 {
-    if valid >= 16 {
-        let v: &[f32; 16] = x[at..at + 16].try_into().expect("16 values");
-        // SAFETY: `v` is 16 readable f32; `loadu` takes any alignment.
-        unsafe { _mm512_loadu_ps(v.as_ptr()) }
-    } else {
-        let v = &x[at..at + valid];
-        // SAFETY: the masked load reads only the `valid` values `v` holds.
-        unsafe { _mm512_maskz_loadu_ps((1u16 << valid) - 1, v.as_ptr()) }
-    }
+    let v = &x[at..at + valid];
+    // SAFETY: the masked load reads only the `valid` values `v` holds.
+    unsafe { _mm512_maskz_loadu_ps((1u16 << valid) - 1, v.as_ptr()) }
 }
 
 /// `RM` weight rows (`k` each in `w`) against `R` activation rows of `x`: output `(i, l)` to
@@ -131,18 +127,33 @@ unsafe fn tile<const BF: bool, const RM: usize, const R: usize>(
 ) {
     assert!(w.len() >= 2 * RM * k && x.len() >= R * k);
     let mut acc = [[_mm512_setzero_ps(); R]; RM];
-    let mut c = 0;
-    while c < k {
-        let valid = (k - c).min(16);
-        let wv: [__m512; RM] =
-            std::array::from_fn(|j| _mm512_castsi512_ps(widen16::<BF>(w, j * k + c, valid)));
+    let body = k / 16 * 16;
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    for c in (0..body).step_by(16) {
+        // Raw loads: the slices' bounds checks cost a share of the multiply-adds' time.
+        let wv: [__m512; RM] = std::array::from_fn(|j| {
+            // SAFETY: bytes `2 (jk + c) .. + 32` lie in `w` (`c + 16 ≤ k`, `j < RM`, its
+            // length asserted above); `loadu` takes any alignment.
+            let h = unsafe { _mm256_loadu_si256(wp.add(2 * (j * k + c)).cast()) };
+            widen_half::<BF>(h)
+        });
         for i in 0..R {
-            let xv = acts16(x, i * k + c, valid);
+            // SAFETY: values `ik + c .. + 16` lie in `x` (`c + 16 ≤ k`, `i < R`, asserted).
+            let xv = unsafe { _mm512_loadu_ps(xp.add(i * k + c)) };
             for j in 0..RM {
                 acc[j][i] = _mm512_fmadd_ps(wv[j], xv, acc[j][i]);
             }
         }
-        c += 16;
+    }
+    if body < k {
+        let valid = k - body;
+        let wv: [__m512; RM] = std::array::from_fn(|j| widen16::<BF>(w, j * k + body, valid));
+        for i in 0..R {
+            let xv = acts16(x, i * k + body, valid);
+            for j in 0..RM {
+                acc[j][i] = _mm512_fmadd_ps(wv[j], xv, acc[j][i]);
+            }
+        }
     }
     for (j, acc) in acc.iter().enumerate() {
         for (i, a) in acc.iter().enumerate() {

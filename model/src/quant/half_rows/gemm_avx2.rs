@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{avx2::weights8, widen, HalfKind};
+use super::{widen, HalfKind};
 
 /// Activation rows per kernel call.
 const ROWS: usize = 4;
@@ -63,6 +63,17 @@ unsafe fn group_rows<const BF: bool>(
     }
 }
 
+/// Eight 16-bit floats (`BF`: BF16, else F16) as f32.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn widen8<const BF: bool>(h: __m128i) -> __m256 {
+    if BF {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    } else {
+        _mm256_cvtph_ps(h)
+    }
+}
+
 /// `RM` weight rows (`k` each in `w`) against `R` activation rows of `x`: output `(i, l)` to
 /// `out + i * stride + l`.
 ///
@@ -82,15 +93,19 @@ unsafe fn tile<const BF: bool, const RM: usize, const R: usize>(
     assert!(w.len() >= 2 * RM * k && x.len() >= R * k);
     let mut acc = [[_mm256_setzero_ps(); R]; RM];
     let body = k / 8 * 8;
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
     for c in (0..body).step_by(8) {
+        // Raw loads: the slices' bounds checks cost more than the multiply-adds here (eight
+        // lanes each).
         let wv: [__m256; RM] = std::array::from_fn(|j| {
-            let at = 2 * (j * k + c);
-            weights8::<BF>(w[at..at + 16].try_into().expect("16 bytes"))
+            // SAFETY: bytes `2 (jk + c) .. + 16` lie in `w` (`c + 8 ≤ k`, `j < RM`, its
+            // length asserted above); `loadu` takes any alignment.
+            let h = unsafe { _mm_loadu_si128(wp.add(2 * (j * k + c)).cast()) };
+            widen8::<BF>(h)
         });
         for i in 0..R {
-            let v: &[f32; 8] = x[i * k + c..i * k + c + 8].try_into().expect("8 values");
-            // SAFETY: `v` is 8 readable f32; `loadu` takes any alignment.
-            let xv = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+            // SAFETY: values `ik + c .. + 8` lie in `x` (`c + 8 ≤ k`, `i < R`, asserted above).
+            let xv = unsafe { _mm256_loadu_ps(xp.add(i * k + c)) };
             for j in 0..RM {
                 acc[j][i] = _mm256_fmadd_ps(wv[j], xv, acc[j][i]);
             }
