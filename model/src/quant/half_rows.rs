@@ -62,7 +62,11 @@ fn scalar_kernels(kind: HalfKind) -> RowKernels<f32> {
 fn kernels(kind: HalfKind) -> RowKernels<f32> {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2() {
-        return avx2::kernels(kind);
+        let mut kernels = avx2::kernels(kind);
+        if gemm512::available() {
+            kernels.one = gemm512::dot_one(kind);
+        }
+        return kernels;
     }
     scalar_kernels(kind)
 }
@@ -309,6 +313,11 @@ mod tests {
             && is_x86_feature_detected!("f16c")
         {
             all.push(("avx2", avx2::kernels(kind)));
+            if gemm512::available() {
+                let mut k = avx2::kernels(kind);
+                k.one = gemm512::dot_one(kind);
+                all.push(("avx512 one", k));
+            }
         }
         all
     }
@@ -372,6 +381,19 @@ mod tests {
         let gemm = matmul(HalfKind::BF16, &w, n, k, &x);
         for (a, b) in rows.iter().zip(&gemm) {
             assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+
+    /// Rows long enough for several passes of every kernel's main loop (the AVX-512 decode
+    /// kernel takes 64 values a pass), and a tail.
+    #[test]
+    fn long_rows_take_several_passes() {
+        let (n, k) = (5, 4 * 64 + 8 * 3 + 5);
+        let mut next = uniform(3);
+        let vals: Vec<f32> = (0..n * k).map(|_| next() * 2.0).collect();
+        for m in [1, 2, 5] {
+            let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            check(&vals, &x, n, k);
         }
     }
 

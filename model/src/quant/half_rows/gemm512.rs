@@ -162,3 +162,63 @@ unsafe fn tile<const BF: bool, const RM: usize, const R: usize>(
         }
     }
 }
+
+/// The decode kernel (one weight row against one activation row) for `kind` on AVX-512:
+/// sixteen lanes and four independent sums, half the instructions of the AVX2 one per
+/// weight. Only where [`available`].
+pub(super) fn dot_one(kind: HalfKind) -> fn(&[u8], &[f32]) -> f32 {
+    assert!(
+        available(),
+        "AVX-512 F16 kernels on a CPU without AVX-512F/BW/VL"
+    );
+    match kind {
+        // SAFETY: AVX-512F/BW/VL and F16C were checked (asserted above).
+        HalfKind::F16 => |w, x| unsafe { dot1::<false>(w, x) },
+        // SAFETY: as above.
+        HalfKind::BF16 => |w, x| unsafe { dot1::<true>(w, x) },
+    }
+}
+
+/// One weight row (`k = x.len()` 16-bit floats in `w`) against one activation row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+fn dot1<const BF: bool>(w: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    assert!(w.len() >= 2 * k);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let body = k / 64 * 64;
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    for c in (0..body).step_by(64) {
+        for (u, acc) in acc.iter_mut().enumerate() {
+            let at = c + 16 * u;
+            // SAFETY: weights `at .. at + 16` (bytes `2 at .. + 32`) and values `at .. at + 16`
+            // lie in `w` and `x` (`at + 16 ≤ body ≤ k`, lengths asserted); `loadu` takes any
+            // alignment.
+            let (h, xv) = unsafe {
+                (
+                    _mm256_loadu_si256(wp.add(2 * at).cast()),
+                    _mm512_loadu_ps(xp.add(at)),
+                )
+            };
+            *acc = _mm512_fmadd_ps(widen_half::<BF>(h), xv, *acc);
+        }
+    }
+    let mut c = body;
+    while c < k {
+        let valid = (k - c).min(16);
+        if valid == 16 {
+            // SAFETY: as in the loop above, `c + 16 ≤ k`.
+            let (h, xv) = unsafe {
+                (
+                    _mm256_loadu_si256(wp.add(2 * c).cast()),
+                    _mm512_loadu_ps(xp.add(c)),
+                )
+            };
+            acc[0] = _mm512_fmadd_ps(widen_half::<BF>(h), xv, acc[0]);
+        } else {
+            acc[0] = _mm512_fmadd_ps(widen16::<BF>(w, c, valid), acts16(x, c, valid), acc[0]);
+        }
+        c += 16;
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(sum)
+}
