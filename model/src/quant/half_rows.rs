@@ -214,7 +214,13 @@ mod avx2 {
     #[target_feature(enable = "avx2,f16c")]
     fn weights8<const BF: bool>(w: &[u8; 16]) -> __m256 {
         // SAFETY: `w` is 16 readable bytes; `loadu` takes any alignment.
-        let h = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
+        widen8::<BF>(unsafe { _mm_loadu_si128(w.as_ptr().cast()) })
+    }
+
+    /// Eight 16-bit floats (`BF`: BF16, else F16) as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn widen8<const BF: bool>(h: __m128i) -> __m256 {
         if BF {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         } else {

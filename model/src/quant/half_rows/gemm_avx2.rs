@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{widen, HalfKind};
+use super::{avx2::widen8, widen, HalfKind};
 
 /// Activation rows per kernel call.
 const ROWS: usize = 4;
@@ -60,17 +60,6 @@ unsafe fn group_rows<const BF: bool>(
             by_rows!(1)
         }
         l += take;
-    }
-}
-
-/// Eight 16-bit floats (`BF`: BF16, else F16) as f32.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn widen8<const BF: bool>(h: __m128i) -> __m256 {
-    if BF {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-    } else {
-        _mm256_cvtph_ps(h)
     }
 }
 

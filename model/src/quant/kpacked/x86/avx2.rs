@@ -61,6 +61,23 @@ unsafe fn bcast256(p: *const i32, i: usize) -> __m256i {
     _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(p.add(i)) })
 }
 
+/// The 16-bit partial sums `part` of each row and half, times the scales `sc` (a pair of i16
+/// per 32-bit lane), into the 32-bit sums `isum`; `part` starts again from zero.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn flush<const R: usize, const H: usize>(
+    part: &mut [[__m256i; H]; R],
+    sc: &[__m256i; H],
+    isum: &mut [[__m256i; H]; R],
+) {
+    for (part, isum) in part.iter_mut().zip(isum.iter_mut()) {
+        for ((p, s), sc) in part.iter_mut().zip(isum.iter_mut()).zip(sc) {
+            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(*p, *sc));
+            *p = _mm256_setzero_si256();
+        }
+    }
+}
+
 /// Rows `8 first..8 first + n` of a group (`H` halves of eight rows from half `first`)
 /// against `R` activation rows.
 #[allow(clippy::too_many_arguments)]
@@ -208,13 +225,7 @@ unsafe fn tile<const T: u8, const R: usize, const H: usize>(
                         }
                     }
                     if p % 2 == 1 {
-                        for i in 0..R {
-                            for e in 0..H {
-                                let s = _mm256_madd_epi16(part[i][e], sc[e]);
-                                isum[i][e] = _mm256_add_epi32(isum[i][e], s);
-                                part[i][e] = _mm256_setzero_si256();
-                            }
-                        }
+                        flush(&mut part, &sc, &mut isum);
                     }
                 }
             }
@@ -327,13 +338,7 @@ unsafe fn tile<const T: u8, const R: usize, const H: usize>(
                         // Q6_K's quants (< 64) fill 16 bits in two planes, Q3_K's and
                         // Q2_K's (< 8) not in four.
                         if p == 3 || (T == 2 && p == 1) {
-                            for i in 0..R {
-                                for e in 0..H {
-                                    let s = _mm256_madd_epi16(part[i][e], sc[e]);
-                                    isum[i][e] = _mm256_add_epi32(isum[i][e], s);
-                                    part[i][e] = _mm256_setzero_si256();
-                                }
-                            }
+                            flush(&mut part, &sc, &mut isum);
                         }
                     }
                 }
