@@ -45,7 +45,8 @@ pub(super) fn kernels(kind: KKind) -> RowKernels<BlockQ8K> {
             // SAFETY: AVX2, FMA and F16C were detected (`crate::simd::avx2()`).
             four: |w, a| unsafe { q6k::<4>(w, a) },
         },
-        // No row kernel of its own: its matrices are tiled wherever AVX2 runs.
+        // Not reached: row kernels take the file types candle reads, which IQ4_XS is not (its
+        // matrices are tiled, or rewritten as IQ4_NL); the portable loop stands in.
         KKind::Iq4Xs => super::kquant::scalar_kernels(kind),
     }
 }
