@@ -81,6 +81,13 @@ impl Model {
         if weights.has_iq4_xs_tiles() {
             weights_hash.push_str("+iq4xs-q8k");
         }
+        // BF16 matrices' prefill rounds activations to BF16 where the CPU multiplies BF16.
+        if opts.device.is_cpu()
+            && weights.has_bf16()
+            && crate::quant::half_rows::rounds_bf16_activations()
+        {
+            weights_hash.push_str("+bf16-activations");
+        }
         let name = source.name();
         let decoder = Decoder::new(cfg, &weights, opts.dtype, &opts.device)?;
         tracing::info!(arch = decoder.config().arch.name(), layers = decoder.config().layers, elapsed = ?t.elapsed(), "model loaded");

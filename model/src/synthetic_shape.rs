@@ -96,12 +96,13 @@ pub fn shape(name: &str) -> Result<&'static Shape> {
     })
 }
 
-/// A block type by its llama.cpp name: `f16`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q8_0`, `q2_k`,
-/// `q3_k`, `q4_k`, `q5_k`, `q6_k` (case-insensitive, `q4k` too).
+/// A block type by its llama.cpp name: `f16`, `bf16`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q8_0`,
+/// `q2_k`, `q3_k`, `q4_k`, `q5_k`, `q6_k` (case-insensitive, `q4k` too).
 pub fn block_type(name: &str) -> Result<GgmlDType> {
     let n = name.to_ascii_lowercase().replace('_', "");
     Ok(match n.as_str() {
         "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
         "q40" => GgmlDType::Q4_0,
         "q41" => GgmlDType::Q4_1,
         "q50" => GgmlDType::Q5_0,
@@ -116,7 +117,7 @@ pub fn block_type(name: &str) -> Result<GgmlDType> {
             return Err(Error::Input {
                 why: format!(
                     "unknown block type {name:?} \
-                 (f16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)"
+                 (f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)"
                 ),
             })
         }
@@ -355,6 +356,7 @@ mod tests {
         assert_eq!(block_type("Q4_K").unwrap(), GgmlDType::Q4K);
         assert_eq!(block_type("q3_k").unwrap(), GgmlDType::Q3K);
         assert_eq!(block_type("q8_0").unwrap(), GgmlDType::Q8_0);
+        assert_eq!(block_type("BF16").unwrap(), GgmlDType::BF16);
         assert!(block_type("iq2_xxs").is_err());
         for s in SHAPES {
             assert_eq!(s.heads % s.kv_heads, 0, "{}", s.name);

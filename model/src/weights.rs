@@ -71,6 +71,11 @@ impl Weights {
             .any(|p| p.kind() == PackKind::K(crate::quant::kquant::KKind::Iq4Xs))
     }
 
+    /// Whether some matrix is kept in BF16 ([`crate::quant::half_rows`]).
+    pub(crate) fn has_bf16(&self) -> bool {
+        self.quant.values().any(|q| q.dtype() == GgmlDType::BF16)
+    }
+
     /// Whether `name` exists, dense or quantized.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -72,17 +72,32 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
 }
 
 /// Activation rows from which a product takes a GEMM (prefill) instead of the row kernels
-/// (decode): the register-tile one of `gemm512` / `gemm_avx2` where AVX-512 or AVX2 runs,
+/// (decode): for BF16 on CPUs with AVX-512 BF16 `gemm_bf16dp`'s (activations rounded to
+/// BF16), else the register-tile one of `gemm512` / `gemm_avx2` where AVX-512 or AVX2 runs,
 /// else blocks of weight rows widened to f32 for candle's GEMM (the widening paid once per
 /// block for every row; memory holds one block of f32 at a time, never the matrix).
 const GEMM_ROWS: usize = 16;
 /// Weight rows widened at a time (k = 2048: 8 MiB of f32).
 const BLOCK: usize = 1024;
 
+/// Whether BF16 products with many activation rows round the activations to BF16 here
+/// (`gemm_bf16dp`: AVX-512 BF16 and the AVX-512 kernel path).
+pub(crate) fn rounds_bf16_activations() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if gemm_bf16dp::available() {
+        return true;
+    }
+    false
+}
+
 /// `x @ w.T`: `w` holds `n` rows of `k` 16-bit floats, `x` holds `m` rows of `k` f32; the
 /// result is `m` rows of `n`.
 pub(crate) fn matmul(kind: HalfKind, w: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
     if x.len() / k >= GEMM_ROWS {
+        #[cfg(target_arch = "x86_64")]
+        if kind == HalfKind::BF16 && gemm_bf16dp::available() {
+            return gemm_bf16dp::matmul(w, n, k, x);
+        }
         #[cfg(target_arch = "x86_64")]
         if gemm512::available() {
             return tiled_gemm(gemm512::kernel(kind), w, n, k, x);
@@ -183,6 +198,8 @@ fn matmul_with(kern: &RowKernels<f32>, w: &[u8], n: usize, k: usize, x: &[f32]) 
 mod gemm512;
 #[cfg(target_arch = "x86_64")]
 mod gemm_avx2;
+#[cfg(target_arch = "x86_64")]
+mod gemm_bf16dp;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -356,16 +373,40 @@ mod tests {
                     tiled_gemm(gemm_avx2::kernel(kind), &w, n, k, x),
                 ));
             }
+            #[cfg(target_arch = "x86_64")]
+            if kind == HalfKind::BF16 && gemm_bf16dp::available() {
+                // Its activations are rounded to BF16: held to the sums of those.
+                let got = gemm_bf16dp::matmul(&w, n, k, x);
+                let xr: Vec<f32> = x.iter().map(|&v| gemm_bf16dp::rounded(v)).collect();
+                assert_close("gemm_bf16dp", kind, &got, &wd, &xr, (m, n, k));
+                assert_ne!(
+                    xr, x,
+                    "the activations were all BF16 already: the rounding goes untested"
+                );
+            }
             for (name, got) in paths {
-                for i in 0..m {
-                    for j in 0..n {
-                        let terms = (0..k).map(|c| wd[j * k + c] as f64 * x[i * k + c] as f64);
-                        let want: f64 = terms.clone().sum();
-                        let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
-                        let err = (got[i * n + j] as f64 - want).abs() / scale;
-                        assert!(err < 1e-5, "{kind:?} {name} ({i},{j}) rel {err}");
-                    }
-                }
+                assert_close(name, kind, &got, &wd, x, (m, n, k));
+            }
+        }
+    }
+
+    /// `got` (`m` rows of `n`) against f64 sums of `wd` (`n` rows of `k`) times `x` (`m` rows
+    /// of `k`), within 1e-5 of the terms' magnitudes.
+    fn assert_close(
+        name: &str,
+        kind: HalfKind,
+        got: &[f32],
+        wd: &[f32],
+        x: &[f32],
+        (m, n, k): (usize, usize, usize),
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let terms = (0..k).map(|c| wd[j * k + c] as f64 * x[i * k + c] as f64);
+                let want: f64 = terms.clone().sum();
+                let scale: f64 = terms.map(f64::abs).sum::<f64>() + 1e-6;
+                let err = (got[i * n + j] as f64 - want).abs() / scale;
+                assert!(err < 1e-5, "{kind:?} {name} ({i},{j}) rel {err}");
             }
         }
     }
@@ -383,7 +424,14 @@ mod tests {
             .iter()
             .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
             .collect();
-        let rows = matmul_with(&kernels(HalfKind::BF16), &w, n, k, &x);
+        // Where `matmul` rounds BF16 products' activations to BF16, the rows take them so.
+        #[allow(unused_mut)]
+        let mut xr = x.clone();
+        #[cfg(target_arch = "x86_64")]
+        if gemm_bf16dp::available() {
+            xr = x.iter().map(|&v| gemm_bf16dp::rounded(v)).collect();
+        }
+        let rows = matmul_with(&kernels(HalfKind::BF16), &w, n, k, &xr);
         let gemm = matmul(HalfKind::BF16, &w, n, k, &x);
         for (a, b) in rows.iter().zip(&gemm) {
             assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
