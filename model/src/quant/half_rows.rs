@@ -79,6 +79,12 @@ fn kernels(kind: HalfKind) -> RowKernels<f32> {
 const GEMM_ROWS: usize = 16;
 /// Weight rows widened at a time (k = 2048: 8 MiB of f32).
 const BLOCK: usize = 1024;
+/// How far ahead of its reads (bytes) a decode row kernel prefetches the weights: a decode
+/// step streams the whole matrix once, and the hardware prefetcher alone left a quarter of
+/// the bandwidth unused (Qwen2.5-1.5B F16 on Zen 5, AVX2 kernels: 89 ms/token without, 82
+/// with 1 KiB, 64-77 with 2 KiB, 70 with 4 KiB).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH: usize = 2048;
 
 /// Whether BF16 products with many activation rows round the activations to BF16 here
 /// (`gemm_bf16dp`: AVX-512 BF16 and the AVX-512 kernel path).
@@ -207,7 +213,7 @@ mod avx2 {
     //! independent sums, four rows one each.
     use std::arch::x86_64::*;
 
-    use super::{widen, HalfKind, RowKernels};
+    use super::{widen, HalfKind, RowKernels, PREFETCH};
 
     pub(super) fn kernels(kind: HalfKind) -> RowKernels<f32> {
         match kind {
@@ -283,6 +289,9 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); 4];
         let body = k / 32 * 32;
         for i in (0..body).step_by(32) {
+            // The cache line of weights `PREFETCH` bytes ahead (the next rows' when this one
+            // ends, rows lie one after the other; a prefetch never faults).
+            _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(2 * i + PREFETCH).cast());
             for (u, acc) in acc.iter_mut().enumerate() {
                 let at = i + 8 * u;
                 let wv = weights8::<BF>(w[2 * at..2 * at + 16].try_into().expect("16 bytes"));
