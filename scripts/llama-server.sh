@@ -7,6 +7,10 @@
 #                                    the path of llama-server on its last line
 #   scripts/llama-server.sh avx2     AVX2 + FMA + F16C only, AVX-512 off: the peer of ragkv's
 #                                    `model.kernels = "avx2"` path (into $RAGKV_CACHE/llama.cpp-avx2)
+#   scripts/llama-server.sh avx512   AVX-512 (F/BW/VL, VBMI, VNNI, BF16) without AMX: the peer on
+#                                    AMX CPUs (Xeon since Sapphire Rapids), where the native
+#                                    build's AMX prompt kernels die of SIGILL (sdist 0.3.36,
+#                                    docs/BENCHMARKS.md) (into $RAGKV_CACHE/llama.cpp-avx512)
 #   scripts/llama-server.sh avxvnni  AVX2 + AVX-VNNI, AVX-512 off: the peer of `model.kernels =
 #                                    "avxvnni"` (Intel's cores since Alder Lake; into
 #                                    $RAGKV_CACHE/llama.cpp-avxvnni)
@@ -35,6 +39,13 @@ case "$isa" in
       -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
       -DGGML_AVX_VNNI=OFF -DGGML_BMI2=ON)
     ;;
+  avx512)
+    dest="$cache/llama.cpp-avx512"
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+      -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+      -DGGML_BMI2=ON)
+    ;;
   avxvnni)
     dest="$cache/llama.cpp-avxvnni"
     isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -56,7 +67,7 @@ case "$isa" in
       -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
     ;;
   *)
-    log "unknown build '$isa' (native, avx2, avxvnni, cuda)"
+    log "unknown build '$isa' (native, avx512, avx2, avxvnni, cuda)"
     exit 2
     ;;
 esac

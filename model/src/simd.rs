@@ -3,7 +3,8 @@
 //!
 //! Every kernel family picks its fastest path at run time from what the CPU has, limited by
 //! the process's [`KernelPath`] (`model.kernels`): `auto` takes the best the CPU has,
-//! `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
+//! `amx` is the AVX-512 path with AMX tile products for prompts (Intel Xeon since Sapphire
+//! Rapids), `avx512` the AVX-512 path without them, `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
 //! AVX-512 run, can be measured on a machine that has both), `avxvnni` off AVX-512 but with
 //! AVX-VNNI's 256-bit integer dot products (the path of Intel's cores since Alder Lake, which
 //! have no AVX-512), `portable` keeps them on the plain loops the SIMD kernels are tested
@@ -19,7 +20,11 @@ pub enum KernelPath {
     /// The best this CPU has.
     #[default]
     Auto,
-    /// AVX-512 (VNNI for the repacked products); the CPU must have it.
+    /// AVX-512 (VNNI for the repacked products), with AMX tile products for prompts' rows
+    /// (`tdpbsud`, sixteen rows by sixteen per instruction); the CPU must have AMX-INT8 and
+    /// the OS must grant the process the tile state.
+    Amx,
+    /// AVX-512 (VNNI for the repacked products), never AMX; the CPU must have it.
     Avx512,
     /// AVX2 + FMA + F16C, never AVX-512 or AVX-VNNI; the CPU must have them.
     Avx2,
@@ -35,6 +40,7 @@ impl KernelPath {
     pub fn name(self) -> &'static str {
         match self {
             KernelPath::Auto => "auto",
+            KernelPath::Amx => "amx",
             KernelPath::Avx512 => "avx512",
             KernelPath::Avx2 => "avx2",
             KernelPath::AvxVnni => "avxvnni",
@@ -49,6 +55,7 @@ impl KernelPath {
             KernelPath::Avx2 => 3,
             KernelPath::Portable => 4,
             KernelPath::AvxVnni => 5,
+            KernelPath::Amx => 6,
         }
     }
 
@@ -59,6 +66,7 @@ impl KernelPath {
             3 => KernelPath::Avx2,
             4 => KernelPath::Portable,
             5 => KernelPath::AvxVnni,
+            6 => KernelPath::Amx,
             _ => return None,
         })
     }
@@ -67,6 +75,7 @@ impl KernelPath {
     pub fn supported(self) -> bool {
         match self {
             KernelPath::Auto | KernelPath::Portable => true,
+            KernelPath::Amx => cpu_has_amx(),
             KernelPath::Avx512 => cpu_has_avx512(),
             KernelPath::Avx2 => cpu_has_avx2(),
             KernelPath::AvxVnni => cpu_has_avx_vnni(),
@@ -76,6 +85,7 @@ impl KernelPath {
     /// What `auto` means on this CPU.
     pub fn resolved(self) -> KernelPath {
         match self {
+            KernelPath::Auto if cpu_has_amx() => KernelPath::Amx,
             KernelPath::Auto if cpu_has_avx512() => KernelPath::Avx512,
             KernelPath::Auto if cpu_has_avx_vnni() => KernelPath::AvxVnni,
             KernelPath::Auto if cpu_has_avx2() => KernelPath::Avx2,
@@ -91,13 +101,16 @@ impl std::str::FromStr for KernelPath {
     fn from_str(s: &str) -> crate::Result<KernelPath> {
         Ok(match s {
             "auto" | "" => KernelPath::Auto,
+            "amx" => KernelPath::Amx,
             "avx512" => KernelPath::Avx512,
             "avx2" => KernelPath::Avx2,
             "avxvnni" => KernelPath::AvxVnni,
             "portable" => KernelPath::Portable,
             other => {
                 return Err(crate::Error::Config {
-                    why: format!("kernel path {other:?} (auto, avx512, avxvnni, avx2, portable)"),
+                    why: format!(
+                        "kernel path {other:?} (auto, amx, avx512, avxvnni, avx2, portable)"
+                    ),
                 })
             }
         })
@@ -158,7 +171,31 @@ pub fn kernel_path() -> KernelPath {
 
 /// Whether kernels may use AVX-512 (each still checks the features it needs).
 pub(crate) fn allows_avx512() -> bool {
-    matches!(kernel_path(), KernelPath::Auto | KernelPath::Avx512)
+    matches!(
+        kernel_path(),
+        KernelPath::Auto | KernelPath::Amx | KernelPath::Avx512
+    )
+}
+
+/// Whether the repacked products may multiply sixteen activation rows at a time on AMX's
+/// tile unit: the path is `auto` or `amx` and the CPU has AMX-INT8 with the tile state
+/// granted (the AVX-512 VNNI kernels run everything else).
+pub(crate) fn amx() -> bool {
+    matches!(kernel_path(), KernelPath::Auto | KernelPath::Amx) && cpu_has_amx()
+}
+
+/// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) beside the AVX-512 kernels'
+/// features, and the tile state granted to this process: Linux enables AMX's 8 KiB of tile
+/// data per thread only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, process-wide, made
+/// once here); elsewhere, or where the request fails, no AMX.
+fn cpu_has_amx() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        return cpu_has_avx512() && *GRANTED.get_or_init(x86::request_amx);
+    }
+    #[allow(unreachable_code)]
+    false
 }
 
 /// Whether kernels may use AVX2 (each still checks the features it needs).
@@ -211,6 +248,7 @@ mod tests {
     fn every_path_round_trips_and_auto_resolves_to_one_this_cpu_runs() {
         let all = [
             KernelPath::Auto,
+            KernelPath::Amx,
             KernelPath::Avx512,
             KernelPath::AvxVnni,
             KernelPath::Avx2,
@@ -224,8 +262,10 @@ mod tests {
         assert!(e.contains("avxvnni"), "{e}");
         let auto = KernelPath::Auto.resolved();
         assert!(auto != KernelPath::Auto && auto.supported(), "{auto}");
-        // AVX-512 first, then AVX-VNNI, then AVX2.
-        if cpu_has_avx512() {
+        // AMX first, then AVX-512, then AVX-VNNI, then AVX2.
+        if cpu_has_amx() {
+            assert_eq!(auto, KernelPath::Amx);
+        } else if cpu_has_avx512() {
             assert_eq!(auto, KernelPath::Avx512);
         } else if cpu_has_avx_vnni() {
             assert_eq!(auto, KernelPath::AvxVnni);
@@ -236,6 +276,34 @@ mod tests {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
+
+    /// Whether the CPU has AMX-TILE and AMX-INT8 and Linux granted this process the tile
+    /// state (see `cpu_has_amx`).
+    #[cfg(target_os = "linux")]
+    pub(super) fn request_amx() -> bool {
+        // SAFETY: leaf 7 exists on the CPUs that get here (AVX-512 is leaf 7 too); `cpuid`
+        // only reads. (An `unsafe fn` before Rust 1.94, a safe one since.)
+        #[allow(unused_unsafe)]
+        let leaf = unsafe { __cpuid_count(7, 0) };
+        if (leaf.edx >> 24) & 3 != 3 {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: `arch_prctl` with this code only asks the kernel to enable a register
+        // state for the process; it touches no memory of ours.
+        let granted = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        } == 0;
+        if !granted {
+            tracing::info!("AMX not granted by the kernel: the AVX-512 kernels run prompts");
+        }
+        granted
+    }
 
     /// The sum of a vector's eight lanes (AVX; every caller's AVX2 kernels imply it).
     #[inline]

@@ -47,6 +47,7 @@ use half::f16;
 
 use super::kquant::{self, BlockQ8K, KKind, QK_K};
 
+mod amx;
 mod x86;
 
 /// Rows interleaved in a tile.
@@ -277,17 +278,24 @@ fn quantize(x: &[f32], k: usize) -> Vec<BlockQ8K> {
 /// `x @ w.T` for each repacked matrix of `mats` (all of `k` columns), `x` quantized once and
 /// one pass over the thread pool for all of them. Only where [`available`].
 pub(crate) fn matmul_many(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
-    matmul_many_with(mats, k, x, |kind| {
+    matmul_many_with(mats, k, x, crate::simd::amx(), |kind| {
         kernel(kind).expect("tiled kernels available")
     })
 }
 
+/// [`matmul_many`] by the kernels `pick` gives, with every whole sixteen rows on AMX's tile
+/// unit (`use_amx`, only where [`crate::simd::amx`] holds: `amx.rs`).
 fn matmul_many_with(
     mats: &[Mat<'_>],
     k: usize,
     x: &[f32],
+    use_amx: bool,
     pick: impl Fn(KKind) -> (TileKernel, usize),
 ) -> Vec<Vec<f32>> {
+    assert!(
+        !use_amx || crate::simd::amx(),
+        "AMX products where the CPU runs them"
+    );
     let m = x.len() / k;
     let nb = k / QK_K;
     let act = quantize(x, k);
@@ -297,28 +305,37 @@ fn matmul_many_with(
         debug_assert_eq!(w.tiles.len(), w.n.div_ceil(ROWS) * nb * tile_bytes(w.kind));
     }
     let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
-    let step = kernels.iter().map(|k| k.1).min().unwrap_or(1);
+    let fewest = kernels.iter().map(|k| k.1).min().unwrap_or(1);
+    let step = if use_amx { super::amx::ROWS } else { fewest };
     let row_bytes = nb * std::mem::size_of::<BlockQ8K>();
     super::tiled_matmul(&heights, m, row_bytes, step, |p| {
-        let (mat, (kern, _)) = (&mats[p.w], kernels[p.w]);
+        let (mat, (kern, most)) = (&mats[p.w], kernels[p.w]);
         let tb = tile_bytes(mat.kind);
         let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
-        let rows = p.rows.start * nb..p.rows.end * nb;
-        // SAFETY: the kernel is one `kernel` returned for this CPU; `t` holds the group's
-        // `nb` tiles, `act`/`b32` the pass's rows (at most `step`, the fewest any kernel
-        // takes); the pass's outputs are this call's to write (`tiled_matmul`).
-        unsafe {
-            kern(
-                t,
-                &act[rows.clone()],
-                &b32[rows],
-                nb,
-                p.rows.len(),
-                p.out,
-                p.stride,
-                p.lanes,
-            )
+        let (kern, most) = if use_amx && p.rows.len() == super::amx::ROWS {
+            (amx::amx(mat.kind), super::amx::ROWS)
+        } else {
+            (kern, most.min(fewest))
         };
+        for (c, i) in p.rows.clone().step_by(most).enumerate() {
+            let rows = i * nb..(i + most).min(p.rows.end) * nb;
+            // SAFETY: the kernel is one `kernel` returned for this CPU (or the AMX one where
+            // `crate::simd::amx()` holds, asserted above, for exactly its sixteen rows); `t`
+            // holds the group's `nb` tiles, `act`/`b32` the rows (at most the kernel's);
+            // their outputs, `c * most` rows into the pass's, are this call's to write.
+            unsafe {
+                kern(
+                    t,
+                    &act[rows.clone()],
+                    &b32[rows.clone()],
+                    nb,
+                    rows.len() / nb,
+                    p.out.add(c * most * p.stride),
+                    p.stride,
+                    p.lanes,
+                )
+            };
+        }
     })
 }
 
@@ -424,7 +441,7 @@ mod tests {
         for (name, kern) in every_path(kind) {
             results.push((
                 name,
-                matmul_many_with(std::slice::from_ref(&mat), k, x, |_| kern).remove(0),
+                matmul_many_with(std::slice::from_ref(&mat), k, x, false, |_| kern).remove(0),
             ));
         }
         for (name, got) in results {
@@ -508,6 +525,52 @@ mod tests {
             .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
             .collect();
         check_tiles(KKind::Iq4Xs, &w, &wd, &x, n, k);
+    }
+
+    /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
+    /// same closing of each super-block in the same order), for every kind, one super-block
+    /// and three, whole tiles of sixteen rows and a tail of three.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_products_are_the_vnni_kernels_bit_for_bit() {
+        if !crate::simd::amx() {
+            eprintln!("skipped: no AMX on this CPU (or not granted, or another kernel path)");
+            return;
+        }
+        let vnni = |kind| (super::x86::vnni(kind), super::x86::VNNI_ROWS);
+        let mut next = uniform(13);
+        for blocks in [1, 3] {
+            let (n, k) = (37, blocks * QK_K);
+            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let x: Vec<f32> = (0..35 * k).map(|_| next() * 3.0).collect();
+            let mut all: Vec<(KKind, Vec<u8>)> = KINDS
+                .iter()
+                .map(|&(kind, dtype)| (kind, pack(kind, &weights(&vals, n, k, dtype).0, n, k)))
+                .collect();
+            let xs = iq4_xs(n, k, 0.05, &mut next).0;
+            all.push((KKind::Iq4Xs, pack(KKind::Iq4Xs, &xs, n, k)));
+            for (kind, tiles) in &all {
+                let mat = Mat {
+                    kind: *kind,
+                    tiles,
+                    n,
+                };
+                for rows in [16, 35] {
+                    let x = &x[..rows * k];
+                    let one = std::slice::from_ref(&mat);
+                    let amx = matmul_many_with(one, k, x, true, vnni).remove(0);
+                    let alone = matmul_many_with(one, k, x, false, vnni).remove(0);
+                    assert_eq!(amx.len(), alone.len());
+                    for (i, (a, v)) in amx.iter().zip(&alone).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            v.to_bits(),
+                            "{kind:?} k {k} rows {rows} at {i}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     proptest! {

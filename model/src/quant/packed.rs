@@ -39,6 +39,7 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
+mod amx;
 mod avx512;
 
 use super::kpacked;
@@ -262,6 +263,19 @@ impl Packed {
             n,
         });
         super::packed_avx2::matmul_with(&mats, self.k, x, vnni).remove(0)
+    }
+
+    /// [`Packed::matmul`] of a 32-element type by the VNNI kernel alone, never AMX (the
+    /// tests' way to hold the AMX products to it on a CPU that runs both).
+    #[cfg(all(test, target_arch = "x86_64"))]
+    pub(crate) fn matmul_vnni(&self, x: &[f32]) -> Vec<f32> {
+        assert!(Packed::available(), "the VNNI kernels run on this CPU");
+        let mats = blocks_of(&[self], &[0], |kind, tiles, n| avx512::Mat {
+            kind,
+            tiles,
+            n,
+        });
+        avx512::packed_matmul_with(&mats, self.k, x, false).remove(0)
     }
 
     fn k_kind(&self) -> KKind {

@@ -17,7 +17,9 @@
 
 use std::arch::x86_64::*;
 
+use super::super::amx::ROWS as AMX_ROWS;
 use super::super::{avx512_vnni, tiled_matmul, BlockQ8, Kind, QK};
+use super::amx::amx_rows;
 use super::ROWS;
 
 /// Activation rows per pass over a repacked tile (each row's accumulator is a register,
@@ -36,7 +38,19 @@ pub(super) struct Mat<'a> {
 /// layer (or its gate and up) share their input, so they share its quantization and one
 /// barrier instead of three.
 pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    packed_matmul_with(mats, k, x, crate::simd::amx())
+}
+
+/// [`packed_matmul`], with every whole sixteen rows of `x` on AMX's tile unit (`amx`, where
+/// [`crate::simd::amx`] holds: [`super::amx`]) or all of them on the VNNI kernel.
+pub(super) fn packed_matmul_with(
+    mats: &[Mat<'_>],
+    k: usize,
+    x: &[f32],
+    amx: bool,
+) -> Vec<Vec<f32>> {
     debug_assert!(avx512_vnni());
+    debug_assert!(!amx || crate::simd::amx());
     let m = x.len() / k;
     let nb = k / QK;
     let act = quantize_blocks(x, k, m);
@@ -52,27 +66,56 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
         let groups = w.n.div_ceil(ROWS);
         debug_assert_eq!(w.tiles.len(), groups * nb * w.kind.tile_bytes());
     }
+    let amx_kernel = |kind| match kind {
+        Kind::Q4_0 => amx_rows::<0>,
+        Kind::Q4_1 => amx_rows::<1>,
+        Kind::Q5_0 => amx_rows::<2>,
+        Kind::Q5_1 => amx_rows::<3>,
+        Kind::Q8_0 => amx_rows::<4>,
+        Kind::Iq4Nl => amx_rows::<5>,
+    };
     let heights: Vec<usize> = mats.iter().map(|w| w.n).collect();
     let row_bytes = nb * std::mem::size_of::<BlockQ8>();
-    tiled_matmul(&heights, m, row_bytes, PACKED_TILE, |p| {
+    let step = if amx { AMX_ROWS } else { PACKED_TILE };
+    tiled_matmul(&heights, m, row_bytes, step, |p| {
         let mat = &mats[p.w];
         let tb = mat.kind.tile_bytes();
         let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
         let mask = ((1u32 << p.lanes) - 1) as u16;
-        // SAFETY: `available()` (the caller's dispatch); `t` holds the group's `nb` tiles,
-        // `act` the pass's rows (at most `PACKED_TILE`) of `nb` blocks each; the pass's
-        // outputs are this call's to write (`tiled_matmul`).
-        unsafe {
-            kernel(mat.kind)(
-                t,
-                &act[p.rows.start * nb..p.rows.end * nb],
-                nb,
-                p.rows.len(),
-                p.out,
-                p.stride,
-                mask,
-            )
-        };
+        if amx && p.rows.len() == AMX_ROWS {
+            // SAFETY: `amx` holds only where `crate::simd::amx()` does (asserted above);
+            // `t` holds the group's `nb` tiles, `act` the pass's 16 rows of `nb` blocks;
+            // the pass's outputs are this call's to write (`tiled_matmul`).
+            unsafe {
+                amx_kernel(mat.kind)(
+                    t,
+                    &act[p.rows.start * nb..p.rows.end * nb],
+                    nb,
+                    p.out,
+                    p.stride,
+                    mask,
+                )
+            };
+            return;
+        }
+        // Passes of up to `PACKED_TILE` rows (a pass is at most 16: two of them).
+        for (j, i) in p.rows.clone().step_by(PACKED_TILE).enumerate() {
+            let rows = i..(i + PACKED_TILE).min(p.rows.end);
+            // SAFETY: `available()` (the caller's dispatch); `t` holds the group's `nb`
+            // tiles, `act` the rows (at most `PACKED_TILE`) of `nb` blocks each; their
+            // outputs, `j * PACKED_TILE` rows into the pass's, are this call's to write.
+            unsafe {
+                kernel(mat.kind)(
+                    t,
+                    &act[rows.start * nb..rows.end * nb],
+                    nb,
+                    rows.len(),
+                    p.out.add(j * PACKED_TILE * p.stride),
+                    p.stride,
+                    mask,
+                )
+            };
+        }
     })
 }
 
@@ -215,7 +258,7 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
 /// scales `d` and offsets `m'` (see [`super`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn packed_decode<const K: u8>(t: *const u8) -> ([__m512i; 8], __m512, __m512) {
+pub(super) unsafe fn packed_decode<const K: u8>(t: *const u8) -> ([__m512i; 8], __m512, __m512) {
     // SAFETY: the caller's contract: `t` points at a whole tile of kind `K` (every offset
     // read below is inside one).
     unsafe {

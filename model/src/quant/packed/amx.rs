@@ -1,0 +1,112 @@
+//! AMX tile products over the repacked 32-element block types ([`super`]) for prompts'
+//! rows: CPUs with AMX-INT8 (Intel Xeon since Sapphire Rapids), where the kernel path is
+//! `auto` or `amx` ([`crate::simd::amx`]).
+//!
+//! A repacked tile's eight quant vectors are already the weight operand AMX multiplies:
+//! vector `i` holds elements `4i..4i + 4` of sixteen rows, four bytes per row, which is a B
+//! tile of eight rows of 64 bytes (K = 32, N = 16). Sixteen activation rows' quants of the
+//! same block are the A tile (sixteen rows of 32 signed bytes, read in place from the
+//! quantized rows, a row stride apart), and one `tdpbsud` (signed A times unsigned B, summed
+//! in fours into 32-bit lanes) computes the 16 × 16 block sums the VNNI kernel computes with
+//! 128 `vpdpbusd`, on the tile unit beside the vector units. The integer sums then take the
+//! VNNI kernel's scale and offset formula in the same order (`acc += cvt(Σ) (d d_y) + m'
+//! s_y`), so the results are bit for bit the VNNI kernel's (a test holds them to it): no
+//! namespace of stored KV changes with the path.
+//!
+//! Q8_0 tiles are loaded as they lie in memory; the 4- and 5-bit kinds and IQ4_NL are decoded
+//! to bytes by the VNNI kernel's decoding and stored to a 512-byte buffer the tile is loaded
+//! from. Two blocks are in flight per step: both products are issued before either's sums
+//! are scaled, so the tile unit works while the vector units scale.
+//!
+//! The tile registers, their configuration and the products are [`super::super::amx`]'s.
+
+use std::arch::x86_64::*;
+
+use super::super::amx::{configure, products1, products2, Buf, ROWS};
+use super::super::BlockQ8;
+use super::avx512::packed_decode;
+
+/// One group's tiles (`nb` blocks of 16 weight rows, kind `K` as in `avx512::packed_rows`)
+/// against [`ROWS`] activation rows (`nb` blocks each, row after row in `act`); row `i`'s 16
+/// results go to `out + i * stride` (lanes in `mask`).
+///
+/// # Safety
+/// `crate::simd::amx()` holds (with it the AVX-512 features enabled here); `out + i * stride`
+/// is writable for the lanes of `mask`, `i < ROWS`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+pub(super) unsafe fn amx_rows<const K: u8>(
+    tiles: &[u8],
+    act: &[BlockQ8],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+    mask: u16,
+) {
+    let tb = [288, 320, 352, 384, 544, 288][K as usize];
+    assert!(tiles.len() >= nb * tb && act.len() >= ROWS * nb);
+    configure();
+    let mut acc = [_mm512_setzero_ps(); ROWS];
+    let mut weights = Buf([0u8; 1024]);
+    let mut sums = Buf([0u8; 2048]);
+    let a_stride = nb * std::mem::size_of::<BlockQ8>();
+    // Block `b`'s quants of the first row; the tile's rows follow `a_stride` apart.
+    let quants = |b: usize| act[b].qs.as_ptr() as *const u8;
+    let mut b = 0;
+    while b < nb {
+        let two = b + 1 < nb;
+        let mut scales = [(_mm512_setzero_ps(), _mm512_setzero_ps()); 2];
+        let mut w = [std::ptr::null::<u8>(); 2];
+        for h in 0..1 + two as usize {
+            // SAFETY: block `b + h < nb` of the group: a whole tile inside `tiles` (asserted
+            // above); the decoded vectors go to half `h` of `weights` (512 bytes, aligned).
+            unsafe {
+                let t = tiles.as_ptr().add((b + h) * tb);
+                let (v, d, m) = packed_decode::<K>(t);
+                scales[h] = (d, m);
+                w[h] = if K == 4 {
+                    // Q8_0: the tile's eight vectors, as they lie.
+                    t.add(32)
+                } else {
+                    let dst = weights.0.as_mut_ptr().add(512 * h);
+                    for (i, v) in v.iter().enumerate() {
+                        _mm512_store_si512(dst.add(64 * i) as *mut _, *v);
+                    }
+                    dst
+                };
+            }
+        }
+        let c = sums.0.as_mut_ptr();
+        // SAFETY: `configure` ran; the A tiles are blocks `b` (and `b + 1`) of rows
+        // `0..ROWS`, inside `act` (asserted above); `w` as written above; `sums` holds two
+        // 1 KiB halves.
+        unsafe {
+            if two {
+                let (a0, a1) = (quants(b), quants(b + 1));
+                products2(a0, a1, a_stride, w[0], w[1], c, c.add(1024));
+            } else {
+                products1(quants(b), a_stride, w[0], c);
+            }
+        }
+        for (h, &(d, m)) in scales.iter().enumerate().take(1 + two as usize) {
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row `i < ROWS` of block `b + h < nb`: inside `act` (asserted);
+                // sum row `i` of half `h`: 64 bytes inside `sums`, aligned.
+                let (y, s) = unsafe {
+                    (
+                        act.get_unchecked(i * nb + b + h),
+                        _mm512_load_si512(sums.0.as_ptr().add(1024 * h + 64 * i) as *const _),
+                    )
+                };
+                // The VNNI kernel's formula, in its order (`avx512::packed_tile`).
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(y.d));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
+                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(y.s), *acc);
+            }
+        }
+        b += 2;
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's contract: row `i`'s lanes in `mask` are writable.
+        unsafe { _mm512_mask_storeu_ps(out.add(i * stride), mask, *acc) };
+    }
+}
