@@ -91,9 +91,9 @@ unsafe fn amx_rows<const T: u8>(
             // vectors go to rows `0..8` of the two 512-byte halves of `weights`.
             unsafe {
                 if T < 2 || T == 5 {
-                    for h in 0..2 {
+                    for (h, sc) in scales.iter_mut().enumerate() {
                         let jj = j + h;
-                        scales[h] = sub_scales::<T>(t, jj);
+                        *sc = sub_scales::<T>(t, jj);
                         let fifth = if T == 1 {
                             _mm512_loadu_si512(t.add(QH5 + 64 * jj).cast())
                         } else {
