@@ -45,8 +45,9 @@ pub struct ModelConfig {
     /// two compute slightly different KV, so they use different KV namespaces.
     pub weights: String,
     /// Which instruction sets the CPU kernels use: `auto` (default: the best this CPU has),
-    /// `amx` (AVX-512 with AMX tile products for prompts: Intel Xeon since Sapphire Rapids;
-    /// what `auto` picks there), `avx512` (never AMX), `avxvnni` (AVX2 with AVX-VNNI's 256-bit integer dot products, never AVX-512:
+    /// `avx512`, `amx` (AVX-512 with AMX tile products for prompts' rows: Intel Xeon since
+    /// Sapphire Rapids; opt-in, never picked by `auto`: slower than the VNNI kernels where
+    /// measured, same results), `avxvnni` (AVX2 with AVX-VNNI's 256-bit integer dot products, never AVX-512:
     /// Intel's cores since Alder Lake), `avx2` (never AVX-512 or AVX-VNNI: the path of CPUs
     /// without them, measurable on one with them) or `portable` (no SIMD). Products,
     /// attention, RoPE and the KV loader all follow it.

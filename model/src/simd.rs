@@ -4,7 +4,8 @@
 //! Every kernel family picks its fastest path at run time from what the CPU has, limited by
 //! the process's [`KernelPath`] (`model.kernels`): `auto` takes the best the CPU has,
 //! `amx` is the AVX-512 path with AMX tile products for prompts (Intel Xeon since Sapphire
-//! Rapids), `avx512` the AVX-512 path without them, `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
+//! Rapids; opt-in: measured slower than the VNNI kernels so far, docs/BENCHMARKS.md),
+//! `avx512` the AVX-512 path without them, `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
 //! AVX-512 run, can be measured on a machine that has both), `avxvnni` off AVX-512 but with
 //! AVX-VNNI's 256-bit integer dot products (the path of Intel's cores since Alder Lake, which
 //! have no AVX-512), `portable` keeps them on the plain loops the SIMD kernels are tested
@@ -22,7 +23,9 @@ pub enum KernelPath {
     Auto,
     /// AVX-512 (VNNI for the repacked products), with AMX tile products for prompts' rows
     /// (`tdpbsud`, sixteen rows by sixteen per instruction); the CPU must have AMX-INT8 and
-    /// the OS must grant the process the tile state.
+    /// the OS must grant the process the tile state. Never picked by `auto`: on the one AMX
+    /// CPU measured (a 2-vCPU Emerald Rapids VM) the tile kernels ran prompts ~10-15 %
+    /// slower than the VNNI kernels (docs/BENCHMARKS.md); the results are the same bits.
     Amx,
     /// AVX-512 (VNNI for the repacked products), never AMX; the CPU must have it.
     Avx512,
@@ -85,7 +88,6 @@ impl KernelPath {
     /// What `auto` means on this CPU.
     pub fn resolved(self) -> KernelPath {
         match self {
-            KernelPath::Auto if cpu_has_amx() => KernelPath::Amx,
             KernelPath::Auto if cpu_has_avx512() => KernelPath::Avx512,
             KernelPath::Auto if cpu_has_avx_vnni() => KernelPath::AvxVnni,
             KernelPath::Auto if cpu_has_avx2() => KernelPath::Avx2,
@@ -177,18 +179,18 @@ pub(crate) fn allows_avx512() -> bool {
     )
 }
 
-/// Whether the repacked products may multiply sixteen activation rows at a time on AMX's
-/// tile unit: the path is `auto` or `amx` and the CPU has AMX-INT8 with the tile state
-/// granted (the AVX-512 VNNI kernels run everything else).
+/// Whether the repacked products multiply sixteen activation rows at a time on AMX's tile
+/// unit: the path is `amx` (set, so the CPU has AMX-INT8 with the tile state granted; the
+/// AVX-512 VNNI kernels run everything else).
 pub(crate) fn amx() -> bool {
-    matches!(kernel_path(), KernelPath::Auto | KernelPath::Amx) && cpu_has_amx()
+    kernel_path() == KernelPath::Amx && cpu_has_amx()
 }
 
 /// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) beside the AVX-512 kernels'
 /// features, and the tile state granted to this process: Linux enables AMX's 8 KiB of tile
 /// data per thread only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, process-wide, made
 /// once here); elsewhere, or where the request fails, no AMX.
-fn cpu_has_amx() -> bool {
+pub(crate) fn cpu_has_amx() -> bool {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     {
         static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -262,10 +264,8 @@ mod tests {
         assert!(e.contains("avxvnni"), "{e}");
         let auto = KernelPath::Auto.resolved();
         assert!(auto != KernelPath::Auto && auto.supported(), "{auto}");
-        // AMX first, then AVX-512, then AVX-VNNI, then AVX2.
-        if cpu_has_amx() {
-            assert_eq!(auto, KernelPath::Amx);
-        } else if cpu_has_avx512() {
+        // AVX-512 first (AMX only when asked for), then AVX-VNNI, then AVX2.
+        if cpu_has_avx512() {
             assert_eq!(auto, KernelPath::Avx512);
         } else if cpu_has_avx_vnni() {
             assert_eq!(auto, KernelPath::AvxVnni);

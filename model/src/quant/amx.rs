@@ -2,7 +2,8 @@
 //! 32-element types, [`kpacked`](super::kpacked)'s K-quants): the tile configuration every
 //! AMX kernel of the crate shares, and the products, in inline assembly (Rust has no stable
 //! AMX intrinsics; the instructions need no target feature to assemble, only a CPU that has
-//! them: callers run where [`crate::simd::amx`] holds).
+//! them: callers run where [`crate::simd::cpu_has_amx`] holds; the products run on the
+//! `amx` kernel path only, [`crate::simd::amx`]).
 //!
 //! A product is `tdpbsud` (signed A bytes times unsigned B bytes, summed in fours into the
 //! 32-bit lanes of C): A is sixteen activation rows' quants of one 32-element block (read in
@@ -60,8 +61,8 @@ pub(crate) fn configure() {
     CONFIGURED.with(|done| {
         if !done.get() {
             // SAFETY: `CONFIG` is a valid palette-1 configuration (64 bytes, aligned); the
-            // caller runs only where `crate::simd::amx()` holds (the CPU has AMX and the
-            // process was granted the tile state).
+            // caller runs only where `crate::simd::cpu_has_amx()` holds (the CPU has AMX and
+            // the process was granted the tile state).
             unsafe {
                 asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly))
             };

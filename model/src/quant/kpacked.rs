@@ -284,7 +284,7 @@ pub(crate) fn matmul_many(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f32>
 }
 
 /// [`matmul_many`] by the kernels `pick` gives, with every whole sixteen rows on AMX's tile
-/// unit (`use_amx`, only where [`crate::simd::amx`] holds: `amx.rs`).
+/// unit (`use_amx`, only where the CPU has it: `amx.rs`).
 fn matmul_many_with(
     mats: &[Mat<'_>],
     k: usize,
@@ -293,7 +293,7 @@ fn matmul_many_with(
     pick: impl Fn(KKind) -> (TileKernel, usize),
 ) -> Vec<Vec<f32>> {
     assert!(
-        !use_amx || crate::simd::amx(),
+        !use_amx || crate::simd::cpu_has_amx(),
         "AMX products where the CPU runs them"
     );
     let m = x.len() / k;
@@ -320,7 +320,7 @@ fn matmul_many_with(
         for (c, i) in p.rows.clone().step_by(most).enumerate() {
             let rows = i * nb..(i + most).min(p.rows.end) * nb;
             // SAFETY: the kernel is one `kernel` returned for this CPU (or the AMX one where
-            // `crate::simd::amx()` holds, asserted above, for exactly its sixteen rows); `t`
+            // the CPU runs AMX, asserted above, for exactly its sixteen rows); `t`
             // holds the group's `nb` tiles, `act`/`b32` the rows (at most the kernel's);
             // their outputs, `c * most` rows into the pass's, are this call's to write.
             unsafe {
@@ -533,8 +533,8 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn amx_products_are_the_vnni_kernels_bit_for_bit() {
-        if !crate::simd::amx() {
-            eprintln!("skipped: no AMX on this CPU (or not granted, or another kernel path)");
+        if !crate::simd::cpu_has_amx() {
+            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
             return;
         }
         let vnni = |kind| (super::x86::vnni(kind), super::x86::VNNI_ROWS);

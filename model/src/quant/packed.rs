@@ -265,17 +265,18 @@ impl Packed {
         super::packed_avx2::matmul_with(&mats, self.k, x, vnni).remove(0)
     }
 
-    /// [`Packed::matmul`] of a 32-element type by the VNNI kernel alone, never AMX (the
-    /// tests' way to hold the AMX products to it on a CPU that runs both).
+    /// [`Packed::matmul`] of a 32-element type by the VNNI kernel, with every whole sixteen
+    /// rows on AMX's tile unit (`amx`) or none (the tests' way to hold the AMX products to
+    /// the VNNI kernel's on a CPU that runs both, whatever the kernel path).
     #[cfg(all(test, target_arch = "x86_64"))]
-    pub(crate) fn matmul_vnni(&self, x: &[f32]) -> Vec<f32> {
+    pub(crate) fn matmul_vnni(&self, x: &[f32], amx: bool) -> Vec<f32> {
         assert!(Packed::available(), "the VNNI kernels run on this CPU");
         let mats = blocks_of(&[self], &[0], |kind, tiles, n| avx512::Mat {
             kind,
             tiles,
             n,
         });
-        avx512::packed_matmul_with(&mats, self.k, x, false).remove(0)
+        avx512::packed_matmul_with(&mats, self.k, x, amx).remove(0)
     }
 
     fn k_kind(&self) -> KKind {

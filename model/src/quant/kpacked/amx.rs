@@ -1,5 +1,5 @@
 //! AMX tile products over [`super`]'s K-quant tiles for prompts' rows (CPUs with AMX-INT8,
-//! kernel path `auto` or `amx`; the tile unit and its products are
+//! kernel path `amx`; the tile unit and its products are
 //! [`super::super::amx`]'s).
 //!
 //! A sub-block of a tile (32 elements of sixteen rows) decodes, by the VNNI kernel's own
@@ -25,7 +25,7 @@ use super::x86::{
 };
 use super::{TileKernel, QH5};
 
-/// The AMX kernel for `kind` (callers check [`crate::simd::amx`]); it takes exactly
+/// The AMX kernel for `kind` (callers check [`crate::simd::cpu_has_amx`]); it takes exactly
 /// [`ROWS`] activation rows a call.
 pub(super) fn amx(kind: KKind) -> TileKernel {
     match kind_code(kind) {
@@ -39,7 +39,7 @@ pub(super) fn amx(kind: KKind) -> TileKernel {
 }
 
 /// # Safety
-/// [`crate::simd::amx`] holds (and with it the features enabled here); `tiles` holds `nb`
+/// [`crate::simd::cpu_has_amx`] holds (and with it the features enabled here); `tiles` holds `nb`
 /// tiles of type `T`, `act` and `b32` `r` = [`ROWS`] rows of `nb` blocks; `out + i * stride +
 /// l` is writable for `i < r`, `l < lanes ≤ 16`.
 #[allow(clippy::too_many_arguments)]

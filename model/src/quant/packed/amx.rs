@@ -1,6 +1,6 @@
 //! AMX tile products over the repacked 32-element block types ([`super`]) for prompts'
 //! rows: CPUs with AMX-INT8 (Intel Xeon since Sapphire Rapids), where the kernel path is
-//! `auto` or `amx` ([`crate::simd::amx`]).
+//! `amx` ([`crate::simd::amx`]; `auto` keeps to the VNNI kernels, which measured faster).
 //!
 //! A repacked tile's eight quant vectors are already the weight operand AMX multiplies:
 //! vector `i` holds elements `4i..4i + 4` of sixteen rows, four bytes per row, which is a B
@@ -16,7 +16,8 @@
 //! Q8_0 tiles are loaded as they lie in memory; the 4- and 5-bit kinds and IQ4_NL are decoded
 //! to bytes by the VNNI kernel's decoding and stored to a 512-byte buffer the tile is loaded
 //! from. Two blocks are in flight per step: both products are issued before either's sums
-//! are scaled, so the tile unit works while the vector units scale.
+//! are scaled, and the next two blocks are decoded while the tile unit multiplies, so the
+//! tile unit works while the vector units decode and scale.
 //!
 //! The tile registers, their configuration and the products are [`super::super::amx`]'s.
 
@@ -31,7 +32,7 @@ use super::avx512::packed_decode;
 /// results go to `out + i * stride` (lanes in `mask`).
 ///
 /// # Safety
-/// `crate::simd::amx()` holds (with it the AVX-512 features enabled here); `out + i * stride`
+/// `crate::simd::cpu_has_amx()` holds (with it the AVX-512 features enabled here); `out + i * stride`
 /// is writable for the lanes of `mask`, `i < ROWS`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 pub(super) unsafe fn amx_rows<const K: u8>(
@@ -46,19 +47,26 @@ pub(super) unsafe fn amx_rows<const K: u8>(
     assert!(tiles.len() >= nb * tb && act.len() >= ROWS * nb);
     configure();
     let mut acc = [_mm512_setzero_ps(); ROWS];
-    let mut weights = Buf([0u8; 1024]);
-    let mut sums = Buf([0u8; 2048]);
+    // Two pairs of blocks' decoded weights (the next pair is decoded while the tile unit
+    // multiplies this one) and two pairs' sums; written before they are read, so not
+    // zeroed (a memset per call cost ~7 % of a prompt).
+    let mut weights = std::mem::MaybeUninit::<Buf<2048>>::uninit();
+    let mut sums = std::mem::MaybeUninit::<Buf<4096>>::uninit();
+    let (wbuf, c) = (
+        weights.as_mut_ptr().cast::<u8>(),
+        sums.as_mut_ptr().cast::<u8>(),
+    );
     let a_stride = nb * std::mem::size_of::<BlockQ8>();
     // Block `b`'s quants of the first row; the tile's rows follow `a_stride` apart.
     let quants = |b: usize| act[b].qs.as_ptr() as *const u8;
-    let mut b = 0;
-    while b < nb {
-        let two = b + 1 < nb;
+    // Blocks `b` and `b + 1` (where `< nb`) decoded into pair buffer `slot`: each block's
+    // weight rows (B tile) and scales.
+    let decode = |b: usize, slot: usize| {
         let mut scales = [(_mm512_setzero_ps(), _mm512_setzero_ps()); 2];
         let mut w = [std::ptr::null::<u8>(); 2];
-        for h in 0..1 + two as usize {
+        for h in 0..2.min(nb - b) {
             // SAFETY: block `b + h < nb` of the group: a whole tile inside `tiles` (asserted
-            // above); the decoded vectors go to half `h` of `weights` (512 bytes, aligned).
+            // above); the decoded vectors go to 512 bytes of `weights` (aligned).
             unsafe {
                 let t = tiles.as_ptr().add((b + h) * tb);
                 let (v, d, m) = packed_decode::<K>(t);
@@ -67,7 +75,7 @@ pub(super) unsafe fn amx_rows<const K: u8>(
                     // Q8_0: the tile's eight vectors, as they lie.
                     t.add(32)
                 } else {
-                    let dst = weights.0.as_mut_ptr().add(512 * h);
+                    let dst = wbuf.add(1024 * slot + 512 * h);
                     for (i, v) in v.iter().enumerate() {
                         _mm512_store_si512(dst.add(64 * i) as *mut _, *v);
                     }
@@ -75,26 +83,22 @@ pub(super) unsafe fn amx_rows<const K: u8>(
                 };
             }
         }
-        let c = sums.0.as_mut_ptr();
-        // SAFETY: `configure` ran; the A tiles are blocks `b` (and `b + 1`) of rows
-        // `0..ROWS`, inside `act` (asserted above); `w` as written above; `sums` holds two
-        // 1 KiB halves.
-        unsafe {
-            if two {
-                let (a0, a1) = (quants(b), quants(b + 1));
-                products2(a0, a1, a_stride, w[0], w[1], c, c.add(1024));
-            } else {
-                products1(quants(b), a_stride, w[0], c);
-            }
-        }
-        for (h, &(d, m)) in scales.iter().enumerate().take(1 + two as usize) {
+        (scales, w)
+    };
+    // Pair `p`'s sums (half `p % 2` of `sums`) are scaled while the tile unit computes pair
+    // `p + 1`'s: the vector units never wait on a tile store just issued. Blocks are still
+    // scaled in order, so the sums of floats are the VNNI kernel's.
+    let scale_pair = |acc: &mut [__m512; ROWS], b: usize, scales: &[(__m512, __m512); 2]| {
+        let c = c.wrapping_add(2048 * (b / 2 % 2));
+        for (h, &(d, m)) in scales.iter().enumerate().take(2.min(nb - b)) {
             for (i, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: row `i < ROWS` of block `b + h < nb`: inside `act` (asserted);
-                // sum row `i` of half `h`: 64 bytes inside `sums`, aligned.
+                // sum row `i` of block `h` of the pair: 64 bytes of `sums` the tile store
+                // wrote, aligned.
                 let (y, s) = unsafe {
                     (
                         act.get_unchecked(i * nb + b + h),
-                        _mm512_load_si512(sums.0.as_ptr().add(1024 * h + 64 * i) as *const _),
+                        _mm512_load_si512(c.add(1024 * h + 64 * i) as *const _),
                     )
                 };
                 // The VNNI kernel's formula, in its order (`avx512::packed_tile`).
@@ -103,7 +107,34 @@ pub(super) unsafe fn amx_rows<const K: u8>(
                 *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(y.s), *acc);
             }
         }
+    };
+    let mut next = decode(0, 0);
+    let mut pending = None;
+    let mut b = 0;
+    while b < nb {
+        let (scales, w) = next;
+        let c = c.wrapping_add(2048 * (b / 2 % 2));
+        // SAFETY: `configure` ran; the A tiles are blocks `b` (and `b + 1`) of rows
+        // `0..ROWS`, inside `act` (asserted above); `w` as decoded; this pair's half of
+        // `sums` is 2 KiB.
+        unsafe {
+            if b + 1 < nb {
+                let (a0, a1) = (quants(b), quants(b + 1));
+                products2(a0, a1, a_stride, w[0], w[1], c, c.add(1024));
+            } else {
+                products1(quants(b), a_stride, w[0], c);
+            }
+        }
+        if b + 2 < nb {
+            next = decode(b + 2, (b / 2 + 1) % 2);
+        }
+        if let Some((pb, ps)) = pending.replace((b, scales)) {
+            scale_pair(&mut acc, pb, &ps);
+        }
         b += 2;
+    }
+    if let Some((pb, ps)) = pending {
+        scale_pair(&mut acc, pb, &ps);
     }
     for (i, acc) in acc.iter().enumerate() {
         // SAFETY: the caller's contract: row `i`'s lanes in `mask` are writable.

@@ -41,8 +41,8 @@ pub(super) fn packed_matmul(mats: &[Mat<'_>], k: usize, x: &[f32]) -> Vec<Vec<f3
     packed_matmul_with(mats, k, x, crate::simd::amx())
 }
 
-/// [`packed_matmul`], with every whole sixteen rows of `x` on AMX's tile unit (`amx`, where
-/// [`crate::simd::amx`] holds: [`super::amx`]) or all of them on the VNNI kernel.
+/// [`packed_matmul`], with every whole sixteen rows of `x` on AMX's tile unit (`amx`, only
+/// where the CPU has it: [`super::amx`]) or all of them on the VNNI kernel.
 pub(super) fn packed_matmul_with(
     mats: &[Mat<'_>],
     k: usize,
@@ -50,7 +50,10 @@ pub(super) fn packed_matmul_with(
     amx: bool,
 ) -> Vec<Vec<f32>> {
     debug_assert!(avx512_vnni());
-    debug_assert!(!amx || crate::simd::amx());
+    assert!(
+        !amx || crate::simd::cpu_has_amx(),
+        "AMX products where the CPU runs them"
+    );
     let m = x.len() / k;
     let nb = k / QK;
     let act = quantize_blocks(x, k, m);
@@ -83,7 +86,7 @@ pub(super) fn packed_matmul_with(
         let t = &mat.tiles[p.g * nb * tb..(p.g + 1) * nb * tb];
         let mask = ((1u32 << p.lanes) - 1) as u16;
         if amx && p.rows.len() == AMX_ROWS {
-            // SAFETY: `amx` holds only where `crate::simd::amx()` does (asserted above);
+            // SAFETY: `amx` holds only where the CPU runs AMX (asserted above);
             // `t` holds the group's `nb` tiles, `act` the pass's 16 rows of `nb` blocks;
             // the pass's outputs are this call's to write (`tiled_matmul`).
             unsafe {
