@@ -122,6 +122,9 @@ pub(super) fn packed_matmul_with(
     })
 }
 
+/// Tiles ahead of the one being multiplied whose lines are prefetched.
+const PREFETCH_TILES: usize = 6;
+
 /// Activation blocks below which quantizing is not worth a pass over the thread pool (a
 /// block takes ~10 ns: a decode step's eight rows of 576 are 144 blocks).
 const PARALLEL_BLOCKS: usize = 2048;
@@ -235,8 +238,12 @@ unsafe fn packed_tile<const K: u8, const R: usize>(
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
             let t = tiles.as_ptr().add(b * tb);
-            _mm_prefetch::<_MM_HINT_T0>(t.add(2 * tb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(t.add(2 * tb + 64) as *const i8);
+            // Every line of the tile `PREFETCH_TILES` ahead: a decode step streams the
+            // matrix once, and two lines of the tile two ahead (before) left part of each
+            // tile to the hardware prefetcher (docs/BENCHMARKS.md, Emerald Rapids).
+            for l in (0..tb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(PREFETCH_TILES * tb + l) as *const i8);
+            }
             let (v, d, m) = packed_decode::<K>(t);
             for (i, acc) in acc.iter_mut().enumerate() {
                 let y = act.get_unchecked(i * nb + b);
