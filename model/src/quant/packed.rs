@@ -41,6 +41,7 @@ use half::f16;
 
 mod amx;
 mod avx512;
+mod decode;
 
 use super::kpacked;
 use super::kquant::KKind;

@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 
 use super::super::amx::{configure, products1, products2, Buf, ROWS};
 use super::super::BlockQ8;
-use super::avx512::packed_decode;
+use super::decode::packed_decode;
 
 /// One group's tiles (`nb` blocks of 16 weight rows, kind `K` as in `avx512::packed_rows`)
 /// against [`ROWS`] activation rows (`nb` blocks each, row after row in `act`); row `i`'s 16
