@@ -501,45 +501,6 @@ mod tests {
         check(&vals, &x35, n, k);
     }
 
-    /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
-    /// same scaling in the same order), for every kind, an odd and an even number of blocks
-    /// (the last block alone or in a pair), whole tiles of sixteen rows and a tail.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn amx_products_are_the_vnni_kernels_bit_for_bit() {
-        if !crate::simd::cpu_has_amx() {
-            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
-            return;
-        }
-        let mut next = uniform(11);
-        for k in [3 * QK, 4 * QK, 28 * QK] {
-            let n = 37;
-            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
-            let x: Vec<f32> = (0..35 * k).map(|_| next() * 3.0).collect();
-            let kinds = KINDS.iter().map(|&(kind, dtype)| (kind, Some(dtype)));
-            for (kind, dtype) in kinds.chain([(Kind::Iq4Nl, None)]) {
-                let w = match dtype {
-                    Some(dtype) => weights(&vals, n, k, dtype).0,
-                    None => iq4_nl_weights(&vals, n, k).0,
-                };
-                let p = packed::Packed::new(kind, &w, n, k);
-                for rows in [16, 35] {
-                    let x = &x[..rows * k];
-                    let amx = p.matmul_vnni(x, true);
-                    let vnni = p.matmul_vnni(x, false);
-                    assert_eq!(amx.len(), vnni.len());
-                    for (i, (a, v)) in amx.iter().zip(&vnni).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            v.to_bits(),
-                            "{kind:?} k {k} rows {rows} at {i}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
     /// Quants at their largest codes (a block's first element of one sign, the rest of the
     /// other) against activations at ±127: where a kernel's 16-bit partial sums overflow
     /// first.

@@ -5,7 +5,8 @@
 //! the process's [`KernelPath`] (`model.kernels`): `auto` takes the best the CPU has,
 //! `amx` is the AVX-512 path with AMX tile products for prompts (Intel Xeon since Sapphire
 //! Rapids; opt-in: measured slower than the VNNI kernels so far, docs/BENCHMARKS.md),
-//! `avx512` the AVX-512 path without them, `avx2` keeps every kernel off AVX-512 and AVX-VNNI (so the AVX2 path, which CPUs without
+//! `avx512` the AVX-512 path without them, `avx2` keeps every kernel off AVX-512 and
+//! AVX-VNNI (so the AVX2 path, which CPUs without
 //! AVX-512 run, can be measured on a machine that has both), `avxvnni` off AVX-512 but with
 //! AVX-VNNI's 256-bit integer dot products (the path of Intel's cores since Alder Lake, which
 //! have no AVX-512), `portable` keeps them on the plain loops the SIMD kernels are tested

@@ -371,7 +371,7 @@ pub(crate) fn matmul_portable(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{assert_product, uniform, weights};
+    use super::super::test_util::{assert_product, iq4_xs_weights as iq4_xs, uniform, weights};
     use super::*;
     use candle_core::quantized::GgmlDType;
     use proptest::prelude::*;
@@ -449,23 +449,6 @@ mod tests {
         }
     }
 
-    /// `n` rows of `k` in IQ4_XS blocks: codes and 6-bit scales from `next`, each block's
-    /// `d` a random f16 of magnitude up to `spread`; and ggml's values for them.
-    fn iq4_xs(
-        n: usize,
-        k: usize,
-        spread: f32,
-        next: &mut impl FnMut() -> f32,
-    ) -> (Vec<u8>, Vec<f32>) {
-        let bytes = n * k / QK_K * super::super::iq4::XS_BYTES;
-        let mut w: Vec<u8> = (0..bytes).map(|_| ((next() + 1.0) * 128.0) as u8).collect();
-        for b in w.chunks_exact_mut(super::super::iq4::XS_BYTES) {
-            b[..2].copy_from_slice(&f16::from_f32(next() * spread).to_le_bytes());
-        }
-        let wd = super::super::test_util::iq4_xs_reference(&w);
-        (w, wd)
-    }
-
     #[test]
     fn every_kind_and_path_matches_the_dequantized_weights() {
         // 37 rows: two full groups of 16 and a partial one.
@@ -525,52 +508,6 @@ mod tests {
             .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
             .collect();
         check_tiles(KKind::Iq4Xs, &w, &wd, &x, n, k);
-    }
-
-    /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
-    /// same closing of each super-block in the same order), for every kind, one super-block
-    /// and three, whole tiles of sixteen rows and a tail of three.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn amx_products_are_the_vnni_kernels_bit_for_bit() {
-        if !crate::simd::cpu_has_amx() {
-            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
-            return;
-        }
-        let vnni = |kind| (super::x86::vnni(kind), super::x86::VNNI_ROWS);
-        let mut next = uniform(13);
-        for blocks in [1, 3] {
-            let (n, k) = (37, blocks * QK_K);
-            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
-            let x: Vec<f32> = (0..35 * k).map(|_| next() * 3.0).collect();
-            let mut all: Vec<(KKind, Vec<u8>)> = KINDS
-                .iter()
-                .map(|&(kind, dtype)| (kind, pack(kind, &weights(&vals, n, k, dtype).0, n, k)))
-                .collect();
-            let xs = iq4_xs(n, k, 0.05, &mut next).0;
-            all.push((KKind::Iq4Xs, pack(KKind::Iq4Xs, &xs, n, k)));
-            for (kind, tiles) in &all {
-                let mat = Mat {
-                    kind: *kind,
-                    tiles,
-                    n,
-                };
-                for rows in [16, 35] {
-                    let x = &x[..rows * k];
-                    let one = std::slice::from_ref(&mat);
-                    let amx = matmul_many_with(one, k, x, true, vnni).remove(0);
-                    let alone = matmul_many_with(one, k, x, false, vnni).remove(0);
-                    assert_eq!(amx.len(), alone.len());
-                    for (i, (a, v)) in amx.iter().zip(&alone).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            v.to_bits(),
-                            "{kind:?} k {k} rows {rows} at {i}"
-                        );
-                    }
-                }
-            }
-        }
     }
 
     proptest! {

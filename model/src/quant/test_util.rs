@@ -104,3 +104,20 @@ pub(crate) fn assert_product(
         }
     }
 }
+
+/// `n` rows of `k` in IQ4_XS blocks: codes and 6-bit scales from `next`, each block's `d` a
+/// random f16 of magnitude up to `spread`; and ggml's values for them.
+pub(crate) fn iq4_xs_weights(
+    n: usize,
+    k: usize,
+    spread: f32,
+    next: &mut impl FnMut() -> f32,
+) -> (Vec<u8>, Vec<f32>) {
+    let bytes = n * k / super::kquant::QK_K * super::iq4::XS_BYTES;
+    let mut w: Vec<u8> = (0..bytes).map(|_| ((next() + 1.0) * 128.0) as u8).collect();
+    for b in w.chunks_exact_mut(super::iq4::XS_BYTES) {
+        b[..2].copy_from_slice(&half::f16::from_f32(next() * spread).to_le_bytes());
+    }
+    let wd = iq4_xs_reference(&w);
+    (w, wd)
+}

@@ -178,3 +178,64 @@ unsafe fn amx_rows<const T: u8>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::super::super::kquant::{KKind, QK_K};
+    use super::super::super::test_util::{iq4_xs_weights, uniform, weights};
+    use super::super::{matmul_many_with, pack, x86, Mat};
+
+    /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
+    /// same closing of each super-block in the same order), for every kind, one super-block
+    /// and three, whole tiles of sixteen rows and a tail of three.
+    #[test]
+    fn amx_products_are_the_vnni_kernels_bit_for_bit() {
+        if !crate::simd::cpu_has_amx() {
+            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
+            return;
+        }
+        let kinds = [
+            (KKind::Q2K, GgmlDType::Q2K),
+            (KKind::Q3K, GgmlDType::Q3K),
+            (KKind::Q4K, GgmlDType::Q4K),
+            (KKind::Q5K, GgmlDType::Q5K),
+            (KKind::Q6K, GgmlDType::Q6K),
+        ];
+        let vnni = |kind| (x86::vnni(kind), x86::VNNI_ROWS);
+        let mut next = uniform(13);
+        for blocks in [1, 3] {
+            let (n, k) = (37, blocks * QK_K);
+            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let x: Vec<f32> = (0..35 * k).map(|_| next() * 3.0).collect();
+            let mut all: Vec<(KKind, Vec<u8>)> = kinds
+                .iter()
+                .map(|&(kind, dtype)| (kind, pack(kind, &weights(&vals, n, k, dtype).0, n, k)))
+                .collect();
+            let xs = iq4_xs_weights(n, k, 0.05, &mut next).0;
+            all.push((KKind::Iq4Xs, pack(KKind::Iq4Xs, &xs, n, k)));
+            for (kind, tiles) in &all {
+                let mat = Mat {
+                    kind: *kind,
+                    tiles,
+                    n,
+                };
+                for rows in [16, 35] {
+                    let x = &x[..rows * k];
+                    let one = std::slice::from_ref(&mat);
+                    let amx = matmul_many_with(one, k, x, true, vnni).remove(0);
+                    let alone = matmul_many_with(one, k, x, false, vnni).remove(0);
+                    assert_eq!(amx.len(), alone.len());
+                    for (i, (a, v)) in amx.iter().zip(&alone).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            v.to_bits(),
+                            "{kind:?} k {k} rows {rows} at {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

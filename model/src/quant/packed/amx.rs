@@ -141,3 +141,57 @@ pub(super) unsafe fn amx_rows<const K: u8>(
         unsafe { _mm512_mask_storeu_ps(out.add(i * stride), mask, *acc) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::super::super::test_util::{iq4_nl_weights, uniform, weights};
+    use super::super::super::{Kind, QK};
+    use super::super::Packed;
+
+    /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
+    /// same scaling in the same order), for every kind, an odd and an even number of blocks
+    /// (the last block alone or in a pair), whole tiles of sixteen rows and a tail.
+    #[test]
+    fn amx_products_are_the_vnni_kernels_bit_for_bit() {
+        if !crate::simd::cpu_has_amx() {
+            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
+            return;
+        }
+        let kinds = [
+            (Kind::Q4_0, Some(GgmlDType::Q4_0)),
+            (Kind::Q4_1, Some(GgmlDType::Q4_1)),
+            (Kind::Q5_0, Some(GgmlDType::Q5_0)),
+            (Kind::Q5_1, Some(GgmlDType::Q5_1)),
+            (Kind::Q8_0, Some(GgmlDType::Q8_0)),
+            (Kind::Iq4Nl, None),
+        ];
+        let mut next = uniform(11);
+        for k in [3 * QK, 4 * QK, 28 * QK] {
+            let n = 37;
+            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let x: Vec<f32> = (0..35 * k).map(|_| next() * 3.0).collect();
+            for (kind, dtype) in kinds {
+                let w = match dtype {
+                    Some(dtype) => weights(&vals, n, k, dtype).0,
+                    None => iq4_nl_weights(&vals, n, k).0,
+                };
+                let p = Packed::new(kind, &w, n, k);
+                for rows in [16, 35] {
+                    let x = &x[..rows * k];
+                    let amx = p.matmul_vnni(x, true);
+                    let vnni = p.matmul_vnni(x, false);
+                    assert_eq!(amx.len(), vnni.len());
+                    for (i, (a, v)) in amx.iter().zip(&vnni).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            v.to_bits(),
+                            "{kind:?} k {k} rows {rows} at {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
