@@ -121,3 +121,11 @@ pub(crate) fn iq4_xs_weights(
     let wd = iq4_xs_reference(&w);
     (w, wd)
 }
+
+/// Asserts that two kernels' results are the same floats, bit for bit; `what` names the case.
+pub(crate) fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: result size");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what} at {i}: {g} vs {w}");
+    }
+}

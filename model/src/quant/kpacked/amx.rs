@@ -184,7 +184,7 @@ mod tests {
     use candle_core::quantized::GgmlDType;
 
     use super::super::super::kquant::{KKind, QK_K};
-    use super::super::super::test_util::{iq4_xs_weights, uniform, weights};
+    use super::super::super::test_util::{assert_same_bits, iq4_xs_weights, uniform, weights};
     use super::super::{matmul_many_with, pack, x86, Mat};
 
     /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
@@ -226,14 +226,7 @@ mod tests {
                     let one = std::slice::from_ref(&mat);
                     let amx = matmul_many_with(one, k, x, true, vnni).remove(0);
                     let alone = matmul_many_with(one, k, x, false, vnni).remove(0);
-                    assert_eq!(amx.len(), alone.len());
-                    for (i, (a, v)) in amx.iter().zip(&alone).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            v.to_bits(),
-                            "{kind:?} k {k} rows {rows} at {i}"
-                        );
-                    }
+                    assert_same_bits(&amx, &alone, &format!("{kind:?} k {k} rows {rows}"));
                 }
             }
         }

@@ -146,7 +146,7 @@ pub(super) unsafe fn amx_rows<const K: u8>(
 mod tests {
     use candle_core::quantized::GgmlDType;
 
-    use super::super::super::test_util::{iq4_nl_weights, uniform, weights};
+    use super::super::super::test_util::{assert_same_bits, iq4_nl_weights, uniform, weights};
     use super::super::super::{Kind, QK};
     use super::super::Packed;
 
@@ -180,16 +180,8 @@ mod tests {
                 let p = Packed::new(kind, &w, n, k);
                 for rows in [16, 35] {
                     let x = &x[..rows * k];
-                    let amx = p.matmul_vnni(x, true);
-                    let vnni = p.matmul_vnni(x, false);
-                    assert_eq!(amx.len(), vnni.len());
-                    for (i, (a, v)) in amx.iter().zip(&vnni).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            v.to_bits(),
-                            "{kind:?} k {k} rows {rows} at {i}"
-                        );
-                    }
+                    let (amx, vnni) = (p.matmul_vnni(x, true), p.matmul_vnni(x, false));
+                    assert_same_bits(&amx, &vnni, &format!("{kind:?} k {k} rows {rows}"));
                 }
             }
         }
