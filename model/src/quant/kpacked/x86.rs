@@ -350,14 +350,19 @@ pub(super) unsafe fn group_scales<const T: u8>(t: *const u8, j: usize) -> ([__m5
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn group_bits<const T: u8>(t: *const u8, j: usize, h: usize) -> __m512i {
-    let at = match T {
+    let at = group_bits_at(T, j, h);
+    // SAFETY: 64 bytes at `at` lie inside the tile (the caller's contract).
+    unsafe { _mm512_loadu_si512(t.add(at).cast()) }
+}
+
+/// Where [`group_bits`] of sub-block `j`, half `h` lie in a tile of type `t` (2, 3 or 4).
+pub(super) const fn group_bits_at(t: u8, j: usize, h: usize) -> usize {
+    let base = match t {
         2 => HI6,
         3 => LO3,
         _ => LO2,
-    } + 128 * j
-        + 64 * h;
-    // SAFETY: 64 bytes at `at` lie inside the tile (the caller's contract).
-    unsafe { _mm512_loadu_si512(t.add(at).cast()) }
+    };
+    base + 128 * j + 64 * h
 }
 
 /// Vector `4h + p` of sub-block `j` of a Q6_K, Q3_K or Q2_K tile as unsigned quants, from

@@ -4,9 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::super::super::kquant::BlockQ8K;
-use super::{
-    prefetch_part, D, DMIN, HB3, HI6, LO2, LO3, MP, Q45, Q6, QH5, QX, SC, SCP3, SCP6, SM2, SX, TILE,
-};
+use super::{prefetch_part, D, DMIN, HB3, MP, Q45, Q6, QH5, QX, SC, SCP3, SCP6, SM2, SX, TILE};
 
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; otherwise as [`super::vnni_rows`] with `r ≤ 4`.
@@ -285,12 +283,7 @@ unsafe fn tile<const T: u8, const R: usize, const H: usize>(
                             )
                         }
                     });
-                    let at = match T {
-                        2 => HI6,
-                        3 => LO3,
-                        _ => LO2,
-                    } + 128 * j
-                        + 64 * h;
+                    let at = super::group_bits_at(T, j, h);
                     let two: [__m256i; H] = std::array::from_fn(|e| load(at, e));
                     let mut part = [[_mm256_setzero_si256(); H]; R];
                     for p in 0..4 {
