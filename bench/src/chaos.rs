@@ -243,7 +243,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let tmp = tempfile::tempdir().map_err(crate::io("temporary directory"))?;
     let work = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let data = work.join("data");
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let corpus = crate::engine::example_corpus()?;
     let st = ragkv(&data)?
         .args(["ingest", "--progress", "quiet"])
         .arg(&corpus)

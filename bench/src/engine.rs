@@ -257,13 +257,30 @@ pub fn close(engine: Arc<ingest::Engine>) {
 /// 512-token chunks): what the serving benchmarks run against.
 pub fn example(work: &Path, llm: &ModelArgs) -> Result<Arc<ingest::Engine>, Error> {
     let engine = Arc::new(open(work, llm, 512)?);
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let corpus = example_corpus()?;
     ingest(
         &engine,
         ingest::Source::Dir(corpus),
         ingest::Materialize::Eager,
     )?;
     Ok(engine)
+}
+
+/// The repository's example corpus: in the checkout the binary was built from, else
+/// `examples/corpus` under the working directory (a binary copied out of its build tree and
+/// run from a checkout).
+pub fn example_corpus() -> Result<PathBuf, Error> {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    let here = PathBuf::from("examples/corpus");
+    [built.clone(), here]
+        .into_iter()
+        .find(|p| p.is_dir())
+        .ok_or_else(|| {
+            Error::Check(format!(
+                "the example corpus is neither at {} nor at ./examples/corpus: run from the checkout",
+                built.display()
+            ))
+        })
 }
 
 /// Starts `engine`'s serving pipeline with `config` behind the production server loop on a

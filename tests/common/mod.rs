@@ -12,9 +12,19 @@ use serde_json::Value;
 /// The binary under test, built by cargo for these tests.
 pub const BIN: &str = env!("CARGO_BIN_EXE_ragkv");
 
-/// The example corpus of the repository (`examples/corpus`).
+/// The example corpus of the repository (`examples/corpus`). The checkout is the one cargo
+/// runs the tests from (`CARGO_MANIFEST_DIR` at run time), not necessarily the one the test
+/// binary was compiled in: a shared target directory keeps binaries built from another
+/// checkout's path.
 pub fn example_corpus() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/corpus")
+    manifest_dir().join("examples/corpus")
+}
+
+/// The package's directory: cargo's run-time `CARGO_MANIFEST_DIR`, else the compile-time one.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// `ragkv --data-dir DATA`.

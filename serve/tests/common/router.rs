@@ -35,7 +35,11 @@ impl Fixture {
 
 pub fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/corpus");
+    // The run-time manifest directory: the test binary may have been built in another checkout.
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    let corpus = manifest.join("../examples/corpus");
     let engine = super::engine(
         dir.path(),
         ingest::IngestConfig::default(),
