@@ -117,6 +117,53 @@ impl How {
     }
 }
 
+/// Software prefetch of cache rows for the x86 kernels. A decode step reads every cache row
+/// of every layer once (at eight sequences of 1,500 rows, SmolLM2: 155-270 MB), from memory,
+/// in short streams (a task's keys, then its values), which the hardware's prefetchers pick
+/// up late: the kernels ask for each row's lines [`Ahead::BYTES`] ahead of the row they
+/// read. Measured (`attention_step_time`, Emerald Rapids, two threads, three runs each in
+/// turns): a step's attention over f16 caches 28.6 -> 17.6 ms, over q8 21.1 -> 11.5 ms; on
+/// the AVX2 kernel 32.4 -> 27.1 and 25.9 -> 21.1 ms.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Ahead {
+    /// Rows between the one read and the one asked for.
+    rows: usize,
+    /// Bytes of a row.
+    bytes: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead {
+    /// How far ahead, in bytes (4 KiB: 32 f16 rows of 64, 56 q8 rows of 64; 12 rows ahead
+    /// measured slower than 24 or 48, which were alike).
+    const BYTES: usize = 4096;
+
+    fn new(bytes: usize) -> Ahead {
+        Ahead {
+            rows: (Self::BYTES / bytes.max(1)).max(1),
+            bytes,
+        }
+    }
+
+    /// Asks for the lines of the row at `row` (no fault: `prefetcht0` of any address is
+    /// harmless, and the kernels pass rows within their asserted bounds anyway).
+    #[inline(always)]
+    fn fetch(self, row: *const i8) {
+        let mut off = 0;
+        while off < self.bytes {
+            // SAFETY: a prefetch reads nothing architecturally and cannot fault; SSE is
+            // part of x86_64.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    row.wrapping_add(off),
+                )
+            };
+            off += 64;
+        }
+    }
+}
+
 /// Query rows per task: enough work per hand-off, enough tasks to share among threads.
 const ROWS_PER_TASK: usize = 16;
 

@@ -382,3 +382,47 @@ fn every_kernel_matches_the_portable_loops() {
         }
     }
 }
+
+/// Not a check: the time of a SmolLM2-shaped decode step's attention (30 layers, 8
+/// sequences of 1,500 cached rows, 9 heads over 3 KV heads of 64) over f16 and q8 caches,
+/// every layer's cache its own (155-270 MB in all, beyond the L3 as in a real step).
+/// `cargo test --workspace --lib attention_step_time -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn attention_step_time() {
+    let dev = Device::Cpu;
+    let (layers, seqs, t, heads, kv, d) = (30, 8, 1500, 9, 3, 64);
+    let q = Tensor::randn(0f32, 1.0, (1, heads, seqs, d), &dev).unwrap();
+    for name in ["f16", "q8"] {
+        let cache = || {
+            let x = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
+            match name {
+                "f16" => x.to_dtype(DType::F16).unwrap(),
+                _ => crate::kv_q8::quantize(&x).unwrap(),
+            }
+        };
+        let kvs: Vec<Vec<(Tensor, Tensor)>> = (0..layers)
+            .map(|_| (0..seqs).map(|_| (cache(), cache())).collect())
+            .collect();
+        let mut best = f64::MAX;
+        for _ in 0..6 {
+            let start = std::time::Instant::now();
+            for layer in &kvs {
+                let parts: Vec<Seq<'_>> = layer
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (k, v))| Seq {
+                        row: i,
+                        len: 1,
+                        k,
+                        v,
+                        pos: None,
+                    })
+                    .collect();
+                attend(&q, &parts, None, 0.125).unwrap();
+            }
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        println!("{name}: {:.2} ms a step", best * 1e3);
+    }
+}

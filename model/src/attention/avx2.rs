@@ -23,6 +23,7 @@ use crate::kv_q8::BLOCK;
 use crate::simd::x86::hsum256 as hsum;
 
 use super::loops::Kernel;
+use super::Ahead;
 
 /// Cache positions widened together: 32 rows of 128 f32 are 16 KB, half an L1 data cache.
 const CHUNK: usize = 32;
@@ -136,6 +137,8 @@ pub(super) unsafe fn group<T: WidenRow>(
     wide.clear();
     wide.resize(CHUNK * d, 0.0);
     let (pp, wp) = (p.as_mut_ptr(), wide.as_mut_ptr());
+    // Each row's lines asked for a few kilobytes ahead of its widening ([`Ahead`]).
+    let ahead = Ahead::new(T::row_len(d) * std::mem::size_of::<T>());
     // The part of chunk `c0..c0 + m` (positions from `lo`) that row `i` sees.
     let seen = |i: usize, c0: usize, m: usize| {
         let (from, pos) = spans[i];
@@ -145,6 +148,8 @@ pub(super) unsafe fn group<T: WidenRow>(
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
         for r in 0..m {
+            let at = (lo + c0 + r + ahead.rows).min(hi);
+            ahead.fetch(k.as_ptr().wrapping_add(at * ks).cast());
             // SAFETY: position `lo + c0 + r <= hi` is in bounds (asserted); the scratch
             // block holds `CHUNK` rows of `d`.
             unsafe { T::widen_row(k.as_ptr().add((lo + c0 + r) * ks), d, wp.add(r * d)) };
@@ -178,6 +183,8 @@ pub(super) unsafe fn group<T: WidenRow>(
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
         for r in 0..m {
+            let at = (lo + c0 + r + ahead.rows).min(hi);
+            ahead.fetch(v.as_ptr().wrapping_add(at * vs).cast());
             // SAFETY: as for the keys.
             unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
         }

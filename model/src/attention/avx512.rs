@@ -13,6 +13,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::Ahead;
+
 /// Cache elements the kernel reads as f32 lanes.
 pub(super) trait Lanes: Copy {
     /// Elements a row of `d` takes in the cache (more than `d` where scales follow).
@@ -186,6 +188,10 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         let qv: [[__m512; V]; H] =
             std::array::from_fn(|h| load::<f32, V>(q.as_ptr().add(h * 16 * V)));
         let (kp, vp, pp) = (r.k.as_ptr(), r.v.as_ptr(), p.as_mut_ptr());
+        // The rows are read once per step, from memory: each row's lines are asked for a few
+        // kilobytes ahead of its use ([`Ahead`]), never past the task's last row.
+        let bytes = T::row_len(16 * V) * std::mem::size_of::<T>();
+        let (ahead, last) = (Ahead::new(bytes), r.from + n - 1);
         // Two chains of multiply-adds, so that neither waits on the other's latency.
         let dot = |qh: &[__m512; V], kr: &[__m512; V]| {
             let mut acc = [_mm512_mul_ps(qh[0], kr[0]), _mm512_mul_ps(qh[1], kr[1])];
@@ -202,6 +208,8 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         let mut j = 0;
         while j + 16 <= n {
             for k in 0..16 {
+                let at = (r.from + j + k + ahead.rows).min(last);
+                ahead.fetch(kp.wrapping_add(at * r.ks).cast());
                 let kr = load::<T, V>(kp.add((r.from + j + k) * r.ks));
                 for (part, qh) in parts.iter_mut().zip(&qv) {
                     part[k] = dot(qh, &kr);
@@ -227,6 +235,10 @@ unsafe fn heads<T: Lanes, const H: usize, const V: usize>(
         }
         let mut ov = [[_mm512_setzero_ps(); V]; H];
         for j in 0..n {
+            ahead.fetch(
+                vp.wrapping_add((r.from + j + ahead.rows).min(last) * r.vs)
+                    .cast(),
+            );
             let vr = load::<T, V>(vp.add((r.from + j) * r.vs));
             for (h, oh) in ov.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*pp.add(h * n + j));
