@@ -20,7 +20,9 @@
 //! (half the bytes a decode step reads) or q8 (about a quarter), read in place by every
 //! kernel: rows are widened to f32 as they are loaded (by the AVX2 kernel into a scratch
 //! block of 32 rows that stays in L1), q8 codes times their block's scale; f32 queries, on
-//! the CPU; other dtypes and devices take the general path.
+//! the CPU; other dtypes and devices take the general path. The x86 kernels ask for each
+//! row's cache lines a few kilobytes ahead of reading it ([`Ahead`]): a step's cache comes
+//! from memory, not from a cache level.
 
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use half::f16;
