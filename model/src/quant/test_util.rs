@@ -122,6 +122,16 @@ pub(crate) fn iq4_xs_weights(
     (w, wd)
 }
 
+/// Whether the AMX tests have to skip: no AMX on this CPU, or its tile state not granted by
+/// the kernel (said on stderr).
+pub(crate) fn no_amx() -> bool {
+    let missing = !crate::simd::cpu_has_amx();
+    if missing {
+        eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
+    }
+    missing
+}
+
 /// Asserts that two kernels' results are the same floats, bit for bit; `what` names the case.
 pub(crate) fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: result size");

@@ -184,7 +184,9 @@ mod tests {
     use candle_core::quantized::GgmlDType;
 
     use super::super::super::kquant::{KKind, QK_K};
-    use super::super::super::test_util::{assert_same_bits, iq4_xs_weights, uniform, weights};
+    use super::super::super::test_util::{
+        assert_same_bits, iq4_xs_weights, no_amx, uniform, weights,
+    };
     use super::super::{matmul_many_with, pack, x86, Mat};
 
     /// Where AMX runs, its products are the VNNI kernel's bit for bit (same integer sums,
@@ -192,8 +194,7 @@ mod tests {
     /// and three, whole tiles of sixteen rows and a tail of three.
     #[test]
     fn amx_products_are_the_vnni_kernels_bit_for_bit() {
-        if !crate::simd::cpu_has_amx() {
-            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
+        if no_amx() {
             return;
         }
         let kinds = [

@@ -146,7 +146,9 @@ pub(super) unsafe fn amx_rows<const K: u8>(
 mod tests {
     use candle_core::quantized::GgmlDType;
 
-    use super::super::super::test_util::{assert_same_bits, iq4_nl_weights, uniform, weights};
+    use super::super::super::test_util::{
+        assert_same_bits, iq4_nl_weights, no_amx, uniform, weights,
+    };
     use super::super::super::{Kind, QK};
     use super::super::Packed;
 
@@ -155,8 +157,7 @@ mod tests {
     /// (the last block alone or in a pair), whole tiles of sixteen rows and a tail.
     #[test]
     fn amx_products_are_the_vnni_kernels_bit_for_bit() {
-        if !crate::simd::cpu_has_amx() {
-            eprintln!("skipped: no AMX on this CPU (or not granted by the kernel)");
+        if no_amx() {
             return;
         }
         let kinds = [
