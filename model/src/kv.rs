@@ -11,6 +11,7 @@ use crate::error::{Ctx, Error, Result};
 use crate::kv_q8::{self, Q8_CACHE};
 
 mod cache;
+mod planes;
 
 use cache::q8_check;
 pub use cache::KvCache;
@@ -125,9 +126,18 @@ impl Kv {
         let plane = layout.plane_token_bytes() * len;
         let (heads, dim) = (layout.kv_heads as usize, layout.head_dim as usize);
         let dtype = from_schema_dtype(layout.dtype);
-        // One upload of every plane (on CUDA: one pinned host-to-device copy), then a
-        // transposed copy of each plane on the device.
         let layers_n = layout.layers as usize;
+        if device.is_cpu() {
+            let planes = planes::planes(bytes, dtype, (layers_n, len, heads, dim))?;
+            let mut it = planes.into_iter();
+            let mut layers = Vec::with_capacity(layers_n);
+            while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                layers.push((k, v));
+            }
+            return Ok(Kv { layers, len });
+        }
+        // Elsewhere one upload of every plane (on CUDA: one pinned host-to-device copy),
+        // then a transposed copy of each plane on the device.
         let all = crate::upload::upload(bytes, dtype, &[2 * layers_n, len, heads, dim], device)?;
         debug_assert_eq!(plane, len * heads * dim * dtype.size_in_bytes());
         let mut layers = Vec::with_capacity(layers_n);
