@@ -576,6 +576,17 @@ impl Decoder {
         Kv::new(layers)
     }
 
+    /// Layer `layer`'s keys moved by `delta` positions, as [`Decoder::reposition`] moves
+    /// them (a loader turns each layer's as it imports it).
+    pub fn reposition_keys(&self, layer: usize, k: &Tensor, delta: i64) -> Result<Tensor> {
+        let mut turned = self
+            .rope_of(layer)
+            .shift_all(std::slice::from_ref(k), delta)?;
+        turned.pop().ok_or_else(|| Error::Input {
+            why: "rope shift: no keys came back".into(),
+        })
+    }
+
     /// Greedy argmax of logits.
     pub fn argmax(logits: &Tensor) -> Result<u32> {
         logits

@@ -113,6 +113,20 @@ impl Kv {
     /// Builds KV from layer-major bytes. The tensors are created on `device` in the layout's
     /// dtype; convert with [`Kv::to`] if the model computes in another.
     pub fn from_bytes(bytes: &[u8], layout: &KvLayout, device: &Device) -> Result<Kv> {
+        Kv::from_bytes_with(bytes, layout, device, &mut |_, _, t| Ok(t))
+    }
+
+    /// [`Kv::from_bytes`], each layer's keys and values passed through `each(layer, values,
+    /// tensor)` as they are made: on the CPU while each is still in the core's caches (a
+    /// loader re-positions and converts a chunk so in one pass over its bytes, where
+    /// [`Kv::from_bytes`], [`crate::Decoder::reposition`] and [`Kv::to`] make three), on other
+    /// devices after the import.
+    pub fn from_bytes_with(
+        bytes: &[u8],
+        layout: &KvLayout,
+        device: &Device,
+        each: &mut dyn FnMut(usize, bool, Tensor) -> Result<Tensor>,
+    ) -> Result<Kv> {
         let bpt = layout.bytes_per_token();
         if bytes.is_empty() || !bytes.len().is_multiple_of(bpt) {
             return Err(Error::Kv {
@@ -128,7 +142,9 @@ impl Kv {
         let dtype = from_schema_dtype(layout.dtype);
         let layers_n = layout.layers as usize;
         if device.is_cpu() {
-            let planes = planes::planes(bytes, dtype, (layers_n, len, heads, dim))?;
+            let dims = (layers_n, len, heads, dim);
+            let planes =
+                planes::planes(bytes, dtype, dims, &mut |p, t| each(p / 2, p % 2 == 1, t))?;
             let mut it = planes.into_iter();
             let mut layers = Vec::with_capacity(layers_n);
             while let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -149,7 +165,7 @@ impl Kv {
                     .and_then(|t| t.contiguous())
                     .ctx("kv import")
             };
-            layers.push((part(0)?, part(1)?));
+            layers.push((each(l, false, part(0)?)?, each(l, true, part(1)?)?));
         }
         Ok(Kv { layers, len })
     }
@@ -159,15 +175,7 @@ impl Kv {
     /// [`Q8_CACHE`] the rows are quantized for a q8 decoding cache (which takes them as they
     /// are); such a `Kv` only goes into a [`KvCache`].
     pub fn to(&self, device: &Device, dtype: DType) -> Result<Kv> {
-        let conv = |t: &Tensor| -> Result<Tensor> {
-            let t = t.to_device(device).ctx("kv to device")?;
-            if dtype == Q8_CACHE {
-                q8_check(device, t.dim(3).ctx("kv dims")?)?;
-                kv_q8::quantize(&t)
-            } else {
-                t.to_dtype(dtype).ctx("kv to device")
-            }
-        };
+        let conv = |t: &Tensor| Kv::tensor_to(t, device, dtype);
         let layers = self
             .layers
             .iter()
@@ -177,6 +185,17 @@ impl Kv {
             layers,
             len: self.len,
         })
+    }
+
+    /// One of a `Kv`'s key or value tensors as [`Kv::to`] converts it.
+    pub fn tensor_to(t: &Tensor, device: &Device, dtype: DType) -> Result<Tensor> {
+        let t = t.to_device(device).ctx("kv to device")?;
+        if dtype == Q8_CACHE {
+            q8_check(device, t.dim(3).ctx("kv dims")?)?;
+            kv_q8::quantize(&t)
+        } else {
+            t.to_dtype(dtype).ctx("kv to device")
+        }
     }
 
     /// Concatenates KVs along the token axis, in order.

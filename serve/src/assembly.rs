@@ -206,6 +206,20 @@ impl Assembly {
             _ => model.decoder().reposition(&kv, pos as i64),
         }
     }
+
+    /// [`Assembly::place`] of one layer's keys (values stay where they are).
+    pub fn place_keys(
+        self,
+        model: &Model,
+        layer: usize,
+        k: Tensor,
+        pos: usize,
+    ) -> model::Result<Tensor> {
+        match self {
+            Assembly::Naive => Ok(k),
+            _ => model.decoder().reposition_keys(layer, &k, pos as i64),
+        }
+    }
 }
 
 impl std::str::FromStr for Assembly {

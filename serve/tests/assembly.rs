@@ -89,6 +89,45 @@ fn two_chunks(m: &model::Model) -> TwoChunks {
     }
 }
 
+/// A loader's one-pass import (each layer's keys placed and converted as they are made,
+/// `Kv::from_bytes_with`) gives exactly what importing, placing and converting the whole
+/// chunk gives, for f16 and q8 decoding caches.
+#[test]
+fn one_pass_import_equals_import_then_place() {
+    let m = common::model();
+    let c = two_chunks(&m);
+    let dev = m.device();
+    let bytes = c.a0.to_bytes(model::DType::F16).unwrap();
+    let layout = c.a0.layout(model::DType::F16).unwrap();
+    for asm in [Assembly::Naive, Assembly::Reposition] {
+        for dtype in [model::DType::F16, model::Q8_CACHE] {
+            let whole = Kv::from_bytes(&bytes, &layout, dev).unwrap();
+            let want = if dtype == model::Q8_CACHE {
+                asm.place(&m, whole, c.pa).unwrap().to(dev, dtype).unwrap()
+            } else {
+                asm.place(&m, whole.to(dev, dtype).unwrap(), c.pa).unwrap()
+            };
+            let got = Kv::from_bytes_with(&bytes, &layout, dev, &mut |l, values, t| {
+                if values {
+                    return Kv::tensor_to(&t, dev, dtype);
+                }
+                if dtype == model::Q8_CACHE {
+                    let k = asm.place_keys(&m, l, t, c.pa)?;
+                    return Kv::tensor_to(&k, dev, dtype);
+                }
+                asm.place_keys(&m, l, Kv::tensor_to(&t, dev, dtype)?, c.pa)
+            })
+            .unwrap();
+            assert_eq!(got.len(), want.len());
+            for ((gk, gv), (wk, wv)) in got.layers.iter().zip(&want.layers) {
+                assert_eq!((gk.dtype(), gk.dims()), (wk.dtype(), wk.dims()));
+                assert_eq!(max_abs_diff(gk, wk), 0.0, "{asm} {dtype:?}: keys");
+                assert_eq!(max_abs_diff(gv, wv), 0.0, "{asm} {dtype:?}: values");
+            }
+        }
+    }
+}
+
 #[test]
 fn naive_and_reposition_put_chunks_where_they_claim() {
     let m = common::model();

@@ -11,18 +11,23 @@ use half::{bf16, f16};
 
 use crate::error::{Ctx, Error, Result};
 
+/// What becomes of plane `p` (layer `p / 2`, its values if `p` is odd) once it is a tensor.
+pub(super) type Each<'a> = &'a mut dyn FnMut(usize, Tensor) -> Result<Tensor>;
+
 /// The `2 layers` planes of `bytes` (token-major rows of `dim` elements of `dtype`, `heads`
 /// per token, `len` tokens a plane; keys then values of each layer) as head-major tensors
-/// `(1, heads, len, dim)`.
+/// `(1, heads, len, dim)`, each passed through `each` as soon as it is made (while its bytes
+/// are in the core's caches).
 pub(super) fn planes(
     bytes: &[u8],
     dtype: DType,
     (layers, len, heads, dim): (usize, usize, usize, usize),
+    each: Each<'_>,
 ) -> Result<Vec<Tensor>> {
     match dtype {
-        DType::F16 => planes_of::<f16>(bytes, layers, (len, heads, dim)),
-        DType::BF16 => planes_of::<bf16>(bytes, layers, (len, heads, dim)),
-        DType::F32 => planes_of::<f32>(bytes, layers, (len, heads, dim)),
+        DType::F16 => planes_of::<f16>(bytes, layers, (len, heads, dim), each),
+        DType::BF16 => planes_of::<bf16>(bytes, layers, (len, heads, dim), each),
+        DType::F32 => planes_of::<f32>(bytes, layers, (len, heads, dim), each),
         other => Err(Error::Kv {
             why: format!("stored KV of {other:?}"),
         }),
@@ -33,6 +38,7 @@ fn planes_of<T: WithDType>(
     bytes: &[u8],
     layers: usize,
     (len, heads, dim): (usize, usize, usize),
+    each: Each<'_>,
 ) -> Result<Vec<Tensor>> {
     let n = len * heads * dim;
     let row = dim * std::mem::size_of::<T>();
@@ -46,7 +52,7 @@ fn planes_of<T: WithDType>(
         });
     }
     let mut out = Vec::with_capacity(2 * layers);
-    for plane in bytes.chunks_exact(n * std::mem::size_of::<T>()) {
+    for (p, plane) in bytes.chunks_exact(n * std::mem::size_of::<T>()).enumerate() {
         let mut v: Vec<T> = Vec::with_capacity(n);
         let dst = v.as_mut_ptr().cast::<u8>();
         for h in 0..heads {
@@ -62,7 +68,8 @@ fn planes_of<T: WithDType>(
         // SAFETY: the loops wrote every row `(h, t)` of the `heads × len` rows of `dim`
         // elements, all `n` of them; any bit pattern is an f16, bf16 or f32.
         unsafe { v.set_len(n) };
-        out.push(Tensor::from_vec(v, (1, heads, len, dim), &Device::Cpu).ctx("kv import")?);
+        let t = Tensor::from_vec(v, (1, heads, len, dim), &Device::Cpu).ctx("kv import")?;
+        out.push(each(p, t)?);
     }
     Ok(out)
 }

@@ -142,8 +142,37 @@ pub(crate) fn import(
     pos: usize,
     dtype: DType,
 ) -> model::Result<Kv> {
-    let kv = Kv::from_bytes(bytes, &corpus.layout(), corpus.model().device())?;
+    let (model, layout) = (&corpus.model(), corpus.layout());
+    if model.device().is_cpu() {
+        // Each layer's keys and values placed and converted as they are imported, while
+        // they are in the core's caches: one pass over the chunk instead of three.
+        let each =
+            &mut |l: usize, values: bool, t| place_one(model, assembly, (l, values), t, pos, dtype);
+        return Kv::from_bytes_with(bytes, &layout, model.device(), each);
+    }
+    let kv = Kv::from_bytes(bytes, &layout, model.device())?;
     place(corpus, kv, assembly, pos, dtype)
+}
+
+/// [`place`] of one layer's keys or values (`values`), on the CPU.
+fn place_one(
+    model: &model::Model,
+    assembly: Assembly,
+    (layer, values): (usize, bool),
+    t: model::Tensor,
+    pos: usize,
+    dtype: DType,
+) -> model::Result<model::Tensor> {
+    let device = model.device();
+    if values {
+        return Kv::tensor_to(&t, device, dtype);
+    }
+    if dtype == model::Q8_CACHE {
+        let k = assembly.place_keys(model, layer, t, pos)?;
+        return Kv::tensor_to(&k, device, dtype);
+    }
+    let k = Kv::tensor_to(&t, device, dtype)?;
+    assembly.place_keys(model, layer, k, pos)
 }
 
 /// A chunk's imported KV (the store's dtype, positions `0..n`, on the model's device) in
@@ -313,15 +342,17 @@ fn load_one(
             m.kv_bytes_loaded
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
             let t = Instant::now();
-            let imported =
+            let keep = own && resident.enabled();
+            let imported = if keep {
+                // The tier keeps the chunk as imported, before it is placed.
                 Kv::from_bytes(buf, &corpus.layout(), corpus.model().device()).and_then(|kv| {
-                    let kept = (own && resident.enabled()).then(|| kv.clone());
-                    let placed = place(corpus, kv, assembly, pos, dtype)?;
-                    if let Some(kept) = kept {
-                        resident.insert(ns, tokens, kept, buf.len(), removals);
-                    }
+                    let placed = place(corpus, kv.clone(), assembly, pos, dtype)?;
+                    resident.insert(ns, tokens, kv, buf.len(), removals);
                     Ok(placed)
-                });
+                })
+            } else {
+                import(corpus, buf, assembly, pos, dtype)
+            };
             match imported {
                 Ok(kv) => out.kv = Some(kv),
                 Err(e) if e.is_kv_mismatch() => {
