@@ -105,8 +105,27 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn apply(x: &mut [f32], b: usize, forward: bool) {
         assert!(b.is_power_of_two() && (32..=256).contains(&b) && x.len().is_multiple_of(b));
-        let v = b / 8;
-        let signs: [__m256; 32] = std::array::from_fn(|c| {
+        // SAFETY: AVX2 (the caller's contract); `b` is 32, 64, 128 or 256 (asserted), so
+        // each instance's blocks are `8 V` elements of `x`, a whole number of them.
+        unsafe {
+            match b / 8 {
+                4 => blocks::<4>(x, forward),
+                8 => blocks::<8>(x, forward),
+                16 => blocks::<16>(x, forward),
+                _ => blocks::<32>(x, forward),
+            }
+        }
+    }
+
+    /// [`apply`] for blocks of `V` vectors: a block's vectors held in registers through
+    /// every butterfly (a dynamic count kept them in memory, a load and a store per
+    /// butterfly and a bounds check per index).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `x` is a whole number of blocks of `8 V` elements.
+    #[target_feature(enable = "avx2")]
+    unsafe fn blocks<const V: usize>(x: &mut [f32], forward: bool) {
+        let signs: [__m256; V] = std::array::from_fn(|c| {
             let bits: [u32; 8] = std::array::from_fn(|l| {
                 if super::negative(8 * c + l) {
                     1 << 31
@@ -117,27 +136,27 @@ mod x86 {
             // SAFETY: eight u32 in `bits`.
             _mm256_castsi256_ps(unsafe { _mm256_loadu_si256(bits.as_ptr().cast()) })
         });
-        let norm = _mm256_set1_ps(1.0 / (b as f32).sqrt());
-        for blk in x.chunks_exact_mut(b) {
+        let norm = _mm256_set1_ps(1.0 / ((8 * V) as f32).sqrt());
+        for blk in x.chunks_exact_mut(8 * V) {
             let p = blk.as_mut_ptr();
-            let mut r = [_mm256_setzero_ps(); 32];
-            for (c, r) in r[..v].iter_mut().enumerate() {
-                // SAFETY: vector `c < b / 8` of the block.
-                *r = unsafe { _mm256_loadu_ps(p.add(8 * c)) };
+            let mut r: [__m256; V] = std::array::from_fn(|c| {
+                // SAFETY: vector `c < V` of the block.
+                let mut r = unsafe { _mm256_loadu_ps(p.add(8 * c)) };
                 if forward {
-                    *r = _mm256_xor_ps(*r, signs[c]);
+                    r = _mm256_xor_ps(r, signs[c]);
                 }
                 // Spans 1, 2 and 4: each lane with its partner, sums low, differences high.
-                let s = _mm256_permute_ps::<0b10_11_00_01>(*r);
-                *r = _mm256_blend_ps::<0b1010_1010>(_mm256_add_ps(*r, s), _mm256_sub_ps(s, *r));
-                let s = _mm256_permute_ps::<0b01_00_11_10>(*r);
-                *r = _mm256_blend_ps::<0b1100_1100>(_mm256_add_ps(*r, s), _mm256_sub_ps(s, *r));
-                let s = _mm256_permute2f128_ps::<1>(*r, *r);
-                *r = _mm256_blend_ps::<0b1111_0000>(_mm256_add_ps(*r, s), _mm256_sub_ps(s, *r));
-            }
+                let s = _mm256_permute_ps::<0b10_11_00_01>(r);
+                r = _mm256_blend_ps::<0b1010_1010>(_mm256_add_ps(r, s), _mm256_sub_ps(s, r));
+                let s = _mm256_permute_ps::<0b01_00_11_10>(r);
+                r = _mm256_blend_ps::<0b1100_1100>(_mm256_add_ps(r, s), _mm256_sub_ps(s, r));
+                let s = _mm256_permute2f128_ps::<1>(r, r);
+                _mm256_blend_ps::<0b1111_0000>(_mm256_add_ps(r, s), _mm256_sub_ps(s, r))
+            });
+            // Spans of whole vectors: 1, 2, 4, ... up to `V / 2`.
             let mut h = 1;
-            while h < v {
-                for i in (0..v).step_by(2 * h) {
+            while h < V {
+                for i in (0..V).step_by(2 * h) {
                     for j in i..i + h {
                         let (a, c) = (r[j], r[j + h]);
                         r[j] = _mm256_add_ps(a, c);
@@ -146,7 +165,7 @@ mod x86 {
                 }
                 h *= 2;
             }
-            for (c, r) in r[..v].iter_mut().enumerate() {
+            for (c, r) in r.iter_mut().enumerate() {
                 *r = _mm256_mul_ps(*r, norm);
                 if !forward {
                     *r = _mm256_xor_ps(*r, signs[c]);
