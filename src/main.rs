@@ -33,8 +33,8 @@ enum Command {
     /// to a running server.
     Gc,
     /// Prefill again the chunks whose KV is missing (evicted, deleted, lost), corrupt, or stale
-    /// (stored under another model's namespace, or, with `ingest.context = "neighbours:N"` or
-    /// `"prompt+neighbours:N"`, prefilled after neighbours that changed). Idempotent; hands
+    /// (stored under another model's namespace, or, with `ingest.context = "neighbours:N"`,
+    /// `"prompt+neighbours:N"` or `"[prompt+]mean:N"`, prefilled after neighbours that changed). Idempotent; hands
     /// the work to a running server, so it is safe from cron.
     Rematerialize(RematArgs),
     /// Read and verify every stored KV block, and check the vector index against the KV

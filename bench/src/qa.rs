@@ -18,10 +18,10 @@
 //!   distributions. Hundreds of decisions per run instead of one per question: what the
 //!   strategies are steered by.
 //!
-//! With `--context neighbours:N` (or `prompt`, `prompt+neighbours:N`), every strategy answers
-//! from chunk KV materialized after the chunk's neighbours (or the prompt's start;
-//! `ingest.context`; [`context`]), and `naive` on KV materialized alone (`naive@context:none`)
-//! is the gap's baseline.
+//! With `--context neighbours:N` (or `prompt`, `prompt+neighbours:N`, `[prompt+]mean:N`),
+//! every strategy answers from chunk KV materialized after the chunk's neighbours (or the
+//! prompt's start; `ingest.context`; [`context`]), and `naive` on KV materialized alone
+//! (`naive@context:none`) is the gap's baseline.
 //!
 //! `naive` (stored KV as it is: the gap to close) and the serve default (`link:2`) run whatever
 //! strategies are named; every line reports `gap_closed`, the share of naive's gap to full
@@ -132,7 +132,8 @@ pub struct Args {
     #[arg(long, value_parser = codec::parse_codec)]
     pub codec: Option<kvstore::Codec>,
     /// Materialize chunk KV after each chunk's neighbours and/or the prompt's start
-    /// (`ingest.context`: `none`, `prompt`, `neighbours:N`, `prompt+neighbours:N`); the
+    /// (`ingest.context`: `none`, `prompt`, `neighbours:N`, `prompt+neighbours:N`, `mean:N`,
+    /// `prompt+mean:N`); the
     /// strategies answer from it, `naive` from plain KV is the baseline.
     #[arg(long, default_value = "none")]
     pub context: ingest::Context,
@@ -194,7 +195,7 @@ pub struct QaLine {
     /// `ingest.chunk_preamble` of the run.
     pub chunk_preamble: String,
     /// `ingest.context` of the KV this line's answers came from (`none`, `prompt`,
-    /// `neighbours:N`, `prompt+neighbours:N`).
+    /// `neighbours:N`, `prompt+neighbours:N`, `mean:N`, `prompt+mean:N`).
     pub context: String,
     /// With `--codec`: the codec the strategy's answers were read through (its F1, agreement
     /// and TTFT above are those answers'), and against the same strategy on f16 stored KV:

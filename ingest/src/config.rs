@@ -51,6 +51,15 @@ pub const DEFAULT_SYSTEM_PROMPT: &str = "Answer the question using the context. 
 /// prefill computes it. `prompt+neighbours:N` puts the neighbours between that start and the
 /// chunk. The start's KV is computed once; each chunk costs the attention over it (1.1× the
 /// plain ingest prefill measured with SmolLM2), nothing at query time.
+///
+/// `mean:N` (and `prompt+mean:N`) prefills a chunk after each of its `N` nearest neighbours
+/// alone, once per neighbour (in one batched pass), and stores the element-wise mean of the
+/// chunk's rows over those contexts (keys rotated back to `0..n` before they are averaged:
+/// RoPE is linear, so the mean of rotated keys is the rotated mean). At query time a chunk
+/// follows whichever chunks retrieval put before it, not one known neighbour: the mean is
+/// an estimate of its rows' expectation over such contexts. Costs `2N` times the plain
+/// prefill at ingest (each pass the chunk and one neighbour); same bytes and note as
+/// `neighbours:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Context {
     /// Each chunk alone at positions `0..n`.
@@ -62,6 +71,10 @@ pub enum Context {
     Prompt,
     /// After the RAG prompt's start and then its `N` most similar chunks (`1..=8`).
     PromptNeighbours(u8),
+    /// The mean of its rows after each of its `N` most similar chunks alone (`1..=8`).
+    Mean(u8),
+    /// [`Context::Mean`], each context after the RAG prompt's start.
+    PromptMean(u8),
 }
 
 impl Context {
@@ -69,13 +82,25 @@ impl Context {
     pub fn neighbours(self) -> usize {
         match self {
             Context::None | Context::Prompt => 0,
-            Context::Neighbours(n) | Context::PromptNeighbours(n) => usize::from(n),
+            Context::Neighbours(n)
+            | Context::PromptNeighbours(n)
+            | Context::Mean(n)
+            | Context::PromptMean(n) => usize::from(n),
         }
     }
 
     /// Whether each chunk is prefilled after the RAG prompt's start.
     pub fn prompt(self) -> bool {
-        matches!(self, Context::Prompt | Context::PromptNeighbours(_))
+        matches!(
+            self,
+            Context::Prompt | Context::PromptNeighbours(_) | Context::PromptMean(_)
+        )
+    }
+
+    /// Whether the stored rows are the mean over one context per neighbour (`mean:N`), not
+    /// one prefill after all of them.
+    pub fn averaged(self) -> bool {
+        matches!(self, Context::Mean(_) | Context::PromptMean(_))
     }
 }
 
@@ -86,6 +111,8 @@ impl std::fmt::Display for Context {
             Context::Neighbours(n) => write!(f, "neighbours:{n}"),
             Context::Prompt => f.write_str("prompt"),
             Context::PromptNeighbours(n) => write!(f, "prompt+neighbours:{n}"),
+            Context::Mean(n) => write!(f, "mean:{n}"),
+            Context::PromptMean(n) => write!(f, "prompt+mean:{n}"),
         }
     }
 }
@@ -95,8 +122,8 @@ impl std::str::FromStr for Context {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let bad = || {
             format!(
-                "{s:?} (expected none, prompt, neighbours:N or prompt+neighbours:N with N in \
-                 1..=8)"
+                "{s:?} (expected none, prompt, neighbours:N, mean:N, prompt+neighbours:N or \
+                 prompt+mean:N with N in 1..=8)"
             )
         };
         let (prompt, rest) = match s.strip_prefix("prompt") {
@@ -104,18 +131,19 @@ impl std::str::FromStr for Context {
             Some(rest) => (true, rest.strip_prefix('+').ok_or_else(bad)?),
             None => (false, s),
         };
-        let n = match rest.split_once(':') {
+        let (mean, n) = match rest.split_once(':') {
             None if rest == "none" && !prompt => return Ok(Context::None),
-            Some(("neighbours" | "neighbors", n)) => match n.parse::<u8>() {
-                Ok(n @ 1..=8) => n,
+            Some((kind @ ("neighbours" | "neighbors" | "mean"), n)) => match n.parse::<u8>() {
+                Ok(n @ 1..=8) => (kind == "mean", n),
                 _ => return Err(bad()),
             },
             _ => return Err(bad()),
         };
-        Ok(if prompt {
-            Context::PromptNeighbours(n)
-        } else {
-            Context::Neighbours(n)
+        Ok(match (prompt, mean) {
+            (true, false) => Context::PromptNeighbours(n),
+            (false, false) => Context::Neighbours(n),
+            (true, true) => Context::PromptMean(n),
+            (false, true) => Context::Mean(n),
         })
     }
 }
@@ -219,7 +247,7 @@ impl IngestConfig {
                 what: "ingest.context_passage",
                 why: format!(
                     "set, but ingest.context = \"{}\" places nothing before chunks (use \
-                     \"prompt\" or \"prompt+neighbours:N\")",
+                     \"prompt\", \"prompt+neighbours:N\" or \"prompt+mean:N\")",
                     self.context
                 ),
             });
@@ -339,10 +367,26 @@ mod tests {
         for (s, c) in [
             ("prompt", Context::Prompt),
             ("prompt+neighbours:2", Context::PromptNeighbours(2)),
+            ("prompt+mean:3", Context::PromptMean(3)),
         ] {
             assert_eq!(s.parse::<Context>().unwrap(), c);
             assert_eq!(c.to_string(), s);
             assert!(c.prompt());
+        }
+        assert_eq!("mean:2".parse::<Context>().unwrap(), Context::Mean(2));
+        assert_eq!(Context::Mean(2).to_string(), "mean:2");
+        assert!(Context::Mean(2).averaged() && Context::PromptMean(1).averaged());
+        assert!(!Context::PromptNeighbours(2).averaged() && !Context::Prompt.averaged());
+        assert_eq!(Context::PromptMean(3).neighbours(), 3);
+        assert!(!Context::Mean(1).prompt());
+        for bad in [
+            "mean:0",
+            "mean:9",
+            "mean",
+            "prompt+mean",
+            "meanneighbours:1",
+        ] {
+            assert!(bad.parse::<Context>().is_err(), "{bad}");
         }
         assert_eq!(Context::PromptNeighbours(2).neighbours(), 2);
         assert_eq!(Context::Prompt.neighbours(), 0);

@@ -1,7 +1,8 @@
 //! Neighbour materialization (`ingest.context = "neighbours:N"`, [`crate::Context`]): a chunk
 //! prefilled after the `N` chunks of the corpus most similar to it, only its own rows stored;
 //! under `prompt` (and `prompt+neighbours:N`) after the RAG prompt's start (and then its
-//! neighbours).
+//! neighbours); under `mean:N` (`prompt+mean:N`) after each neighbour alone, its rows the mean
+//! over those contexts.
 //!
 //! The neighbours are the vector index's nearest points to the chunk's embedding, the chunk
 //! itself (and any chunk with the same tokens) left out, in order of decreasing similarity;
@@ -42,8 +43,9 @@ pub struct ChunkKv {
     pub bytes: Vec<u8>,
     /// The note to record with it (`None` under `context = "none"`).
     pub note: Option<Vec<u8>>,
-    /// Tokens prefilled before the chunk's own as its context (not stored): its neighbours'
-    /// (the prompt's start is prefilled once per corpus).
+    /// Tokens prefilled beside the chunk's own for its context (not stored): its neighbours'
+    /// (the prompt's start is prefilled once per corpus), and under `mean:N` the chunk's
+    /// own again in each context after the first.
     pub context_tokens: usize,
 }
 
@@ -148,12 +150,37 @@ impl Corpus {
             .collect()
     }
 
+    /// KV of `tokens` prefilled after each of `context` alone (all in one batched pass, each
+    /// after the prompt's start under `prompt+mean:N`): the mean of the chunk's rows over those
+    /// contexts, keys rotated back to `0..n` before they are averaged, in the stored layout.
+    pub fn prefill_after_each(&self, context: &[Vec<u32>], tokens: &[u32]) -> Result<Vec<u8>> {
+        let alls: Vec<Vec<u32>> = context.iter().map(|c| [c, tokens].concat()).collect();
+        let kvs = match &self.prompt_kv {
+            Some(start) => {
+                let rests: Vec<&[u32]> = alls.iter().map(Vec::as_slice).collect();
+                self.continue_start(start, &rests)?
+            }
+            None => alls
+                .iter()
+                .map(|all| Ok(self.model.decoder().prefill(all, 0)?.0))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let own = kvs
+            .iter()
+            .map(|kv| self.own_kv(kv, kv.len() - tokens.len(), tokens.len()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(model::Kv::mean(&own)?.to_bytes(self.kv_dtype)?)
+    }
+
     /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`, in the stored layout.
     fn own_rows(&self, kv: &model::Kv, offset: usize, n: usize) -> Result<Vec<u8>> {
-        let decoder = self.model.decoder();
+        Ok(self.own_kv(kv, offset, n)?.to_bytes(self.kv_dtype)?)
+    }
+
+    /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`.
+    fn own_kv(&self, kv: &model::Kv, offset: usize, n: usize) -> Result<model::Kv> {
         let own = kv.narrow(offset, n)?;
-        let own = decoder.reposition(&own, -(offset as i64))?;
-        Ok(own.to_bytes(self.kv_dtype)?)
+        Ok(self.model.decoder().reposition(&own, -(offset as i64))?)
     }
 
     /// The KV of chunk `tokens` (embedded as `vector`) as this corpus stores it: alone, after
@@ -164,10 +191,18 @@ impl Corpus {
             let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
             encode_note(&digests)
         });
+        let mut context_tokens: usize = context.iter().map(Vec::len).sum();
+        let bytes = if self.config.context.averaged() && !context.is_empty() {
+            // The chunk itself once more per context beyond the first.
+            context_tokens += (context.len() - 1) * tokens.len();
+            self.prefill_after_each(&context, tokens)?
+        } else {
+            self.prefill_after(&context, tokens)?
+        };
         Ok(ChunkKv {
-            bytes: self.prefill_after(&context, tokens)?,
+            bytes,
             note,
-            context_tokens: context.iter().map(Vec::len).sum(),
+            context_tokens,
         })
     }
 

@@ -18,7 +18,8 @@ use crate::source::CONTENT_HASH_LEN;
 /// `chunk_preamble` set, the template is `chunk-preamble-v1:` and a hash of the preamble; with
 /// `ingest.context = "neighbours:N"`, `+neighbours:N` follows; with `prompt`, `+prompt:` and a
 /// hash of the tokens before every chunk (the prompt's start and `ingest.context_passage`),
-/// then `+neighbours:N` under `prompt+neighbours:N`.
+/// then `+neighbours:N` under `prompt+neighbours:N` (`+mean:N` under `mean:N` and
+/// `prompt+mean:N`).
 pub const CHUNK_TEMPLATE: &str = "chunk-raw-v1";
 
 /// KV-store document id of version `hash` of document `doc`.
@@ -108,7 +109,12 @@ impl Corpus {
             prompt_kv = Some(model.decoder().prefill(&start, 0)?.0);
         }
         if config.context.neighbours() > 0 {
-            template = format!("{template}+neighbours:{}", config.context.neighbours());
+            let kind = if config.context.averaged() {
+                "mean"
+            } else {
+                "neighbours"
+            };
+            template = format!("{template}+{kind}:{}", config.context.neighbours());
         }
         let mut fp = model.fingerprint(&config.chunker().id(), &template)?;
         fp.layout.dtype = model::kv_schema_dtype(kv_dtype)?;

@@ -51,8 +51,9 @@ pub struct Report {
     pub chunks_prefilled: usize,
     /// Tokens prefilled now.
     pub tokens_prefilled: usize,
-    /// Tokens prefilled before those as their neighbours' context (`ingest.context`;
-    /// computed, not stored): the extra cost of neighbour materialization.
+    /// Tokens prefilled beside those as their context (`ingest.context`: the neighbours, and
+    /// under `mean:N` the chunk again in each context after the first; computed, not
+    /// stored): the extra cost of neighbour materialization.
     #[serde(default)]
     pub context_tokens_prefilled: usize,
     /// KV bytes appended to the tensor log.
@@ -98,7 +99,7 @@ impl Report {
             self.tokens_prefilled,
             match self.context_tokens_prefilled {
                 0 => String::new(),
-                n => format!(", after {n} tokens of neighbours"),
+                n => format!(", after {n} tokens of context"),
             },
             self.kv_bytes as f64 / (1u64 << 20) as f64,
             self.elapsed_s,

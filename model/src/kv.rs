@@ -215,6 +215,39 @@ impl Kv {
         Kv::new(layers)
     }
 
+    /// The element-wise mean of `parts` (all of the same shape: the same tokens' KV computed
+    /// in different contexts), summed in f32 and returned in the first part's dtype.
+    pub fn mean(parts: &[Kv]) -> Result<Kv> {
+        let first = parts.first().ok_or(Error::Kv {
+            why: "no KV to average".into(),
+        })?;
+        if let Some(p) = parts.iter().find(|p| p.layers.len() != first.layers.len()) {
+            return Err(Error::Kv {
+                why: format!(
+                    "averaging KV of {} and {} layers",
+                    first.layers.len(),
+                    p.layers.len()
+                ),
+            });
+        }
+        let scale = 1.0 / parts.len() as f64;
+        let mean = |pick: &dyn Fn(&Kv) -> &Tensor| -> Result<Tensor> {
+            let dtype = pick(first).dtype();
+            let mut sum = pick(first).to_dtype(DType::F32).ctx("kv mean")?;
+            for p in &parts[1..] {
+                let t = pick(p).to_dtype(DType::F32).ctx("kv mean")?;
+                sum = sum.add(&t).ctx("kv mean")?;
+            }
+            sum.affine(scale, 0.0)
+                .and_then(|t| t.to_dtype(dtype))
+                .ctx("kv mean")
+        };
+        let layers = (0..first.layers.len())
+            .map(|l| Ok((mean(&|p| &p.layers[l].0)?, mean(&|p| &p.layers[l].1)?)))
+            .collect::<Result<_>>()?;
+        Kv::new(layers)
+    }
+
     /// The first `n` tokens.
     pub fn prefix(&self, n: usize) -> Result<Kv> {
         self.narrow(0, n)
@@ -391,6 +424,57 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The mean of parts is each element's mean, in the first part's dtype; parts of other
+    /// shapes, or none, are refused.
+    #[test]
+    fn the_mean_averages_every_element_of_every_layer() {
+        let parts = [kv(6, 0.0), kv(6, 1.3), kv(6, 2.1)];
+        let mean = Kv::mean(&parts).unwrap();
+        assert_eq!(mean.len(), 6);
+        for l in 0..3 {
+            for side in 0..2 {
+                let pick = |k: &Kv| {
+                    let t = if side == 0 {
+                        &k.layers[l].0
+                    } else {
+                        &k.layers[l].1
+                    };
+                    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                };
+                let got = pick(&mean);
+                let each: Vec<Vec<f32>> = parts.iter().map(pick).collect();
+                for (i, g) in got.iter().enumerate() {
+                    let want = each.iter().map(|e| e[i]).sum::<f32>() / 3.0;
+                    assert!((g - want).abs() < 1e-6, "layer {l} side {side} element {i}");
+                }
+            }
+        }
+        let one = Kv::mean(&parts[1..2]).unwrap();
+        assert_eq!(
+            crate::test_util::max_diff(&one.layers[2].1, &parts[1].layers[2].1),
+            0.0
+        );
+        let half = Kv::new(
+            parts[0]
+                .layers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_dtype(DType::F16).unwrap(),
+                        v.to_dtype(DType::F16).unwrap(),
+                    )
+                })
+                .collect(),
+        )
+        .unwrap();
+        let mixed = Kv::mean(&[half, parts[1].clone()]).unwrap();
+        assert_eq!(mixed.layers[0].0.dtype(), DType::F16);
+        assert!(Kv::mean(&[kv(6, 0.0), kv(5, 0.0)]).is_err());
+        let fewer = Kv::new(parts[0].layers[..2].to_vec()).unwrap();
+        assert!(Kv::mean(&[parts[0].clone(), fewer]).is_err());
+        assert!(Kv::mean(&[]).is_err());
     }
 
     /// Bytes that are not whole tokens of the layout are a mismatch (stored KV that errs so

@@ -301,3 +301,78 @@ fn a_chunk_stored_after_the_prompt_start_is_what_full_prefill_computes_first() {
         assert!(dk < 5e-3 && dv < 2e-3, "grouped vs alone: {dk} {dv}");
     }
 }
+
+#[test]
+fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |context: &str| ingest::IngestConfig {
+        context: context.parse().unwrap(),
+        system_prompt: "Be brief.".into(),
+        ..ingest::IngestConfig::default()
+    };
+    let engine = common::engine(
+        dir.path(),
+        config("prompt+mean:2"),
+        common::docs(DOCS),
+        DOCS.len(),
+    );
+    let corpus = engine.corpus();
+    let joint = common::open_corpus(
+        &dir.path().join("joint"),
+        config("prompt+neighbours:2"),
+        model::DType::F16,
+        common::model(),
+        kvstore::StoreOptions::default(),
+    );
+    assert_ne!(
+        corpus.namespace(),
+        joint.namespace(),
+        "the mode names the namespace"
+    );
+    // The first documents found fewer neighbours than two when they were ingested.
+    let r = remat(&engine);
+    assert!(r.neighbours_changed >= 1, "{r:?}");
+    assert_eq!(remat(&engine).planned, 0);
+
+    let tokens = corpus.chunk_tokens(DOCS[0].1).unwrap();
+    let vector = corpus.embedder().embed_one(DOCS[0].1).unwrap();
+    let context = corpus.neighbours(&tokens, &vector).unwrap();
+    assert_eq!(context.len(), 2);
+    let note = corpus.store().note(corpus.namespace(), &tokens).unwrap();
+    let named = ingest::decode_note(&note.unwrap()).unwrap();
+    let digests: Vec<_> = context.iter().map(|c| schema::TokenDigest::of(c)).collect();
+    assert_eq!(named, digests, "the note names both neighbours");
+
+    // The stored rows are the mean of the chunk's rows prefilled after the prompt's start and
+    // each neighbour alone, every one moved back to 0..n first (within f16 rounding).
+    let m = corpus.model();
+    let start = m
+        .prompt_tokens(&m.rag_prompt().unwrap().prefix("Be brief."))
+        .unwrap();
+    let each: Vec<Kv> = context
+        .iter()
+        .map(|c| {
+            let before = [&start[..], c].concat();
+            let rows = rows_after(m, &before, &tokens);
+            m.decoder()
+                .reposition(&rows, -(before.len() as i64))
+                .unwrap()
+        })
+        .collect();
+    let kv = stored(corpus, &tokens);
+    assert_eq!(kv.len(), tokens.len());
+    let (dk, dv) = relative_diff(&kv, &Kv::mean(&each).unwrap());
+    // Each context alone gives other rows; the mean sits between them.
+    let (_, apart) = relative_diff(&each[0], &each[1]);
+    let (_, from_first) = relative_diff(&kv, &each[0]);
+    eprintln!(
+        "stored vs the mean (relative): keys {dk:e}, values {dv:e}; the two contexts' values \
+         {apart:e} apart, the stored {from_first:e} from the first"
+    );
+    assert!(dk < 5e-3 && dv < 2e-3, "{dk} {dv}");
+    assert!(apart > 0.02, "{apart}");
+    assert!(
+        from_first > apart / 4.0 && from_first < apart,
+        "{from_first} {apart}"
+    );
+}
