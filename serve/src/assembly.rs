@@ -62,7 +62,9 @@
 //! `reposition`'s TTFT, `link:32` 49 % at 4.5×, `link:64` 54 % (F1 within full prefill's
 //! interval) at ~7.8× on two CPU cores, where each recomputed token costs a question token's
 //! compute; a second neighbour (`prompt+neighbours:2`) adds nothing measurable (`link:2` 39 %,
-//! `link:8` 45 %); `ragkv bench ttft --strategy` times a strategy's cost on any device.
+//! `link:8` 45 %). Each chunk's rows averaged over its two nearest neighbours' contexts
+//! (`prompt+mean:2`) lift `link:2` to 43 % (31 % for `prompt+neighbours:1` on the same index)
+//! at the same TTFT; `ragkv bench ttft --strategy` times a strategy's cost on any device.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
