@@ -14,6 +14,13 @@ pub(crate) struct HotBlock {
     pub bytes: Vec<u8>,
 }
 
+impl HotBlock {
+    /// Whether this entry is block `b` of a sequence stored in `layout`.
+    pub fn holds(&self, b: &crate::key::BlockRef, layout: &schema::KvLayout) -> bool {
+        self.digest == b.digest && self.layout == *layout && self.tokens == b.tokens()
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct HotTier {
     capacity: usize,

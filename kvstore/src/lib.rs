@@ -111,6 +111,8 @@ pub struct Stats {
     /// Of `bytes_read`, those a read-ahead thread fetched while the reader decoded (encoded
     /// runs the page cache did not hold whole).
     pub bytes_read_ahead: u64,
+    /// Record bytes announced to the kernel ahead of their read ([`Store::prefetch`]).
+    pub bytes_prefetched: u64,
     /// Segments retired by the merger.
     pub merges: u64,
     /// Bytes the merger copied into new segments.

@@ -1,7 +1,8 @@
 //! The in-memory lookup tiers in front of the index (presence filter, location cache) and the
 //! read paths (small runs through a buffer, large runs read into place, large runs of encoded
-//! records decoded piece by piece as a read-ahead thread fetches them): every answer must be the index's, through puts,
-//! deletes, merges, namespace drops, filter rebuilds, reopens and concurrent writers.
+//! records decoded piece by piece as a read-ahead thread fetches them) and the announce ahead
+//! of a read (`prefetch`): every answer must be the index's, through puts, deletes, merges,
+//! namespace drops, filter rebuilds, reopens and concurrent writers.
 
 mod common;
 
@@ -152,6 +153,56 @@ fn large_runs_of_quantized_records_read_back_as_their_blocks_decode() {
         }
         assert_eq!(store.stats().corrupt, 0);
     }
+}
+
+#[test]
+fn prefetch_announces_what_the_read_then_reads_and_nothing_it_would_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), small_options());
+    let l = layout();
+    store.register_namespace(NS, l, Codec::None).unwrap();
+    // Two sequences written apart (another in between), so one spans several runs.
+    let (a, b, c) = (tokens(1, 200), tokens(2, 90), tokens(3, 300));
+    put(&store, NS, l, &a, Some("a"));
+    put(&store, NS, l, &b, Some("b"));
+    put(&store, NS, l, &c, Some("c"));
+    let cold = drop_cached_pages(dir.path());
+    for t in [&a, &b, &c] {
+        let s0 = store.stats();
+        let announced = store.prefetch(NS, t).unwrap();
+        assert!(announced as usize > l.bytes_for(t.len()), "{announced}");
+        assert_eq!(
+            store.stats().bytes_prefetched - s0.bytes_prefetched,
+            announced
+        );
+        // The read that follows fetches exactly the announced records, and reads them right.
+        let mut buf = Vec::new();
+        store.get_batch_into(NS, t, t.len(), &mut buf).unwrap();
+        assert_eq!(store.stats().bytes_read - s0.bytes_read, announced);
+        assert!(buf == kv_for(&l, t), "cold={cold}");
+    }
+    // Nothing to announce: a sequence not stored whole, an unknown namespace, a deleted one.
+    let mut longer = a.clone();
+    longer.extend(tokens(4, 40));
+    assert_eq!(store.prefetch(NS, &longer).unwrap(), 0);
+    assert_eq!(store.prefetch(NS, &tokens(5, 64)).unwrap(), 0);
+    assert_eq!(store.prefetch(NamespaceId([99; 16]), &a).unwrap(), 0);
+    store.delete_document("b").unwrap();
+    assert_eq!(store.prefetch(NS, &b).unwrap(), 0);
+    assert_eq!(store.prefetch(NS, &[]).unwrap(), 0);
+
+    // Blocks the hot tier serves are not announced: they are not read from disk.
+    let dir = tempfile::tempdir().unwrap();
+    let hot = kvstore::StoreOptions {
+        hot_tier_bytes: 64 << 20,
+        ..small_options()
+    };
+    let store = open(dir.path(), hot);
+    store.register_namespace(NS, l, Codec::None).unwrap();
+    put(&store, NS, l, &a, None);
+    assert!(store.prefetch(NS, &a).unwrap() > 0);
+    store.get_batch(NS, &a, a.len()).unwrap();
+    assert_eq!(store.prefetch(NS, &a).unwrap(), 0);
 }
 
 /// Writes back and drops from the page cache every file under `dir`; false where the file

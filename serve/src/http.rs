@@ -129,6 +129,7 @@ async fn stats(State(state): State<AppState>) -> ApiResult<Json<Value>> {
                "refused_writes": s.refused_writes, "bytes_written": s.bytes_written,
                "bytes_written_direct": s.bytes_written_direct,
                "bytes_read": s.bytes_read, "bytes_read_ahead": s.bytes_read_ahead,
+               "bytes_prefetched": s.bytes_prefetched,
                "presence_filter": {"keys": s.presence.keys, "capacity": s.presence.capacity,
                                    "stale": s.presence.stale, "bytes": s.presence.bytes},
                "location_cache": {"entries": s.location_cache.entries,

@@ -123,6 +123,17 @@ impl Resident {
         self.budget
     }
 
+    /// Whether the chunk is here (counting nothing, touching nothing): a chunk that is needs
+    /// no read announced.
+    pub fn holds(&self, ns: NamespaceId, tokens: &[u32]) -> bool {
+        self.enabled()
+            && self
+                .inner
+                .lock()
+                .lru
+                .contains_key(&Key(ns, tokens.to_vec()))
+    }
+
     /// The chunk's imported KV if it is here and nothing has left the store since it was
     /// read (`removals`: the store's count now); an older entry is dropped.
     pub fn get(&self, ns: NamespaceId, tokens: &[u32], removals: u64) -> Option<Kv> {

@@ -6,13 +6,17 @@ use super::*;
 /// Read bandwidth in GB/s: ragkv's `get_batch` and a plain read of the same segment files.
 pub(super) struct Bandwidth {
     pub ours_cold: f64,
+    /// Cold, each next chunk announced (`Store::prefetch`) before the current one is read,
+    /// as the serving loader reads a query's chunks.
+    pub ours_cold_announced: f64,
     pub plain_cold: f64,
     pub ours_warm: f64,
     pub plain_warm: f64,
 }
 
 /// Cold and warm read bandwidth: `get_batch_into` (one reused buffer) over every stored chunk,
-/// in write order, vs a plain sequential read of the segment files (1 MiB reads); the median of
+/// in write order (cold: also with each next chunk announced first, as the serving loader
+/// does), vs a plain sequential read of the segment files (1 MiB reads); the median of
 /// three alternating runs each. Figures are KV bytes delivered per second for ours (which
 /// excludes record headers, so it slightly understates ours), file bytes per second for the
 /// plain read.
@@ -29,10 +33,16 @@ pub(super) fn bandwidth(
         Ok(())
     };
     let mut out = Vec::new();
-    let mut ours = || -> Result<f64, Error> {
+    let mut ours = |announce: bool| -> Result<f64, Error> {
         let t = Instant::now();
         let mut bytes = 0usize;
-        for toks in chunks {
+        if announce && !chunks.is_empty() {
+            store.prefetch(ns, &chunks[0])?;
+        }
+        for (i, toks) in chunks.iter().enumerate() {
+            if let Some(next) = chunks.get(i + 1).filter(|_| announce) {
+                store.prefetch(ns, next)?;
+            }
             store.get_batch_into(ns, toks, toks.len(), &mut out)?;
             bytes += out.len();
             std::hint::black_box(&out);
@@ -60,25 +70,31 @@ pub(super) fn bandwidth(
     };
     // The disk of a shared VM is noisy: alternate the two readers and take medians.
     const REPS: usize = 3;
-    let (mut oc, mut pc, mut ow, mut pw) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut oc, mut oa, mut pc) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ow, mut pw) = (Vec::new(), Vec::new());
     for _ in 0..REPS {
         drop_all()?;
-        oc.push(ours()?);
+        oc.push(ours(false)?);
+        drop_all()?;
+        oa.push(ours(true)?);
         drop_all()?;
         pc.push(plain()?);
     }
     plain()?; // warm everything
     for _ in 0..REPS {
-        ow.push(ours()?);
+        ow.push(ours(false)?);
         pw.push(plain()?);
     }
     let median = |mut v: Vec<f64>| {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    eprintln!("  cold GB/s ours {oc:.2?} plain {pc:.2?}; warm ours {ow:.2?} plain {pw:.2?}");
+    eprintln!(
+        "  cold GB/s ours {oc:.2?} announced {oa:.2?} plain {pc:.2?}; warm ours {ow:.2?} plain {pw:.2?}"
+    );
     Ok(Bandwidth {
         ours_cold: median(oc),
+        ours_cold_announced: median(oa),
         plain_cold: median(pc),
         ours_warm: median(ow),
         plain_warm: median(pw),

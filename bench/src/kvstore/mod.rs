@@ -545,6 +545,16 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         )
         .bar(0.8),
     );
+    lines.push(
+        Line::higher(
+            "kvstore.read_bandwidth_cold_announced",
+            bw.ours_cold_announced,
+            bw.plain_cold,
+            "GB/s",
+            plain,
+        )
+        .bar(0.8),
+    );
     lines.push(Line::higher(
         "kvstore.read_bandwidth_warm",
         bw.ours_warm,

@@ -29,6 +29,7 @@
 mod delete;
 mod evict;
 mod inner;
+mod locate;
 mod log;
 mod merger;
 mod namespaces;
@@ -243,6 +244,17 @@ impl Store {
         out: &mut Vec<u8>,
     ) -> Result<KvLayout> {
         self.inner.get_batch_into(ns, tokens, up_to, out, true)
+    }
+
+    /// Announces the stored records of the whole sequence `tokens` in `ns` to the kernel, so
+    /// that the disk fetches them while the caller does other work: a reader that knows what
+    /// it reads next (a query's next chunk) calls this before reading the current one, and
+    /// keeps two sequences' reads in flight on one thread. Returns the bytes announced.
+    /// Advisory: a sequence that is not stored whole, or whose entries do not check out,
+    /// announces nothing (its read reports why); blocks the hot tier serves are left out. Only
+    /// an index or I/O failure is an error.
+    pub fn prefetch(&self, ns: NamespaceId, tokens: &[u32]) -> Result<u64> {
+        self.inner.prefetch(ns, tokens)
     }
 
     /// [`Store::get_batch_into`] for maintenance (verification, re-materialization scans): the

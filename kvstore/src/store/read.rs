@@ -20,11 +20,9 @@ use schema::{Codec, KvLayout, Location, NamespaceId};
 
 use super::inner::{bump, now_ms, Inner};
 use super::planes::{gather, scatter};
-use super::verify::entry_in_bounds;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::hot::HotBlock;
-use crate::index::Family;
 use crate::key::{self, BlockRef};
 use crate::locations::BlockId;
 use crate::record::{self, RECORD_HEADER_LEN, RECORD_TRAILER_LEN};
@@ -175,9 +173,7 @@ impl Inner {
         let mut pending = Vec::with_capacity(blocks.len());
         for (i, b) in blocks.iter().enumerate() {
             match self.hot.get(&b.key) {
-                Some(h)
-                    if h.digest == b.digest && h.layout == *layout && h.tokens == b.tokens() =>
-                {
+                Some(h) if h.holds(b, layout) => {
                     scatter(out, total, &h.bytes, b.start, b.tokens(), layout);
                     bump(&self.counters.hot_hits, 1);
                 }
@@ -187,63 +183,7 @@ impl Inner {
         if pending.is_empty() {
             return Ok(());
         }
-        // Locations: from the location cache, the rest with one batched index lookup.
-        let id = |i: usize| BlockId {
-            ns,
-            digest: blocks[i].digest,
-        };
-        let mut cached: Vec<Option<Location>> = pending
-            .iter()
-            .map(|&i| self.locations.get(&id(i)))
-            .collect();
-        let missing: Vec<usize> = (0..pending.len())
-            .filter(|&k| cached[k].is_none())
-            .collect();
-        if !missing.is_empty() {
-            let ticket = self.locations.ticket();
-            let keys: Vec<&[u8]> = missing
-                .iter()
-                .map(|&k| blocks[pending[k]].key.as_slice())
-                .collect();
-            // A sequence's block keys are strictly increasing (each extends the one before).
-            self.index
-                .multi_get(Family::Kv, &keys, true, "get_batch", |m, v| {
-                    let k = missing[m];
-                    let i = pending[k];
-                    // `missing` is in block order and earlier blocks were found: this is the
-                    // first absent one.
-                    let Some(v) = v.map_err(Retry::Fail)? else {
-                        return Err(Retry::Fail(Error::Miss {
-                            requested: total,
-                            cached: blocks[i].start,
-                        }));
-                    };
-                    let loc = Location::decode(v)
-                        .map_err(|e| Retry::Fail(Error::schema("location")(e)))?;
-                    if loc.digest == blocks[i].digest {
-                        self.locations.fill(ticket, id(i), loc);
-                    }
-                    cached[k] = Some(loc);
-                    Ok(())
-                })?;
-        }
-        let mut locs = Vec::with_capacity(pending.len());
-        for (&i, loc) in pending.iter().zip(cached) {
-            let b = &blocks[i];
-            let loc = loc.expect("every location found above");
-            if loc.digest != b.digest
-                || loc.tokens as usize != b.tokens()
-                || loc.layout != *layout
-                || !entry_in_bounds(&loc, b.key.len())
-            {
-                return Err(Retry::Fail(Error::Corrupt {
-                    segment: loc.segment,
-                    offset: loc.offset,
-                    what: "index entry does not match the requested tokens or layout".into(),
-                }));
-            }
-            locs.push(loc);
-        }
+        let locs = self.locate(ns, blocks, &pending, total, layout)?;
         // Runs of records that are adjacent in one segment: one read each.
         let mut r = 0;
         while r < pending.len() {

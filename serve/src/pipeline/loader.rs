@@ -253,7 +253,18 @@ pub(crate) fn read_chunks(
     }
     let stored = query.kv == KvMode::On && assembly.uses_stored_kv();
     let loads = if stored {
+        // Each thread's first chunk announced now, and every chunk `threads` places ahead of
+        // the one a thread starts: the disk fetches the next chunk while this one is read,
+        // verified and imported.
+        let ahead = fanout.threads().min(placed.len());
+        let announce_at = |i: usize| {
+            if let Some((_, _, tokens)) = placed.get(i) {
+                announce(src, tokens);
+            }
+        };
+        (0..ahead).for_each(announce_at);
         fanout.run(placed.len(), |i, buf| {
+            announce_at(i + ahead);
             load_one(src, (assembly, dtype), &placed[i], buf)
         })
     } else {
@@ -292,6 +303,18 @@ pub(crate) fn read_chunks(
         fetch_remote(corpus, m, assembly, dtype, &mut chunks, fanout.buf());
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
+}
+
+/// Tells the store that a chunk's KV is read soon ([`kvstore::Store::prefetch`]), unless
+/// the resident tier holds it. Advisory: a failure costs only the head start.
+fn announce(src: &Source<'_>, tokens: &[u32]) {
+    let ns = src.corpus.namespace();
+    if src.resident.holds(ns, tokens) {
+        return;
+    }
+    if let Err(e) = src.corpus.store().prefetch(ns, tokens) {
+        tracing::debug!(error = %e, "announcing a chunk's KV read failed");
+    }
 }
 
 /// One chunk's stored KV, as [`read_chunks`] loads it.
