@@ -157,31 +157,44 @@ fn large_runs_of_quantized_records_read_back_as_their_blocks_decode() {
 
 #[test]
 fn prefetch_announces_what_the_read_then_reads_and_nothing_it_would_not() {
+    // 4 KiB of KV per token: 200 tokens are an 800 KiB run (announced); 16 tokens a 64 KiB
+    // one, left to the kernel's readahead.
+    let l = KvLayout {
+        layers: 4,
+        kv_heads: 4,
+        head_dim: 64,
+        dtype: DType::F16,
+    };
+    let opts = kvstore::StoreOptions {
+        segment_bytes: 64 << 20,
+        ..small_options()
+    };
     let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path(), small_options());
-    let l = layout();
+    let store = open(dir.path(), opts.clone());
     store.register_namespace(NS, l, Codec::None).unwrap();
-    // Two sequences written apart (another in between), so one spans several runs.
+    // Three sequences, each its own run of records.
     let (a, b, c) = (tokens(1, 200), tokens(2, 90), tokens(3, 300));
-    put(&store, NS, l, &a, Some("a"));
-    put(&store, NS, l, &b, Some("b"));
-    put(&store, NS, l, &c, Some("c"));
+    let small = tokens(6, 16);
+    for (t, doc) in [(&a, "a"), (&b, "b"), (&c, "c"), (&small, "small")] {
+        put(&store, NS, l, t, Some(doc));
+    }
     let cold = drop_cached_pages(dir.path());
     for t in [&a, &b, &c] {
         let s0 = store.stats();
         let announced = store.prefetch(NS, t).unwrap();
         assert!(announced as usize > l.bytes_for(t.len()), "{announced}");
-        assert_eq!(
-            store.stats().bytes_prefetched - s0.bytes_prefetched,
-            announced
-        );
+        let s1 = store.stats();
+        assert_eq!(s1.bytes_prefetched - s0.bytes_prefetched, announced);
         // The read that follows fetches exactly the announced records, and reads them right.
         let mut buf = Vec::new();
         store.get_batch_into(NS, t, t.len(), &mut buf).unwrap();
-        assert_eq!(store.stats().bytes_read - s0.bytes_read, announced);
+        assert_eq!(store.stats().bytes_read - s1.bytes_read, announced);
         assert!(buf == kv_for(&l, t), "cold={cold}");
     }
-    // Nothing to announce: a sequence not stored whole, an unknown namespace, a deleted one.
+    // Nothing to announce: a small run, a sequence not stored whole, an unknown namespace, a
+    // deleted one.
+    assert_eq!(store.prefetch(NS, &small).unwrap(), 0);
+    assert!(store.get_batch(NS, &small, small.len()).unwrap().bytes == kv_for(&l, &small));
     let mut longer = a.clone();
     longer.extend(tokens(4, 40));
     assert_eq!(store.prefetch(NS, &longer).unwrap(), 0);
@@ -195,7 +208,7 @@ fn prefetch_announces_what_the_read_then_reads_and_nothing_it_would_not() {
     let dir = tempfile::tempdir().unwrap();
     let hot = kvstore::StoreOptions {
         hot_tier_bytes: 64 << 20,
-        ..small_options()
+        ..opts
     };
     let store = open(dir.path(), hot);
     store.register_namespace(NS, l, Codec::None).unwrap();

@@ -6,8 +6,8 @@ use super::*;
 /// Read bandwidth in GB/s: ragkv's `get_batch` and a plain read of the same segment files.
 pub(super) struct Bandwidth {
     pub ours_cold: f64,
-    /// Cold, each next chunk announced (`Store::prefetch`) before the current one is read,
-    /// as the serving loader reads a query's chunks.
+    /// Cold, each next chunk announced (`Store::prefetch`) once the one before is read, as the
+    /// serving loader does before it imports a chunk.
     pub ours_cold_announced: f64,
     pub plain_cold: f64,
     pub ours_warm: f64,
@@ -15,8 +15,8 @@ pub(super) struct Bandwidth {
 }
 
 /// Cold and warm read bandwidth: `get_batch_into` (one reused buffer) over every stored chunk,
-/// in write order (cold: also with each next chunk announced first, as the serving loader
-/// does), vs a plain sequential read of the segment files (1 MiB reads); the median of
+/// in write order (cold: also with each next chunk announced once the one before is read, as
+/// the serving loader does), vs a plain sequential read of the segment files (1 MiB reads); the median of
 /// three alternating runs each. Figures are KV bytes delivered per second for ours (which
 /// excludes record headers, so it slightly understates ours), file bytes per second for the
 /// plain read.
@@ -36,14 +36,11 @@ pub(super) fn bandwidth(
     let mut ours = |announce: bool| -> Result<f64, Error> {
         let t = Instant::now();
         let mut bytes = 0usize;
-        if announce && !chunks.is_empty() {
-            store.prefetch(ns, &chunks[0])?;
-        }
         for (i, toks) in chunks.iter().enumerate() {
+            store.get_batch_into(ns, toks, toks.len(), &mut out)?;
             if let Some(next) = chunks.get(i + 1).filter(|_| announce) {
                 store.prefetch(ns, next)?;
             }
-            store.get_batch_into(ns, toks, toks.len(), &mut out)?;
             bytes += out.len();
             std::hint::black_box(&out);
         }

@@ -3,17 +3,22 @@
 //! they are read (`prefetch`).
 //!
 //! A cold read of one chunk waits on the disk for its whole length: `get_batch` announces a
-//! run (`POSIX_FADV_WILLNEED`) just before it reads it, so the disk idles while the caller
-//! verifies, decodes and imports what came in, and only one chunk's requests are ever queued.
-//! A caller that knows what it reads next (the serving loader: a query's chunks, in order)
-//! announces the next chunk before it reads the current one, which keeps two chunks in flight
-//! on one thread. What the announce costs is the lookups (kept in the location cache for the
-//! read that follows) and the advisory call itself, which queues the reads and returns.
+//! large run (`POSIX_FADV_WILLNEED`) just before it reads it, so the disk idles while the
+//! caller then works on what came in. A caller that knows what it reads next (the serving
+//! loader: a query's chunks) announces it once the current read is done and before its own
+//! work on the bytes (the loader's import), so that the disk fetches the next chunk meanwhile.
+//! What was measured (docs/BENCHMARKS.md, "The cold read"): announced *before* the current
+//! read, the next chunk shares the disk with the read that is waited for, and chunks come
+//! slower (1.16 against 1.44 GB/s); and small runs (up to the read path's small-run size) are
+//! better left to the kernel's own sequential readahead, which an announce replaces by one
+//! synchronous request per run (a third of the speed on 32 KB chunks), so they are not
+//! announced. The announce costs the lookups (kept in the location cache for the read that
+//! follows) and the advisory call, which queues the reads and returns.
 
 use schema::{KvLayout, Location, NamespaceId};
 
 use super::inner::{bump, Inner};
-use super::read::Retry;
+use super::read::{Retry, SMALL_RUN_BYTES};
 use super::verify::entry_in_bounds;
 use crate::error::{Error, Result};
 use crate::index::Family;
@@ -93,7 +98,8 @@ impl Inner {
     }
 
     /// Announces the records of `tokens` (the whole sequence) in `ns` to the kernel, one
-    /// advisory call per run of adjacent records; returns the bytes announced. Advisory: a
+    /// advisory call per run of adjacent records larger than a small run; returns the bytes
+    /// announced. Advisory: a
     /// sequence that is not stored whole, a namespace that does not exist or an entry that
     /// does not check out announces nothing (the read reports it), and blocks the hot tier
     /// serves are left out.
@@ -125,10 +131,13 @@ impl Inner {
         let mut announced = 0u64;
         for run in runs(&locs) {
             let first = &locs[run.start];
+            let len: u64 = locs[run].iter().map(|l| l.length as u64).sum();
+            if len <= SMALL_RUN_BYTES as u64 {
+                continue; // left to the kernel's own readahead (see the module doc)
+            }
             let Some(seg) = self.segments.read().get(&first.segment).cloned() else {
                 continue; // retired since: the read asks the index again
             };
-            let len: u64 = locs[run].iter().map(|l| l.length as u64).sum();
             seg.will_need(first.offset, len as usize);
             announced += len;
         }

@@ -248,11 +248,11 @@ impl Store {
 
     /// Announces the stored records of the whole sequence `tokens` in `ns` to the kernel, so
     /// that the disk fetches them while the caller does other work: a reader that knows what
-    /// it reads next (a query's next chunk) calls this before reading the current one, and
-    /// keeps two sequences' reads in flight on one thread. Returns the bytes announced.
-    /// Advisory: a sequence that is not stored whole, or whose entries do not check out,
-    /// announces nothing (its read reports why); blocks the hot tier serves are left out. Only
-    /// an index or I/O failure is an error.
+    /// it reads next (a query's next chunk) calls this after reading the current one and
+    /// before working on its bytes. Returns the bytes announced. Advisory: a sequence that is
+    /// not stored whole, or whose entries do not check out, announces nothing (its read
+    /// reports why); blocks the hot tier serves, and runs small enough for the kernel's own
+    /// readahead (256 KiB), are left out. Only an index or I/O failure is an error.
     pub fn prefetch(&self, ns: NamespaceId, tokens: &[u32]) -> Result<u64> {
         self.inner.prefetch(ns, tokens)
     }

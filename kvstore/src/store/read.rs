@@ -32,7 +32,7 @@ use crate::segment::{self, Segment};
 const MAX_RUN_BYTES: usize = 64 << 20;
 /// Runs up to this size are read whole into a buffer and copied into place
 /// ([`Inner::read_small_run`]); larger ones are read into place ([`Inner::read_large_run`]).
-const SMALL_RUN_BYTES: usize = 256 << 10;
+pub(super) const SMALL_RUN_BYTES: usize = 256 << 10;
 
 impl Inner {
     pub(super) fn probe(&self, ns: NamespaceId, tokens: &[u32]) -> Result<usize> {
