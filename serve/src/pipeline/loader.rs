@@ -311,6 +311,9 @@ fn announce(src: &Source<'_>, tokens: &[u32]) {
     }
 }
 
+/// A chunk to load: its prompt position, its hit and its tokens.
+type Placed = (usize, Hit, Vec<u32>);
+
 /// One chunk's stored KV, as [`read_chunks`] loads it.
 #[derive(Default)]
 struct ChunkLoad {
@@ -330,7 +333,7 @@ struct ChunkLoad {
 fn load_one(
     src: &Source<'_>,
     (assembly, dtype): (Assembly, DType),
-    ((pos, hit, tokens), next): (&(usize, Hit, Vec<u32>), Option<&[u32]>),
+    ((pos, hit, tokens), next): (&Placed, Option<&[u32]>),
     buf: &mut Vec<u8>,
 ) -> ChunkLoad {
     let (corpus, m, resident) = (src.corpus, src.metrics, src.resident);
