@@ -10,9 +10,9 @@
 //! What was measured (docs/BENCHMARKS.md, "The cold read"): announced *before* the current
 //! read, the next chunk shares the disk with the read that is waited for, and chunks come
 //! slower (1.16 against 1.44 GB/s); and small runs (up to the read path's small-run size) are
-//! better left to the kernel's own sequential readahead, which an announce replaces by one
-//! synchronous request per run (a third of the speed on 32 KB chunks), so they are not
-//! announced. The announce costs the lookups (kept in the location cache for the read that
+//! better left to the kernel's own sequential readahead: a 32 KB chunk it has fetched ahead is
+//! read in tens of microseconds, about what an announce's lookups and system call cost, so
+//! announcing each one halved their speed. They are not announced. The announce costs the lookups (kept in the location cache for the read that
 //! follows) and the advisory call, which queues the reads and returns.
 
 use schema::{KvLayout, Location, NamespaceId};
@@ -99,10 +99,9 @@ impl Inner {
 
     /// Announces the records of `tokens` (the whole sequence) in `ns` to the kernel, one
     /// advisory call per run of adjacent records larger than a small run; returns the bytes
-    /// announced. Advisory: a
-    /// sequence that is not stored whole, a namespace that does not exist or an entry that
-    /// does not check out announces nothing (the read reports it), and blocks the hot tier
-    /// serves are left out.
+    /// announced. Advisory: a sequence that is not stored whole, a namespace that does not
+    /// exist or an entry that does not check out announces nothing (the read reports it), and
+    /// blocks the hot tier serves are left out.
     pub(super) fn prefetch(&self, ns: NamespaceId, tokens: &[u32]) -> Result<u64> {
         let Some(info) = self.namespaces.read().get(&ns).copied() else {
             return Ok(0);
