@@ -84,7 +84,9 @@ pub struct ServeConfig {
     pub cache_dtype: CacheDtype,
     /// Threads that load a query's chunks side by side (read, verify, import; on a GPU the
     /// upload and placement too, each on its own stream); 0: on a GPU half the CPUs (at most
-    /// 8), on the CPU 1 (the loader's work then never takes a core from the decoding threads).
+    /// 8); on the CPU 1 while the model decodes (the loader's work then never takes a core
+    /// from the decoding threads), and every CPU (at most 8) for a query loaded while the
+    /// model computes nothing.
     pub load_threads: usize,
     /// Chunk KV kept imported on the model's device between queries, in MiB (0: none): a
     /// chunk found there skips the store's read, verification, decoding and (on a GPU) the
@@ -264,6 +266,11 @@ impl ServeConfig {
     /// `load_threads` resolved for a model on a GPU or not.
     pub(crate) fn load_threads(&self, gpu: bool) -> usize {
         crate::pipeline::load_threads(self.load_threads, gpu)
+    }
+
+    /// `load_threads` resolved for a query loaded while the model is idle.
+    pub(crate) fn idle_load_threads(&self, gpu: bool) -> usize {
+        crate::pipeline::idle_load_threads(self.load_threads, gpu)
     }
 
     /// The repair parameters of strategies named without one.

@@ -48,6 +48,12 @@ impl Timeline {
         }
     }
 
+    /// Whether the model is computing now.
+    pub fn busy(&self) -> bool {
+        let s = self.spans.lock().unwrap_or_else(|e| e.into_inner());
+        s.since.is_some()
+    }
+
     /// How much of `[from, to]` the model spent busy, counting a span still open as busy
     /// until `to`.
     pub fn overlap(&self, from: Instant, to: Instant) -> Duration {
@@ -76,9 +82,12 @@ mod tests {
     fn idle_model_hides_nothing() {
         let t = Timeline::default();
         let t0 = Instant::now();
+        assert!(!t.busy());
         assert_eq!(t.overlap(at(t0, 0), at(t0, 100)), Duration::ZERO);
         t.start(at(t0, 200));
+        assert!(t.busy());
         t.stop(at(t0, 300));
+        assert!(!t.busy());
         assert_eq!(t.overlap(at(t0, 0), at(t0, 100)), Duration::ZERO);
         assert_eq!(t.overlap(at(t0, 300), at(t0, 400)), Duration::ZERO);
     }

@@ -142,6 +142,7 @@ impl Rag {
             engine: engine.clone(),
             cache_dtype: config.cache_dtype.dtype(),
             load_threads: config.load_threads(engine.corpus().model().device().is_cuda()),
+            idle_load_threads: config.idle_load_threads(engine.corpus().model().device().is_cuda()),
             resident: resident.clone(),
             metrics: metrics.clone(),
             faults: faults.clone(),

@@ -32,6 +32,11 @@ impl Fanout {
         self.threads
     }
 
+    /// Up to `threads` threads (at least one) from the next call on.
+    pub(crate) fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
+    }
+
     /// [`fan_out`] over this one's threads and buffers.
     pub(crate) fn run<T, F>(&mut self, n: usize, work: F) -> Vec<T>
     where
@@ -112,6 +117,19 @@ pub(crate) fn load_threads(configured: usize, gpu: bool) -> usize {
     }
 }
 
+/// The threads for a query loaded while the model computes nothing (and has nothing queued):
+/// with `serve.load_threads = 0` on the CPU, every CPU (at most 8), since no decoding thread
+/// would lose its core and the load is all of that query's wait; otherwise
+/// [`load_threads`]'s.
+pub(crate) fn idle_load_threads(configured: usize, gpu: bool) -> usize {
+    match configured {
+        0 if !gpu => std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8),
+        n => load_threads(n, gpu),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,5 +199,9 @@ mod tests {
         assert_eq!(load_threads(3, true), 3);
         assert_eq!(load_threads(0, false), 1);
         assert!((1..=8).contains(&load_threads(0, true)));
+        assert_eq!(idle_load_threads(3, false), 3);
+        assert_eq!(idle_load_threads(0, true), load_threads(0, true));
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(idle_load_threads(0, false), cpus.clamp(1, 8));
     }
 }

@@ -118,8 +118,10 @@ pub(crate) struct Worker {
     pub engine: Arc<Engine>,
     /// `serve.cache_dtype`.
     pub cache_dtype: model::DType,
-    /// `serve.load_threads`, resolved ([`super::load_threads`]).
+    /// `serve.load_threads`, resolved ([`super::load_threads`]): while the model computes.
     pub load_threads: usize,
+    /// The same while the model computes nothing ([`super::idle_load_threads`]).
+    pub idle_load_threads: usize,
     /// Chunk KV kept on the model's device (`serve.resident_mb`).
     pub resident: Arc<crate::resident::Resident>,
     pub metrics: Arc<Metrics>,

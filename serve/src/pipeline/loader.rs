@@ -81,6 +81,14 @@ fn load(
     }
     let t = Instant::now();
     job.timings.queue_ms += ms(job.arrived.elapsed()) - job.timings.retrieve_ms;
+    // A model with nothing to compute loses no core to the loader: the query is loaded with
+    // every thread the idle setting allows, since its load is all its wait.
+    let idle = !timeline.busy() && m.compute_queue.load(Ordering::Relaxed) == 0;
+    fanout.set_threads(if idle {
+        w.idle_load_threads
+    } else {
+        w.load_threads
+    });
     let hits = std::mem::take(&mut job.hits);
     let start = prefix.tokens.len();
     let src = Source {

@@ -46,7 +46,7 @@ mod warm;
 mod writeback;
 
 pub(crate) use assemble::{assemble, Request as AssembleRequest};
-pub(crate) use fanout::{load_threads, Fanout};
+pub(crate) use fanout::{idle_load_threads, load_threads, Fanout};
 pub(crate) use job::{ms, ComputeJob, LoadJob, Prefix, Worker, Writeback};
 pub use job::{KvMode, Query};
 pub(crate) use loader::{read_chunks, run as loader, Source};
