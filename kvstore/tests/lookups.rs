@@ -34,16 +34,29 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn small_and_large_runs_read_back_exactly_with_every_lossless_codec() {
-    // 4 KiB of KV per token: a 128-token sequence is one 512 KiB run (read into place), a
-    // 16-token prefix is a 64 KiB run (read through a buffer).
-    let big = KvLayout {
+/// 4 KiB of f16 KV per token.
+fn wide() -> KvLayout {
+    KvLayout {
         layers: 4,
         kv_heads: 4,
         head_dim: 64,
         dtype: DType::F16,
-    };
+    }
+}
+
+/// [`small_options`] with segments large enough that a test's sequences share one.
+fn one_segment() -> kvstore::StoreOptions {
+    kvstore::StoreOptions {
+        segment_bytes: 64 << 20,
+        ..small_options()
+    }
+}
+
+#[test]
+fn small_and_large_runs_read_back_exactly_with_every_lossless_codec() {
+    // 4 KiB of KV per token: a 128-token sequence is one 512 KiB run (read into place), a
+    // 16-token prefix is a 64 KiB run (read through a buffer).
+    let big = wide();
     for (k, codec) in [
         Codec::None,
         Codec::Lz4,
@@ -79,16 +92,8 @@ fn large_runs_of_quantized_records_read_back_as_their_blocks_decode() {
     // 4 KiB of f16 KV per token: 512 tokens are ~600 KiB of `q4` records in one segment, a
     // large run read record by record (each decoded as it arrives); the expected bytes are
     // each block's own encode + decode, placed layer-major.
-    let big = KvLayout {
-        layers: 4,
-        kv_heads: 4,
-        head_dim: 64,
-        dtype: DType::F16,
-    };
-    let opts = kvstore::StoreOptions {
-        segment_bytes: 64 << 20,
-        ..small_options()
-    };
+    let big = wide();
+    let opts = one_segment();
     let (n, block) = (512, opts.block_tokens);
     let tb = big.plane_token_bytes();
     let t = tokens(11, n);
@@ -159,16 +164,8 @@ fn large_runs_of_quantized_records_read_back_as_their_blocks_decode() {
 fn prefetch_announces_what_the_read_then_reads_and_nothing_it_would_not() {
     // 4 KiB of KV per token: 200 tokens are an 800 KiB run (announced); 16 tokens a 64 KiB
     // one, left to the kernel's readahead.
-    let l = KvLayout {
-        layers: 4,
-        kv_heads: 4,
-        head_dim: 64,
-        dtype: DType::F16,
-    };
-    let opts = kvstore::StoreOptions {
-        segment_bytes: 64 << 20,
-        ..small_options()
-    };
+    let l = wide();
+    let opts = one_segment();
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path(), opts.clone());
     store.register_namespace(NS, l, Codec::None).unwrap();
@@ -255,12 +252,7 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 #[test]
 fn a_flipped_byte_in_a_large_run_is_a_miss_never_data() {
-    let big = KvLayout {
-        layers: 4,
-        kv_heads: 4,
-        head_dim: 64,
-        dtype: DType::F16,
-    };
+    let big = wide();
     let dir = tempfile::tempdir().unwrap();
     let t = tokens(7, 128);
     {
