@@ -3,7 +3,10 @@
 //! model's device, from there: [`crate::resident`]), imports it into tensors placed at the
 //! chunk's prompt positions, tokenizes the question, and hands the loaded query to the
 //! scheduler. It runs one query ahead of the model; how much of each load ran
-//! while the model was busy is measured ([`crate::overlap`]).
+//! while the model was busy is measured ([`crate::overlap`]), and a query loaded while the
+//! model computes nothing gets the idle thread count ([`super::idle_load_threads`]). Each
+//! chunk read announces the one its thread reads next ([`kvstore::Store::prefetch`]) before
+//! it is imported, so that the disk fetches it meanwhile.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
