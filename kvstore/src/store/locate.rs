@@ -2,9 +2,8 @@
 //! lookup, each entry checked against the request), and announcing them to the kernel before
 //! they are read (`prefetch`).
 //!
-//! A cold read of one chunk waits on the disk for its whole length: `get_batch` announces a
-//! large run (`POSIX_FADV_WILLNEED`) just before it reads it, so the disk idles while the
-//! caller then works on what came in. A caller that knows what it reads next (the serving
+//! A cold read of one chunk waits on the disk for its whole length, and the disk idles while
+//! the caller then works on what came in. A caller that knows what it reads next (the serving
 //! loader: a query's chunks) announces it once the current read is done and before its own
 //! work on the bytes (the loader's import), so that the disk fetches the next chunk meanwhile.
 //! What was measured (docs/BENCHMARKS.md, "The cold read"): announced *before* the current

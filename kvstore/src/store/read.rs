@@ -360,8 +360,9 @@ impl Inner {
                 }
             }
         }
-        let len: usize = locs.iter().map(|l| l.length as usize).sum();
-        seg.will_need(locs[0].offset, len);
+        // Not announced first: the kernel's own readahead under one large read fetched cold
+        // unencoded chunks 1.1-1.5x faster than a `POSIX_FADV_WILLNEED` over the whole run
+        // (docs/BENCHMARKS.md, "The cold read").
         seg.read_vectored_at(locs[0].offset, &mut iovs)
             .map_err(|e| self.read_error(e, &locs[0]))?;
 
