@@ -64,8 +64,9 @@
 //! compute; a second neighbour (`prompt+neighbours:2`) adds nothing measurable (`link:2` 39 %,
 //! `link:8` 45 %). Each chunk's rows averaged over its two nearest neighbours' contexts
 //! (`prompt+mean:2`) lift `link:2` to 43 % (31 % for `prompt+neighbours:1` on the same index)
-//! at the same TTFT, a third context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at
-//! 1.5×); `ragkv bench ttft --strategy` times a strategy's cost on any device.
+//! at the same TTFT (`link:4` on it 45 % at 1.50×, the best within 1.5× measured), a third
+//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×); `ragkv bench ttft
+//! --strategy` times a strategy's cost on any device.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
