@@ -19,7 +19,9 @@
 //! them, portable otherwise: [`loops`]); [`How`] picks once per call. Caches in f32, f16
 //! (half the bytes a decode step reads) or q8 (about a quarter), read in place by every
 //! kernel: rows are widened to f32 as they are loaded (by the AVX2 kernel into a scratch
-//! block of 32 rows that stays in L1), q8 codes times their block's scale; f32 queries, on
+//! block of 32 rows that stays in L1), q8 codes times their block's scale, except that the
+//! AVX2 kernel multiplies q8 rows in 16-bit integers, query and weights rounded to 16-bit
+//! codes (`attention/avx2/codes.rs`); f32 queries, on
 //! the CPU; other dtypes and devices take the general path. The x86 kernels ask for each
 //! row's cache lines a few kilobytes ahead of reading it ([`Ahead`]): a step's cache comes
 //! from memory, not from a cache level.

@@ -7,8 +7,9 @@
 //! fixed signs and a Walsh-Hadamard transform, orthonormal, as llama.cpp now does for its
 //! quantized caches), so a key's few large channels no longer set its blocks' scales and
 //! coarsen all the others: the codes are of `R x`, not `x`. Attention widens the codes and
-//! applies their block's scale in registers as it loads a row ([`crate::attention`]), with
-//! the query rotated the same way and the weighted sum of values turned back, so a decoding
+//! applies their block's scale in registers as it loads a row, or (the AVX2 kernel)
+//! multiplies them in integers with the query's and weights' 16-bit codes
+//! ([`crate::attention`]), with the query rotated the same way and the weighted sum of values turned back, so a decoding
 //! step reads about half the bytes of an f16 cache and dequantizes nothing in memory. Rows go
 //! in quantized as they are appended; everything that needs floats (export, the general
 //! attention path) widens them again and undoes the rotation ([`dequantize`]).

@@ -4,7 +4,7 @@
 //! heads' work: the key rows of a chunk of [`CHUNK`] positions are widened to f32 once, into
 //! a scratch block that stays in L1 (16 KB for heads of 128), and every query head of the
 //! KV group reads them from there; likewise the value rows. A decode step therefore converts
-//! each f16 or q8 row once per group instead of once per query head (three times for
+//! each f16 row once per group instead of once per query head (three times for
 //! SmolLM2, seven for Qwen2.5-0.5B), and reads the cache's bytes from memory once; a
 //! prompt's rows (up to a task's sixteen) share each widened chunk of their prefix too.
 //!
@@ -14,6 +14,11 @@
 //! eight scores instead of ~5 each). The weighted sum of values keeps up to eight output
 //! vectors of a head in registers over the chunk's rows. Softmax as the loops' (ggml's
 //! vectorized `exp`), the normalization applied to the weights before the values' pass.
+//!
+//! q8 rows are not widened at all: each query head is rounded once to 16-bit codes and
+//! multiplied with the keys' 8-bit codes where they lie, and each head's weights are rounded
+//! likewise per chunk and multiplied with value rows paired in 16 bits ([`codes`]), as
+//! llama.cpp scores `q8_0` keys against a quantized query.
 
 use std::arch::x86_64::*;
 
@@ -24,6 +29,11 @@ use crate::simd::x86::hsum256 as hsum;
 
 use super::loops::Kernel;
 use super::Ahead;
+
+mod codes;
+
+#[cfg(test)]
+pub(super) use codes::query_codes;
 
 /// Cache positions widened together: 32 rows of 128 f32 are 16 KB, half an L1 data cache.
 const CHUNK: usize = 32;
@@ -46,6 +56,13 @@ pub(super) trait WidenRow: Copy {
     /// The CPU has AVX2, FMA and F16C; the row ([`WidenRow::row_len`]) is readable at `src`
     /// and `d` floats writable at `dst`.
     unsafe fn widen_row(src: *const Self, d: usize, dst: *mut f32);
+
+    /// The row elements as q8 codes and scales, for dtypes whose rows the kernel multiplies
+    /// in integers ([`codes`]) instead of widening them to f32.
+    fn as_codes(rows: &[Self]) -> Option<&[u8]> {
+        let _ = rows;
+        None
+    }
 }
 
 impl WidenRow for f32 {
@@ -71,9 +88,14 @@ impl WidenRow for f16 {
 }
 
 /// q8 cache rows (`crate::kv_q8`): `d` signed codes, then an f32 scale per block of 32.
+/// Multiplied in integers ([`codes`]) where heads have at most 256 elements.
 impl WidenRow for u8 {
     fn row_len(d: usize) -> usize {
         crate::kv_q8::row_bytes(d)
+    }
+
+    fn as_codes(rows: &[u8]) -> Option<&[u8]> {
+        Some(rows)
     }
 
     #[inline]
@@ -97,7 +119,8 @@ impl WidenRow for u8 {
 /// the key and value rows of their spans (`spans[i]` = first and last position of row `i`)
 /// of `k` and `v` (row strides `ks`, `vs`): the softmax-weighted sums of values into `o`
 /// (like `q`), scores scaled by `scale`; `p` and `wide` are scratch. Each chunk of rows is
-/// widened once for every query row that sees it (a prompt's rows share their prefix).
+/// widened (or, for q8 rows, paired: [`codes`]) once for every query row that sees it (a
+/// prompt's rows share their prefix).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C (`crate::simd::avx2`).
@@ -129,6 +152,10 @@ pub(super) unsafe fn group<T: WidenRow>(
             && hi * ks + T::row_len(d) <= k.len()
             && hi * vs + T::row_len(d) <= v.len()
     );
+    // q8 rows in integers: whole blocks of codes, at most `codes::MAX_BLOCKS` of them.
+    let int = T::as_codes(k)
+        .zip(T::as_codes(v))
+        .filter(|_| d.is_multiple_of(BLOCK) && d / BLOCK <= codes::MAX_BLOCKS);
     // Scores of query row `i`, head `h`, at position `lo + j`: p[(i rep + h) n + j], written
     // for the row's own span only.
     let n = hi + 1 - lo;
@@ -145,26 +172,47 @@ pub(super) unsafe fn group<T: WidenRow>(
         let (a, b) = ((from - lo).max(c0), (pos - lo + 1).min(c0 + m));
         (a < b).then_some((a, b))
     };
+    // For q8 rows, every query head's 16-bit codes (its scale times the scores').
+    let (mut qcodes, mut qscale) = (Vec::new(), Vec::new());
+    if int.is_some() {
+        qcodes.resize(q.len(), 0i16);
+        for (h, c) in q.chunks_exact(d).zip(qcodes.chunks_exact_mut(d)) {
+            qscale.push(codes::query_codes(h, c) * scale);
+        }
+    }
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
         for r in 0..m {
             let at = (lo + c0 + r + ahead.rows).min(hi);
             ahead.fetch(k.as_ptr().wrapping_add(at * ks).cast());
-            // SAFETY: position `lo + c0 + r <= hi` is in bounds (asserted); the scratch
-            // block holds `CHUNK` rows of `d`.
-            unsafe { T::widen_row(k.as_ptr().add((lo + c0 + r) * ks), d, wp.add(r * d)) };
+            if int.is_none() {
+                // SAFETY: position `lo + c0 + r <= hi` is in bounds (asserted); the scratch
+                // block holds `CHUNK` rows of `d`.
+                unsafe { T::widen_row(k.as_ptr().add((lo + c0 + r) * ks), d, wp.add(r * d)) };
+            }
         }
         for i in 0..rows {
             let Some((a, b)) = seen(i, c0, m) else {
                 continue;
             };
             for h in 0..rep {
-                let at = (i * rep + h) * n;
+                let line = i * rep + h;
+                let at = line * n;
                 // SAFETY: head `h` of row `i` of `q`; scores `a..b` of its line of `p`
-                // (resized to `rows rep n`); widened rows `a - c0..b - c0 <= m`.
+                // (resized to `rows rep n`); widened rows `a - c0..b - c0 <= m`, or the
+                // cache's rows `lo + a..lo + b <= hi + 1` (asserted in bounds).
                 unsafe {
-                    let (qh, keys) = (q.as_ptr().add((i * rep + h) * d), wp.add((a - c0) * d));
-                    scores(qh, d, keys, b - a, scale, pp.add(at + a));
+                    if let Some((kc, _)) = int {
+                        let qc = codes::QueryCodes {
+                            codes: &qcodes[line * d..(line + 1) * d],
+                            scale: qscale[line],
+                        };
+                        let keys = kc.as_ptr().add((lo + a) * ks);
+                        codes::code_scores(&qc, d, keys, ks, b - a, pp.add(at + a));
+                    } else {
+                        let (qh, keys) = (q.as_ptr().add(line * d), wp.add((a - c0) * d));
+                        scores(qh, d, keys, b - a, scale, pp.add(at + a));
+                    }
                 }
             }
         }
@@ -180,13 +228,32 @@ pub(super) unsafe fn group<T: WidenRow>(
     }
     o.fill(0.0);
     let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
+    // q8 values: a chunk's rows paired in 16 bits, their block scales, a head's weights.
+    let (mut pairs, mut vscales, mut wq) = (Vec::new(), Vec::new(), codes::Weights::new());
+    if int.is_some() {
+        pairs.resize(codes::pairs_len(d), 0i16);
+        vscales.resize(CHUNK * d / BLOCK, 0f32);
+    }
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
-        for r in 0..m {
-            let at = (lo + c0 + r + ahead.rows).min(hi);
-            ahead.fetch(v.as_ptr().wrapping_add(at * vs).cast());
-            // SAFETY: as for the keys.
-            unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
+        if let Some((_, vc)) = int {
+            for r in 0..m {
+                let at = (lo + c0 + r + ahead.rows).min(hi);
+                ahead.fetch(vc.as_ptr().wrapping_add(at * vs).cast());
+            }
+            // SAFETY: rows `lo + c0..lo + c0 + m <= hi + 1` are in bounds (asserted); the
+            // scratch was sized for a chunk.
+            unsafe {
+                let from = vc.as_ptr().add((lo + c0) * vs);
+                codes::pair_rows(from, vs, d, m, &mut pairs, &mut vscales);
+            }
+        } else {
+            for r in 0..m {
+                let at = (lo + c0 + r + ahead.rows).min(hi);
+                ahead.fetch(v.as_ptr().wrapping_add(at * vs).cast());
+                // SAFETY: as for the keys.
+                unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
+            }
         }
         for i in 0..rows {
             let Some((a, b)) = seen(i, c0, m) else {
@@ -195,6 +262,15 @@ pub(super) unsafe fn group<T: WidenRow>(
             for h in 0..rep {
                 let line = i * rep + h;
                 let (oh, ph) = (op.wrapping_add(line * d), pp.wrapping_add(line * n + a));
+                if int.is_some() {
+                    // SAFETY: the head's `d` outputs; weights `a..b` of its line; chunk rows
+                    // `a - c0..b - c0 <= m` paired just above.
+                    unsafe {
+                        let rows = (ph, a - c0, b - c0);
+                        codes::weighted(oh, d, &pairs, &vscales, rows, &mut wq);
+                    }
+                    continue;
+                }
                 let wr = wp.wrapping_add((a - c0) * d);
                 // Up to eight output vectors at a time stay in registers over the chunk.
                 let mut c = 0;
