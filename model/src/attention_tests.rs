@@ -338,18 +338,24 @@ fn codes_for_q8(how: How) -> bool {
     false
 }
 
-/// The values the 16-bit codes of each head of `d` of `q` stand for.
+/// The values the 16-bit codes of each head of `d` of `q` stand for (`q` itself where no
+/// kernel rounds it).
 fn coded(q: &[f32], d: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(q.len());
-    for h in q.chunks_exact(d) {
-        let mut codes = vec![0i16; d];
-        #[cfg(target_arch = "x86_64")]
-        let scale = avx2::query_codes(h, &mut codes);
-        #[cfg(not(target_arch = "x86_64"))]
-        let scale = 1.0;
-        out.extend(codes.iter().map(|&c| c as f32 * scale));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut out = Vec::with_capacity(q.len());
+        for h in q.chunks_exact(d) {
+            let mut codes = vec![0i16; d];
+            let scale = avx2::query_codes(h, &mut codes);
+            out.extend(codes.iter().map(|&c| c as f32 * scale));
+        }
+        out
     }
-    out
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = d;
+        q.to_vec()
+    }
 }
 
 /// A query head's 16-bit codes stand for it within half a step (amax / 65,534) per
