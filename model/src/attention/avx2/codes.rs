@@ -12,8 +12,9 @@
 //! (docs/BENCHMARKS.md, "q8 rows in integers"), the time gained is smaller than that: the
 //! kernel waits mostly on the cache rows' loads. llama.cpp scores `q8_0` keys against a
 //! query rounded to 8 bits; 15 bits here keep the query's and the weights' rounding some
-//! 500× below the codes' own. Sums stay in i32: a pair's products are at most
-//! `2 × 32,767 × 127` (8.3 M), a chunk of [`CHUNK`] rows sums 16 of them (133 M < 2³¹).
+//! 250× (32,767 / 127) finer than the codes' own. Sums stay in i32: a pair's products are
+//! at most `2 × 32,767 × 127` (8.3 M), a chunk of [`CHUNK`] rows sums 16 of them (133 M <
+//! 2³¹).
 
 use std::arch::x86_64::*;
 
