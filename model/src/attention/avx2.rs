@@ -236,23 +236,20 @@ pub(super) unsafe fn group<T: WidenRow>(
     }
     for c0 in (0..n).step_by(CHUNK) {
         let m = CHUNK.min(n - c0);
-        if let Some((_, vc)) = int {
-            for r in 0..m {
-                let at = (lo + c0 + r + ahead.rows).min(hi);
-                ahead.fetch(vc.as_ptr().wrapping_add(at * vs).cast());
+        for r in 0..m {
+            let at = (lo + c0 + r + ahead.rows).min(hi);
+            ahead.fetch(v.as_ptr().wrapping_add(at * vs).cast());
+            if int.is_none() {
+                // SAFETY: as for the keys.
+                unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
             }
+        }
+        if let Some((_, vc)) = int {
             // SAFETY: rows `lo + c0..lo + c0 + m <= hi + 1` are in bounds (asserted); the
             // scratch was sized for a chunk.
             unsafe {
                 let from = vc.as_ptr().add((lo + c0) * vs);
                 codes::pair_rows(from, vs, d, m, &mut pairs, &mut vscales);
-            }
-        } else {
-            for r in 0..m {
-                let at = (lo + c0 + r + ahead.rows).min(hi);
-                ahead.fetch(v.as_ptr().wrapping_add(at * vs).cast());
-                // SAFETY: as for the keys.
-                unsafe { T::widen_row(v.as_ptr().add((lo + c0 + r) * vs), d, wp.add(r * d)) };
             }
         }
         for i in 0..rows {

@@ -69,7 +69,7 @@ unsafe fn block(row: *const u8, qp: *const i16, b: usize) -> __m256 {
 /// The scale of block `b` of the q8 row of `d` codes at `row`, in every lane.
 ///
 /// # Safety
-/// AVX; the row's scales are readable.
+/// AVX2; the row's scales are readable.
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn scale_of(row: *const u8, d: usize, b: usize) -> __m256 {
@@ -151,7 +151,9 @@ pub(in crate::attention) unsafe fn pair_rows(
     // SAFETY: the caller's contract; pair `p < CHUNK / 2`, group `g < d / 16`.
     unsafe {
         for p in 0..m.div_ceil(2) {
-            let (r0, r1) = (rows.add(2 * p * vs), rows.add((2 * p + 1) * vs));
+            // Row `2p + 1` is read only where it is one of the `m` (its address may be past
+            // the rows otherwise).
+            let (r0, r1) = (rows.add(2 * p * vs), rows.wrapping_add((2 * p + 1) * vs));
             let second = 2 * p + 1 < m;
             for g in 0..groups {
                 let a = _mm256_cvtepi8_epi16(_mm_loadu_si128(r0.add(16 * g).cast()));
@@ -176,15 +178,15 @@ pub(in crate::attention) unsafe fn pair_rows(
 /// One head's weights over a chunk's rows, per block of 32 columns: `w[r] × scale[b][r]` as
 /// 16-bit codes (`codes[b CHUNK + r]`, zero outside the head's rows) and one scale per block.
 pub(in crate::attention) struct Weights {
-    codes: [i16; CHUNK * 8],
-    scale: [f32; 8],
+    codes: [i16; CHUNK * MAX_BLOCKS],
+    scale: [f32; MAX_BLOCKS],
 }
 
 impl Weights {
     pub(in crate::attention) fn new() -> Weights {
         Weights {
-            codes: [0; CHUNK * 8],
-            scale: [0.0; 8],
+            codes: [0; CHUNK * MAX_BLOCKS],
+            scale: [0.0; MAX_BLOCKS],
         }
     }
 }
