@@ -12,14 +12,18 @@
 //! strategy reads it unchanged.
 //!
 //! Which neighbours a chunk's KV attended to is recorded beside it in the store
-//! ([`kvstore::Store::put_note`], written before the KV, so stored KV always has its note),
-//! version 1:
+//! ([`kvstore::Store::put_note`], written before the KV, so stored KV always has its note).
+//! Under `mean:N` the note also ranks the chunk's tokens whose rows moved most between its
+//! contexts ([`model::Kv::drift`]): the tokens its stored mean is least sure of, which the
+//! `sensitive` assembly strategy recomputes. Version 1 (no ranking) or 2:
 //!
 //! | bytes       | field                                            |
 //! |-------------|--------------------------------------------------|
-//! | 0           | version, `1`                                     |
+//! | 0           | version, `1` or `2`                              |
 //! | 1           | neighbours `m` (fewer than `N` when the index had fewer) |
 //! | 2..2+16·m   | each neighbour's token digest (`schema::TokenDigest`), farthest first |
+//! | 2+16·m      | version 2 only: ranked offsets `r` (at most [`RANKED_MAX`]) |
+//! | 3+16·m..+2·r | version 2 only: chunk token offsets, u16 little-endian, the most moved first |
 //!
 //! A chunk whose note is missing, names fewer than `N` neighbours or a neighbour no longer
 //! indexed (deleted, or its document changed) is stale for `ragkv rematerialize`
@@ -33,8 +37,12 @@ use schema::TokenDigest;
 use crate::corpus::Corpus;
 use crate::error::{Error, Result};
 
-/// Version of the neighbour note (table above).
+/// Version of the neighbour note (table above) without a ranking, and with one.
 const NOTE_VERSION: u8 = 1;
+const NOTE_VERSION_RANKED: u8 = 2;
+
+/// Chunk tokens a version-2 note ranks at most.
+pub const RANKED_MAX: usize = 32;
 
 /// A chunk's KV computed under the corpus's `ingest.context`.
 #[derive(Debug, Clone)]
@@ -49,29 +57,79 @@ pub struct ChunkKv {
     pub context_tokens: usize,
 }
 
-/// Encodes the note naming `neighbours` (table above).
-pub fn encode_note(neighbours: &[TokenDigest]) -> Vec<u8> {
-    let mut v = vec![NOTE_VERSION, neighbours.len() as u8];
+/// Encodes the note naming `neighbours` and, if any, the `ranked` token offsets (the first
+/// [`RANKED_MAX`]; table above).
+pub fn encode_note(neighbours: &[TokenDigest], ranked: &[u16]) -> Vec<u8> {
+    let version = if ranked.is_empty() {
+        NOTE_VERSION
+    } else {
+        NOTE_VERSION_RANKED
+    };
+    let mut v = vec![version, neighbours.len() as u8];
     for d in neighbours {
         v.extend_from_slice(&d.0);
+    }
+    if !ranked.is_empty() {
+        let r = &ranked[..ranked.len().min(RANKED_MAX)];
+        v.push(r.len() as u8);
+        for o in r {
+            v.extend_from_slice(&o.to_le_bytes());
+        }
     }
     v
 }
 
-/// Decodes a note written by [`encode_note`].
-pub fn decode_note(note: &[u8]) -> Result<Vec<TokenDigest>> {
+/// A note's neighbours and ranked offsets (none in version 1).
+fn decode(note: &[u8]) -> Result<(Vec<TokenDigest>, Vec<u16>)> {
     let bad = |why: String| Error::Invalid {
         what: "neighbour note",
         why,
     };
-    match note {
-        [NOTE_VERSION, m, rest @ ..] if rest.len() == usize::from(*m) * 16 => Ok(rest
-            .chunks_exact(16)
-            .map(|c| TokenDigest(c.try_into().expect("16 bytes")))
-            .collect()),
-        [NOTE_VERSION, m, rest @ ..] => Err(bad(format!("{m} neighbours in {} bytes", rest.len()))),
-        _ => Err(bad(format!("unknown version or {} bytes", note.len()))),
-    }
+    let (version, m, rest) = match note {
+        [v @ (NOTE_VERSION | NOTE_VERSION_RANKED), m, rest @ ..] => (*v, usize::from(*m), rest),
+        _ => return Err(bad(format!("unknown version or {} bytes", note.len()))),
+    };
+    let Some((digests, tail)) = rest.split_at_checked(m * 16) else {
+        return Err(bad(format!("{m} neighbours in {} bytes", rest.len())));
+    };
+    let neighbours = digests
+        .chunks_exact(16)
+        .map(|c| TokenDigest(c.try_into().expect("16 bytes")))
+        .collect();
+    let ranked = match (version, tail) {
+        (NOTE_VERSION, []) => Vec::new(),
+        (NOTE_VERSION_RANKED, [r, offsets @ ..]) if offsets.len() == usize::from(*r) * 2 => offsets
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect(),
+        _ => {
+            return Err(bad(format!(
+                "{} bytes after {m} neighbours (version {version})",
+                tail.len()
+            )))
+        }
+    };
+    Ok((neighbours, ranked))
+}
+
+/// The neighbours named by a note written by [`encode_note`].
+pub fn decode_note(note: &[u8]) -> Result<Vec<TokenDigest>> {
+    Ok(decode(note)?.0)
+}
+
+/// The token offsets a note written by [`encode_note`] ranks, the most moved first (none in a
+/// version-1 note).
+pub fn decode_ranked(note: &[u8]) -> Result<Vec<u16>> {
+    Ok(decode(note)?.1)
+}
+
+/// The offsets of the `RANKED_MAX` highest of `drift` (one score per chunk token), highest
+/// first, ties to the earlier token.
+fn rank(drift: &[f32]) -> Vec<u16> {
+    let mut order: Vec<usize> = (0..drift.len().min(usize::from(u16::MAX) + 1)).collect();
+    order.sort_by(|&a, &b| drift[b].total_cmp(&drift[a]).then(a.cmp(&b)));
+    order.truncate(RANKED_MAX);
+    order.into_iter().map(|o| o as u16).collect()
 }
 
 impl Corpus {
@@ -153,7 +211,13 @@ impl Corpus {
     /// KV of `tokens` prefilled after each of `context` alone (all in one batched pass, each
     /// after the prompt's start under `prompt+mean:N`): the mean of the chunk's rows over those
     /// contexts, keys rotated back to `0..n` before they are averaged, in the stored layout.
-    pub fn prefill_after_each(&self, context: &[Vec<u32>], tokens: &[u32]) -> Result<Vec<u8>> {
+    /// Also returns the chunk's tokens ranked by how far their rows moved between the
+    /// contexts ([`model::Kv::drift`]; the first [`RANKED_MAX`]).
+    pub fn prefill_after_each(
+        &self,
+        context: &[Vec<u32>],
+        tokens: &[u32],
+    ) -> Result<(Vec<u8>, Vec<u16>)> {
         let alls: Vec<Vec<u32>> = context.iter().map(|c| [c, tokens].concat()).collect();
         let kvs = match &self.prompt_kv {
             Some(start) => {
@@ -169,7 +233,12 @@ impl Corpus {
             .iter()
             .map(|kv| self.own_kv(kv, kv.len() - tokens.len(), tokens.len()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(model::Kv::mean(&own)?.to_bytes(self.kv_dtype)?)
+        let ranked = if own.len() > 1 {
+            rank(&model::Kv::drift(&own)?)
+        } else {
+            Vec::new()
+        };
+        Ok((model::Kv::mean(&own)?.to_bytes(self.kv_dtype)?, ranked))
     }
 
     /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`, in the stored layout.
@@ -187,18 +256,18 @@ impl Corpus {
     /// the prompt's start, and/or after its neighbours with the note naming them.
     pub fn chunk_kv(&self, tokens: &[u32], vector: &[f32]) -> Result<ChunkKv> {
         let context = self.neighbours(tokens, vector)?;
-        let note = (self.config.context.neighbours() > 0).then(|| {
-            let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
-            encode_note(&digests)
-        });
         let mut context_tokens: usize = context.iter().map(Vec::len).sum();
-        let bytes = if self.config.context.averaged() && !context.is_empty() {
+        let (bytes, ranked) = if self.config.context.averaged() && !context.is_empty() {
             // The chunk itself once more per context beyond the first.
             context_tokens += (context.len() - 1) * tokens.len();
             self.prefill_after_each(&context, tokens)?
         } else {
-            self.prefill_after(&context, tokens)?
+            (self.prefill_after(&context, tokens)?, Vec::new())
         };
+        let note = (self.config.context.neighbours() > 0).then(|| {
+            let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
+            encode_note(&digests, &ranked)
+        });
         Ok(ChunkKv {
             bytes,
             note,
@@ -222,6 +291,19 @@ impl Corpus {
             self.store.put_note(self.ns, tokens, note)?;
         }
         Ok(())
+    }
+
+    /// The token offsets of stored chunk `tokens` its note ranks as the most moved between
+    /// its contexts (under `mean:N`, most first): none without a note, with a version-1 note,
+    /// or with an unreadable one (which [`Corpus::context_changed`] reports).
+    pub fn ranked_offsets(&self, tokens: &[u32]) -> Result<Vec<u16>> {
+        if self.config.context.neighbours() == 0 {
+            return Ok(Vec::new());
+        }
+        let note = self.store.note(self.ns, tokens)?;
+        Ok(note
+            .and_then(|n| decode_ranked(&n).ok())
+            .unwrap_or_default())
     }
 
     /// Whether the stored chunk `tokens` must be prefilled again because of its context:
@@ -333,13 +415,38 @@ mod tests {
     #[test]
     fn a_note_round_trips_and_rejects_bad_bytes() {
         let ds = [TokenDigest::of(&[1, 2]), TokenDigest::of(&[3])];
-        let note = encode_note(&ds);
+        let note = encode_note(&ds, &[]);
         assert_eq!(note.len(), 2 + 32);
+        assert_eq!(note[0], 1, "without a ranking: version 1, as before");
         assert_eq!(decode_note(&note).unwrap(), ds);
-        assert_eq!(decode_note(&encode_note(&[])).unwrap(), []);
+        assert!(decode_ranked(&note).unwrap().is_empty());
+        assert_eq!(decode_note(&encode_note(&[], &[])).unwrap(), []);
         assert!(decode_note(&note[..note.len() - 1]).is_err());
         assert!(decode_note(&[2, 0]).is_err());
+        assert!(decode_note(&[3, 0]).is_err());
         assert!(decode_note(&[]).is_err());
+        // Version 2: the ranking after the neighbours, cut to RANKED_MAX.
+        let ranked: Vec<u16> = (0..40).rev().collect();
+        let note = encode_note(&ds, &ranked);
+        assert_eq!((note[0], note.len()), (2, 2 + 32 + 1 + 2 * RANKED_MAX));
+        assert_eq!(decode_note(&note).unwrap(), ds);
+        assert_eq!(decode_ranked(&note).unwrap(), ranked[..RANKED_MAX]);
+        assert!(decode_ranked(&note[..note.len() - 1]).is_err());
+        assert!(
+            decode_ranked(&[1, 0, 1, 0, 0]).is_err(),
+            "a version-1 note ends after its digests"
+        );
+        assert_eq!(
+            decode_ranked(&encode_note(&[], &[7, 300])).unwrap(),
+            [7, 300]
+        );
+    }
+
+    #[test]
+    fn rank_orders_the_most_moved_first() {
+        assert_eq!(rank(&[0.1, 3.0, 0.5, 3.0]), [1, 3, 2, 0]);
+        assert!(rank(&[]).is_empty());
+        assert_eq!(rank(&[1.0; 100]).len(), RANKED_MAX);
     }
 
     #[test]

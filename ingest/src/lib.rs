@@ -22,7 +22,7 @@ mod source;
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};
 pub use config::{Context, IngestConfig, Materialize, RunOptions, Shard, DEFAULT_SYSTEM_PROMPT};
-pub use context::{decode_note, encode_note, ChunkKv};
+pub use context::{decode_note, decode_ranked, encode_note, ChunkKv, RANKED_MAX};
 pub use corpus::{kv_doc, kv_key, split_kv_doc, Corpus, CHUNK_TEMPLATE};
 pub use error::{Error, Result};
 pub use pipeline::{prefill_groups, Engine};

@@ -24,7 +24,7 @@ mod layer;
 mod repair;
 
 use layer::{matrix, Layer};
-pub use repair::{link_positions, top_share, window_positions, Repaired};
+pub use repair::{link_positions, sensitive_positions, top_share, window_positions, Repaired};
 
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

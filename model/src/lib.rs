@@ -10,7 +10,9 @@
 //!   [`Kv::from_bytes`] convert to the store's layer-major layout; [`Decoder::reposition`] moves
 //!   stored keys to new positions; [`Decoder::recompute`] repairs an assembled context by
 //!   recomputing chosen tokens with full attention, chosen by [`Decoder::blend`] (layer-1
-//!   deviation), [`link_positions`] (every chunk's first tokens) or
+//!   deviation), [`link_positions`] (every chunk's first tokens), [`sensitive_positions`]
+//!   (the tokens whose rows moved most between the contexts ingest prefilled them in,
+//!   [`Kv::drift`]) or
 //!   [`Decoder::question_attention`] ([`top_share`] of what the question attends to, or
 //!   [`window_positions`]: contiguous windows at the chunk boundaries and around it);
 //!   [`KvCache::from_kv`] resumes decoding from stored KV.
@@ -57,7 +59,8 @@ mod weights;
 pub use candle_core::{DType, Device, Error as TensorError, Tensor, D};
 pub use config::{Activation, Arch, LayerPattern, ModelConfig, RopeScaling, RopeStyle};
 pub use decoder::{
-    link_positions, top_share, window_positions, Decoder, Logits, Repaired, StepSeq,
+    link_positions, sensitive_positions, top_share, window_positions, Decoder, Logits, Repaired,
+    StepSeq,
 };
 pub use device::{device, pin_thread_count, DeviceSpec};
 pub use error::{Error, Result};

@@ -11,6 +11,7 @@
 //! | `reposition` | consecutive after the prefix (keys rotated) | none | load + one rotation of the keys |
 //! | `reposition+recompute[:share]` | consecutive | the `share` (`serve.recompute_share`) of chunk tokens whose layer-1 KV deviates most is recomputed with full attention ([`model::Decoder::blend`], CacheBlend's selection) | layer 0 of every chunk token plus `share` of the tokens through every layer |
 //! | `link[:k]` (EPIC; the default, `k` = 2) | consecutive | the first `k` (`serve.link_tokens`) tokens of every chunk are recomputed with full attention: a chunk computed alone makes its first tokens an attention sink, which the others' tokens then over-attend | `k` × chunks tokens through every layer |
+//! | `sensitive[:k]` | consecutive | `k` (`serve.link_tokens`) tokens of every chunk are recomputed: those whose rows moved most between the contexts ingest prefilled the chunk in (`ingest.context = "[prompt+]mean:N"` ranks them in the chunk's note, [`model::Kv::drift`]); a chunk without that ranking gets its first `k`, as `link` | `k` × chunks tokens through every layer, one note read per chunk |
 //! | `query-aware[:share]` (ProphetKV's stage I, QCFuse; also named `prophet[:share]`) | consecutive | the `share` (`serve.recompute_share`) of chunk tokens the question attends to most (its attention to the *stored* keys, summed over heads on the first quarter of the layers, at least 2), is recomputed with full attention | the question through those layers, plus `share` of the tokens through every layer |
 //! | `window[:k]` (arXiv 2609.17983, MEPIC) | consecutive | contiguous windows of `k` tokens (32 by default) are recomputed: the first `k` of every chunk, then one around each position the question attends to most (scored as `query-aware` does), until `serve.recompute_share` of the chunk tokens is covered | as `query-aware`, with at least `k` × chunks tokens |
 //! | `full` | consecutive | full: the chunks are prefilled with the question, nothing stored is used | full prefill |
@@ -122,6 +123,9 @@ pub enum Assembly {
     Recompute(Option<Share>),
     /// `link[:k]`: the first `k` tokens of every chunk recomputed.
     Link(Option<u32>),
+    /// `sensitive[:k]`: the `k` tokens of every chunk whose rows moved most between the
+    /// contexts ingest prefilled it in recomputed (its first `k` where none are ranked).
+    Sensitive(Option<u32>),
     /// `query-aware[:share]` (or `prophet[:share]`): the tokens the question attends to most
     /// recomputed.
     QueryAware(Option<Share>),
@@ -142,11 +146,12 @@ impl Default for Assembly {
 
 impl Assembly {
     /// Every strategy, with its configured parameter.
-    pub const ALL: [Assembly; 7] = [
+    pub const ALL: [Assembly; 8] = [
         Assembly::Naive,
         Assembly::Reposition,
         Assembly::Recompute(None),
         Assembly::Link(None),
+        Assembly::Sensitive(None),
         Assembly::QueryAware(None),
         Assembly::Window(None),
         Assembly::Full,
@@ -159,6 +164,7 @@ impl Assembly {
             Assembly::Reposition => "reposition",
             Assembly::Recompute(_) => "reposition+recompute",
             Assembly::Link(_) => "link",
+            Assembly::Sensitive(_) => "sensitive",
             Assembly::QueryAware(_) => "query-aware",
             Assembly::Window(_) => "window",
             Assembly::Full => "full",
@@ -171,6 +177,9 @@ impl Assembly {
         let share = || Share::new(repair.recompute_share).ok();
         match self {
             Assembly::Link(None) => Assembly::Link(u32::try_from(repair.link_tokens).ok()),
+            Assembly::Sensitive(None) => {
+                Assembly::Sensitive(u32::try_from(repair.link_tokens).ok())
+            }
             Assembly::Recompute(None) => Assembly::Recompute(share()),
             Assembly::QueryAware(None) => Assembly::QueryAware(share()),
             Assembly::Window(None) => Assembly::Window(Some(WINDOW_TOKENS)),
@@ -189,7 +198,9 @@ impl Assembly {
     /// whole context is scored first (`reposition+recompute`, `query-aware`).
     pub fn chunk_dtype(self, compute: DType, cache: DType) -> DType {
         match self {
-            Assembly::Naive | Assembly::Reposition | Assembly::Link(_) => cache,
+            Assembly::Naive | Assembly::Reposition | Assembly::Link(_) | Assembly::Sensitive(_) => {
+                cache
+            }
             Assembly::Recompute(_)
             | Assembly::QueryAware(_)
             | Assembly::Window(_)
@@ -263,10 +274,11 @@ impl std::str::FromStr for Assembly {
         match base {
             Assembly::Recompute(_) => Ok(Assembly::Recompute(share()?)),
             Assembly::QueryAware(_) => Ok(Assembly::QueryAware(share()?)),
-            Assembly::Link(_) | Assembly::Window(_) => {
-                let link = base == Assembly::Link(None);
+            Assembly::Link(_) | Assembly::Sensitive(_) | Assembly::Window(_) => {
+                let link = base != Assembly::Window(None);
                 match p.parse::<u32>() {
-                    Ok(k) if k > 0 && link => Ok(Assembly::Link(Some(k))),
+                    Ok(k) if k > 0 && base == Assembly::Link(None) => Ok(Assembly::Link(Some(k))),
+                    Ok(k) if k > 0 && link => Ok(Assembly::Sensitive(Some(k))),
                     Ok(k) if k > 0 => Ok(Assembly::Window(Some(k))),
                     _ => Err(format!(
                         "assembly: {s:?}: the tokens per {} {p:?} must be a positive integer",
@@ -286,7 +298,9 @@ impl std::fmt::Display for Assembly {
             Assembly::Recompute(Some(s)) | Assembly::QueryAware(Some(s)) => {
                 write!(f, ":{}", s.get())
             }
-            Assembly::Link(Some(k)) | Assembly::Window(Some(k)) => write!(f, ":{k}"),
+            Assembly::Link(Some(k)) | Assembly::Sensitive(Some(k)) | Assembly::Window(Some(k)) => {
+                write!(f, ":{k}")
+            }
             _ => Ok(()),
         }
     }
@@ -317,7 +331,9 @@ fn score_layers(model: &Model) -> usize {
 
 /// One prompt to assemble: the system prefix's KV (exact, at `0..`), then the chunks' KV,
 /// each already [placed](Assembly::place); `tokens` are the prefix's and the chunks' tokens
-/// in order, `question` the tokens that follow them.
+/// in order, `question` the tokens that follow them; `ranked` each chunk's token offsets by
+/// how far they moved between its ingest contexts (`sensitive` reads it; empty lists, or
+/// none, for the others).
 #[derive(Debug)]
 pub struct Prompt<'a> {
     /// The system prefix's KV.
@@ -328,6 +344,8 @@ pub struct Prompt<'a> {
     pub tokens: &'a [u32],
     /// The question's tokens.
     pub question: &'a [u32],
+    /// Each chunk's ranked token offsets, the most moved first ([`ingest::Corpus::ranked_offsets`]).
+    pub ranked: Vec<Vec<u16>>,
 }
 
 /// When a `link` repair recomputes its rows.
@@ -413,6 +431,7 @@ pub fn assemble_into(
         chunks,
         tokens,
         question,
+        ranked,
     } = prompt;
     let Target { room, dtype, link } = target;
     let exact = prefix.len();
@@ -447,6 +466,10 @@ pub fn assemble_into(
             let k = k.map_or(repair.link_tokens, |k| k as usize);
             model::link_positions(exact, &lens, k)
         }
+        Assembly::Sensitive(k) => {
+            let k = k.map_or(repair.link_tokens, |k| k as usize);
+            model::sensitive_positions(exact, &lens, &ranked, k)
+        }
         Assembly::QueryAware(s) => {
             let all = Kv::concat(&parts)?;
             let scores = model
@@ -465,7 +488,7 @@ pub fn assemble_into(
     };
     let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;
     let deferred = link == LinkTiming::Deferred
-        && matches!(assembly, Assembly::Link(_))
+        && matches!(assembly, Assembly::Link(_) | Assembly::Sensitive(_))
         && !positions.is_empty();
     let logits = if deferred {
         None
@@ -493,6 +516,7 @@ mod tests {
             Assembly::Link(Some(8)),
             Assembly::QueryAware(Some(Share::new(0.2).unwrap())),
             Assembly::Window(Some(16)),
+            Assembly::Sensitive(Some(4)),
         ];
         for a in Assembly::ALL.into_iter().chain(with) {
             let text = a.to_string();
@@ -507,7 +531,8 @@ mod tests {
                 "reposition+recompute:0.15",
                 "link:8",
                 "query-aware:0.2",
-                "window:16"
+                "window:16",
+                "sensitive:4"
             ]
         );
         assert_eq!(
@@ -535,6 +560,8 @@ mod tests {
             "reposition+recompute:nan",
             "window:0",
             "prophet:2",
+            "sensitive:0",
+            "sensitive:0.5",
         ] {
             assert!(bad.parse::<Assembly>().is_err(), "{bad}");
         }
@@ -561,6 +588,10 @@ mod tests {
         assert_eq!(
             Assembly::Recompute(None).resolved(&repair).to_string(),
             "reposition+recompute:0.2"
+        );
+        assert_eq!(
+            Assembly::Sensitive(None).resolved(&repair).to_string(),
+            "sensitive:2"
         );
         assert_eq!(Assembly::Naive.resolved(&repair), Assembly::Naive);
     }

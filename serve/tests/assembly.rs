@@ -24,6 +24,7 @@ fn prompt<'a>(pkv: &'a Kv, chunks: Vec<Kv>, tokens: &'a [u32], question: &'a [u3
         chunks,
         tokens,
         question,
+        ranked: Vec::new(),
     }
 }
 
@@ -225,8 +226,10 @@ fn whole_repairs_reproduce_full_prefill() {
         plain > 1e-2,
         "plain assembly is already full prefill? {plain}"
     );
-    let whole: [Assembly; 3] = [
+    let whole: [Assembly; 4] = [
         Assembly::Link(Some(1000)),
+        // Without a ranking, `sensitive` takes every chunk's first tokens, as `link`.
+        Assembly::Sensitive(Some(1000)),
         "query-aware:1".parse().unwrap(),
         "reposition+recompute:1".parse().unwrap(),
     ];
@@ -266,6 +269,25 @@ fn whole_repairs_reproduce_full_prefill() {
         "{n}"
     );
     assert!(d_window < plain, "window:4 at 0.25: {d_window} vs {plain}");
+    // `sensitive` recomputes each chunk's ranked tokens (topped up with its first ones).
+    let ranked = |asm: Assembly, ranked: Vec<Vec<u16>>| {
+        let p = Prompt {
+            ranked,
+            ..prompt(&c.pkv, c.placed(&m, asm), &c.tokens, &question)
+        };
+        let r = assemble(&m, asm, &REPAIR, p).unwrap();
+        (max_abs_diff(r.logits.as_ref().unwrap(), &full), r.positions)
+    };
+    let (d_sens, at) = ranked(Assembly::Sensitive(Some(2)), vec![vec![3, 1], vec![2]]);
+    assert_eq!(at, [c.pa + 1, c.pa + 3, c.pb, c.pb + 2]);
+    assert!(d_sens.is_finite());
+    let (d_first, at) = ranked(Assembly::Sensitive(Some(2)), Vec::new());
+    assert_eq!(at, [c.pa, c.pa + 1, c.pb, c.pb + 1]);
+    assert_eq!(
+        d_first,
+        run(Assembly::Link(Some(2))).0,
+        "no ranking: link's tokens"
+    );
     // Partial repairs: k tokens of each chunk; the share of the chunk tokens.
     let (d_link, n) = run(Assembly::Link(Some(2)));
     assert_eq!(n, 4);

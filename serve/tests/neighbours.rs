@@ -339,9 +339,12 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
     let context = corpus.neighbours(&tokens, &vector).unwrap();
     assert_eq!(context.len(), 2);
     let note = corpus.store().note(corpus.namespace(), &tokens).unwrap();
-    let named = ingest::decode_note(&note.unwrap()).unwrap();
+    let note = note.unwrap();
+    let named = ingest::decode_note(&note).unwrap();
     let digests: Vec<_> = context.iter().map(|c| schema::TokenDigest::of(c)).collect();
     assert_eq!(named, digests, "the note names both neighbours");
+    let ranked = ingest::decode_ranked(&note).unwrap();
+    assert_eq!(corpus.ranked_offsets(&tokens).unwrap(), ranked);
 
     // The stored rows are the mean of the chunk's rows prefilled after the prompt's start and
     // each neighbour alone, every one moved back to 0..n first (within f16 rounding).
@@ -371,6 +374,27 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
     );
     assert!(dk < 5e-3 && dv < 2e-3, "{dk} {dv}");
     assert!(apart > 0.02, "{apart}");
+    // The note ranks the chunk's tokens by how far their rows moved between the contexts:
+    // distinct offsets inside the chunk, led by one of the most moved of this recomputation
+    // (its batching rounds differently from ingest's).
+    let drift = Kv::drift(&each).unwrap();
+    let mut distinct = ranked.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ranked.len());
+    assert_eq!(ranked.len(), tokens.len().min(ingest::RANKED_MAX));
+    assert!(ranked.iter().all(|&o| usize::from(o) < tokens.len()));
+    let above = drift
+        .iter()
+        .filter(|&&d| d > drift[usize::from(ranked[0])])
+        .count();
+    eprintln!(
+        "drift of the ranked first token: {} ({above} above it); ranked {ranked:?}; the \
+         first tokens' drift {:?}",
+        drift[usize::from(ranked[0])],
+        &drift[..8.min(drift.len())]
+    );
+    assert!(above < 3, "{ranked:?} {drift:?}");
     assert!(
         from_first > apart / 4.0 && from_first < apart,
         "{from_first} {apart}"

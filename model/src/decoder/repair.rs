@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | [`Decoder::blend`] (CacheBlend) | the `share` of chunk tokens whose layer-1 KV deviates most from what full attention gives | layer 0 of every chunk token, then `share` of the tokens through every layer |
 //! | [`link_positions`] (EPIC's LegoLink) | the first `k` tokens of every chunk (a chunk computed alone makes its first tokens an attention sink) | `k` tokens per chunk through every layer |
+//! | [`sensitive_positions`] | the `k` tokens of every chunk whose rows moved most between the contexts ingest prefilled it in ([`Kv::drift`], recorded with the chunk) | `k` tokens per chunk through every layer |
 //! | [`Decoder::question_attention`] + [`top_share`] (ProphetKV, QCFuse) | the `share` of chunk tokens the question attends to most on the first layers | the question through those layers, then `share` of the tokens through every layer |
 //!
 //! Recomputing every chunk token reproduces full prefill of the context (up to float rounding).
@@ -26,6 +27,46 @@ pub fn link_positions(exact: usize, lens: &[usize], k: usize) -> Vec<usize> {
     let mut start = exact;
     for &n in lens {
         out.extend(start..start + k.min(n));
+        start += n;
+    }
+    out
+}
+
+/// `k` positions of every chunk, for chunks of `lens` tokens that follow each other from
+/// position `exact`: the first `k` offsets of the chunk's `ranked` list (the chunk's tokens
+/// whose rows moved most between the contexts ingest prefilled it in, most first; offsets
+/// past the chunk are skipped), then, where the list runs short (a chunk without one), its
+/// first tokens not yet taken, as [`link_positions`]. Ascending.
+pub fn sensitive_positions(
+    exact: usize,
+    lens: &[usize],
+    ranked: &[Vec<u16>],
+    k: usize,
+) -> Vec<usize> {
+    let mut out = Vec::with_capacity(lens.len() * k);
+    let mut start = exact;
+    for (i, &n) in lens.iter().enumerate() {
+        let want = k.min(n);
+        let mut mine: Vec<usize> = Vec::with_capacity(want);
+        let listed = ranked.get(i).map_or(&[][..], Vec::as_slice);
+        for &o in listed {
+            let o = usize::from(o);
+            if mine.len() == want {
+                break;
+            }
+            if o < n && !mine.contains(&o) {
+                mine.push(o);
+            }
+        }
+        let mut o = 0;
+        while mine.len() < want {
+            if !mine.contains(&o) {
+                mine.push(o);
+            }
+            o += 1;
+        }
+        mine.sort_unstable();
+        out.extend(mine.into_iter().map(|o| start + o));
         start += n;
     }
     out
@@ -300,6 +341,29 @@ mod tests {
         assert!(link_positions(5, &[4, 4], 0).is_empty());
         // k covering every chunk: every chunk token.
         assert_eq!(link_positions(2, &[3, 2], 9), (2..7).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn sensitive_positions_take_each_chunks_ranked_offsets_then_its_first() {
+        // Chunks of 5 and 4 after 2 exact tokens.
+        let ranked = vec![vec![3, 0, 4], vec![]];
+        assert_eq!(
+            sensitive_positions(2, &[5, 4], &ranked, 2),
+            vec![2, 5, 7, 8]
+        );
+        // Offsets past the chunk and repeats are skipped; a short list is topped up with
+        // the first tokens not taken; k beyond a chunk takes all of it.
+        let ranked = vec![vec![9, 2, 2], vec![1]];
+        assert_eq!(
+            sensitive_positions(0, &[3, 4], &ranked, 2),
+            vec![0, 2, 3, 4]
+        );
+        assert_eq!(sensitive_positions(0, &[2], &[vec![1]], 5), vec![0, 1]);
+        // No lists at all: `link`.
+        assert_eq!(
+            sensitive_positions(1, &[3, 3], &[], 2),
+            link_positions(1, &[3, 3], 2)
+        );
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
     let model = &corpus.model();
     let full = query.assembly == Assembly::Full;
     let mut parts = Vec::with_capacity(chunks.len());
+    let mut ranked = Vec::with_capacity(chunks.len());
     let mut context = prefix.tokens.clone();
     let mut citations = Vec::with_capacity(chunks.len());
     let mut writebacks = Vec::new();
@@ -89,6 +90,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
         let (kv, source) = match c.kv {
             Some(kv) => {
                 hits += 1;
+                ranked.push(c.ranked);
                 (kv, KvSource::Stored)
             }
             None => {
@@ -100,6 +102,11 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                 if query.kv == KvMode::On {
                     corpus.put_note(&c.tokens, &computed)?;
                 }
+                let note = computed.note.as_deref();
+                ranked.push(
+                    note.and_then(|n| ingest::decode_ranked(n).ok())
+                        .unwrap_or_default(),
+                );
                 let bytes = computed.bytes;
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
                 let kv = import(corpus, &bytes, query.assembly, pos, chunk_dtype)?;
@@ -133,6 +140,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
             chunks: parts,
             tokens: &context,
             question: &question,
+            ranked,
         };
         let r = assemble_into(model, query.assembly, repair, prompt, target)?;
         let redo = if r.deferred {

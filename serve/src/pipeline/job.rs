@@ -99,6 +99,9 @@ pub(crate) struct Loaded {
     pub kv: Option<Kv>,
     /// The stored copy failed verification: write the recomputed KV over it.
     pub corrupt: bool,
+    /// Its note's token offsets, the most moved between its ingest contexts first: read
+    /// for `sensitive` only ([`ingest::Corpus::ranked_offsets`]).
+    pub ranked: Vec<u16>,
 }
 
 /// A chunk's KV to store, computed because it was missing or damaged.

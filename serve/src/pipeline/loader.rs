@@ -288,6 +288,7 @@ pub(crate) fn read_chunks(
             "chunk KV loaded (each chunk's read and import added up)"
         );
     }
+    let ranked = stored && matches!(assembly, Assembly::Sensitive(_));
     let mut chunks: Vec<(usize, Loaded)> = placed
         .into_iter()
         .zip(loads)
@@ -295,15 +296,21 @@ pub(crate) fn read_chunks(
             if l.corrupt {
                 m.kv_corrupt.fetch_add(1, Ordering::Relaxed);
             }
+            let ranked = if ranked {
+                corpus.ranked_offsets(&tokens)?
+            } else {
+                Vec::new()
+            };
             let loaded = Loaded {
                 hit,
                 tokens,
                 kv: l.kv,
                 corrupt: l.corrupt,
+                ranked,
             };
-            (pos, loaded)
+            Ok((pos, loaded))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     if stored {
         fetch_remote(corpus, m, assembly, dtype, &mut chunks, fanout.buf());
     }
