@@ -397,6 +397,7 @@ fn every_strategy_answers_planted_questions() {
                 asm,
                 Assembly::Recompute(_)
                     | Assembly::Link(_)
+                    | Assembly::Sensitive(_)
                     | Assembly::QueryAware(_)
                     | Assembly::Window(_)
             );

@@ -399,4 +399,49 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
         from_first > apart / 4.0 && from_first < apart,
         "{from_first} {apart}"
     );
+
+    // Through the server, `sensitive:2` reads each chunk's ranking from its note and
+    // recomputes its two most moved tokens: other tokens than `link:2`'s first two wherever
+    // the ranking leads with others, so other logits.
+    let engine = std::sync::Arc::new(engine);
+    let corpus = engine.corpus();
+    let config = serve::ServeConfig {
+        system_prompt: "Be brief.".into(),
+        ..serve::ServeConfig::default()
+    };
+    let rag = serve::Rag::start(engine.clone(), config).unwrap();
+    let query = |assembly| serve::Query {
+        question: "What is the access code for the Orion vault?".into(),
+        top_k: 2,
+        filter: Default::default(),
+        params: model::GenerateParams::default(),
+        kv: serve::KvMode::On,
+        assembly,
+    };
+    let sensitive = query(serve::Assembly::Sensitive(Some(2)));
+    let hits = rag.retrieve(&sensitive).unwrap();
+    let reordered = hits.iter().any(|h| {
+        let t = corpus.chunk_tokens(&h.payload.text).unwrap();
+        let mut top: Vec<u16> = corpus.ranked_offsets(&t).unwrap()[..2].to_vec();
+        top.sort_unstable();
+        top != [0, 1]
+    });
+    assert!(
+        reordered,
+        "every retrieved chunk ranks its first two tokens first"
+    );
+    let answer = &tokens[..3];
+    let s = rag.forced(&sensitive, hits.clone(), answer).unwrap();
+    let link = query(serve::Assembly::Link(Some(2)));
+    let l = rag.forced(&link, hits.clone(), answer).unwrap();
+    let d = common::max_abs_diff(&s, &l);
+    assert!(
+        d > 1e-4,
+        "sensitive:2 and link:2 gave the same logits ({d})"
+    );
+    drop(rag);
+    let start = std::time::Instant::now();
+    while std::sync::Arc::strong_count(&engine) > 1 && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
