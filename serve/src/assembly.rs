@@ -66,11 +66,9 @@
 //! `link:8` 45 %). Each chunk's rows averaged over its two nearest neighbours' contexts
 //! (`prompt+mean:2`) lift `link:2` to 43 % (31 % for `prompt+neighbours:1` on the same index)
 //! at the same TTFT (`link:4` on it 45 % at 1.50×, the best within 1.5× measured), a third
-//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×). Recomputing instead
-//! each chunk's tokens whose rows moved most between its two contexts (`sensitive:3`) closed
-//! 46 % at 1.41× on another index, where `link:4` closed 46 % at 1.47× (one decision apart):
-//! tokens worth as much as the chunk's first ones, no more. `ragkv bench ttft --strategy`
-//! times a strategy's cost on any device.
+//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×); `sensitive:3`, each
+//! chunk's most moved tokens, 46 % at 1.41× where `link:4` closed 46 % at 1.47× (another
+//! index): no better than the first ones. `ragkv bench ttft --strategy` times a strategy.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
