@@ -55,6 +55,9 @@ pub struct ChunkKv {
     /// (the prompt's start is prefilled once per corpus), and under `mean:N` the chunk's
     /// own again in each context after the first.
     pub context_tokens: usize,
+    /// Under `mean:N`, the chunk's token offsets by how far their rows moved between the
+    /// contexts, the most first (the note records them too); empty otherwise.
+    pub ranked: Vec<u16>,
 }
 
 /// Encodes the note naming `neighbours` and, if any, the `ranked` token offsets (the first
@@ -272,6 +275,7 @@ impl Corpus {
             bytes,
             note,
             context_tokens,
+            ranked,
         })
     }
 

@@ -66,9 +66,8 @@
 //! `link:8` 45 %). Each chunk's rows averaged over its two nearest neighbours' contexts
 //! (`prompt+mean:2`) lift `link:2` to 43 % (31 % for `prompt+neighbours:1` on the same index)
 //! at the same TTFT (`link:4` on it 45 % at 1.50×, the best within 1.5× measured), a third
-//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×); `sensitive:3`, each
-//! chunk's most moved tokens, 46 % at 1.41× where `link:4` closed 46 % at 1.47× (another
-//! index): no better than the first ones. `ragkv bench ttft --strategy` times a strategy.
+//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×); `sensitive:3` 46 % at
+//! 1.41× beside `link:4`'s 46 % at 1.47× (another index). `bench ttft --strategy` times one.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
@@ -276,14 +275,16 @@ impl std::str::FromStr for Assembly {
             Assembly::Recompute(_) => Ok(Assembly::Recompute(share()?)),
             Assembly::QueryAware(_) => Ok(Assembly::QueryAware(share()?)),
             Assembly::Link(_) | Assembly::Sensitive(_) | Assembly::Window(_) => {
-                let link = base != Assembly::Window(None);
+                let window = base == Assembly::Window(None);
                 match p.parse::<u32>() {
-                    Ok(k) if k > 0 && base == Assembly::Link(None) => Ok(Assembly::Link(Some(k))),
-                    Ok(k) if k > 0 && link => Ok(Assembly::Sensitive(Some(k))),
-                    Ok(k) if k > 0 => Ok(Assembly::Window(Some(k))),
+                    Ok(k) if k > 0 => Ok(match base {
+                        Assembly::Link(_) => Assembly::Link(Some(k)),
+                        Assembly::Sensitive(_) => Assembly::Sensitive(Some(k)),
+                        _ => Assembly::Window(Some(k)),
+                    }),
                     _ => Err(format!(
                         "assembly: {s:?}: the tokens per {} {p:?} must be a positive integer",
-                        if link { "chunk" } else { "window" }
+                        if window { "window" } else { "chunk" }
                     )),
                 }
             }
@@ -332,9 +333,7 @@ fn score_layers(model: &Model) -> usize {
 
 /// One prompt to assemble: the system prefix's KV (exact, at `0..`), then the chunks' KV,
 /// each already [placed](Assembly::place); `tokens` are the prefix's and the chunks' tokens
-/// in order, `question` the tokens that follow them; `ranked` each chunk's token offsets by
-/// how far they moved between its ingest contexts (`sensitive` reads it; empty lists, or
-/// none, for the others).
+/// in order, `question` the tokens that follow them.
 #[derive(Debug)]
 pub struct Prompt<'a> {
     /// The system prefix's KV.
@@ -345,7 +344,8 @@ pub struct Prompt<'a> {
     pub tokens: &'a [u32],
     /// The question's tokens.
     pub question: &'a [u32],
-    /// Each chunk's ranked token offsets, the most moved first ([`ingest::Corpus::ranked_offsets`]).
+    /// Each chunk's token offsets, the most moved between its ingest contexts first
+    /// ([`ingest::Corpus::ranked_offsets`]); only `sensitive` reads them (empty: none).
     pub ranked: Vec<Vec<u16>>,
 }
 

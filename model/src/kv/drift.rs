@@ -44,15 +44,8 @@ impl Kv {
                 .ctx("kv drift")
         };
         for l in 0..first.layers.len() {
-            for which in [0, 1] {
-                fn side(p: &Kv, l: usize, which: usize) -> &Tensor {
-                    if which == 0 {
-                        &p.layers[l].0
-                    } else {
-                        &p.layers[l].1
-                    }
-                }
-                let pick = |p| side(p, l, which);
+            for values in [false, true] {
+                let pick = |p| side(p, l, values);
                 // `(1, heads, n, dim)`: token `t`'s row of head `h` at `(h * n + t) * dim`.
                 let (_, heads, _, dim) = pick(first).dims4().ctx("kv drift")?;
                 let all = parts
@@ -82,6 +75,15 @@ impl Kv {
             }
         }
         Ok(out)
+    }
+}
+
+/// Layer `l`'s keys or values.
+fn side(kv: &Kv, l: usize, values: bool) -> &Tensor {
+    if values {
+        &kv.layers[l].1
+    } else {
+        &kv.layers[l].0
     }
 }
 

@@ -102,11 +102,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                 if query.kv == KvMode::On {
                     corpus.put_note(&c.tokens, &computed)?;
                 }
-                let note = computed.note.as_deref();
-                ranked.push(
-                    note.and_then(|n| ingest::decode_ranked(n).ok())
-                        .unwrap_or_default(),
-                );
+                ranked.push(computed.ranked);
                 let bytes = computed.bytes;
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
                 let kv = import(corpus, &bytes, query.assembly, pos, chunk_dtype)?;
