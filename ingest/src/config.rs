@@ -196,6 +196,14 @@ pub struct IngestConfig {
     /// (1.5× the plain ingest prefill with SmolLM2 and a 2,000-byte passage; docs/BENCHMARKS.md,
     /// "After the prompt's start"). Part of the KV namespace. Empty (the default): none.
     pub context_passage: String,
+    /// Under `context = "prompt+neighbours:N"` or `"prompt+mean:N"`: each chunk's KV is also
+    /// prefilled after the prompt's start alone (in the same forward pass as its contexts) and
+    /// stored in the namespace `context = "prompt"` uses. The server reads that copy for the
+    /// chunk it places first, where it is exactly what full prefill computes; the chunks
+    /// after it read the neighbour-materialized KV. Doubles the stored bytes; not part of
+    /// the main namespace (a store turns it on or off without re-materializing; a first
+    /// chunk whose copy is missing is read from the main namespace). Default `false`.
+    pub exact_first: bool,
     /// The system prompt of the RAG prompt chunks are prefilled after under `context =
     /// "prompt..."`; not read from `[ingest]`: the binary sets it to `serve.system_prompt`,
     /// so both sides build the same prompt. Part of the KV namespace under `prompt`.
@@ -216,6 +224,7 @@ impl Default for IngestConfig {
             prefill_batch_tokens: 512,
             context: Context::None,
             context_passage: String::new(),
+            exact_first: false,
             system_prompt: DEFAULT_SYSTEM_PROMPT.into(),
         }
     }
@@ -250,6 +259,25 @@ impl IngestConfig {
                      \"prompt\", \"prompt+neighbours:N\" or \"prompt+mean:N\")",
                     self.context
                 ),
+            });
+        }
+        if self.exact_first && (self.context.neighbours() == 0 || !self.context.prompt()) {
+            return Err(Error::Invalid {
+                what: "ingest.exact_first",
+                why: format!(
+                    "set, but ingest.context = \"{}\" (use \"prompt+neighbours:N\" or \
+                     \"prompt+mean:N\"; under \"prompt\" every chunk's KV is exact in the \
+                     first place already)",
+                    self.context
+                ),
+            });
+        }
+        if self.exact_first && !self.context_passage.is_empty() {
+            return Err(Error::Invalid {
+                what: "ingest.exact_first",
+                why: "set with ingest.context_passage: a chunk after the passage is not \
+                      what full prefill computes in the first place"
+                    .into(),
             });
         }
         if self.context_passage.len() > 64 << 10 {
@@ -405,6 +433,23 @@ mod tests {
         assert!(with_passage("neighbours:1").validate().is_err());
         assert!(with_passage("prompt").validate().is_ok());
         assert!(with_passage("prompt+neighbours:1").validate().is_ok());
+        // The first place's copy: only behind the prompt's start and neighbours, no passage.
+        let exact_first = |context: &str| IngestConfig {
+            context: context.parse().unwrap(),
+            exact_first: true,
+            ..IngestConfig::default()
+        };
+        for bad in ["none", "prompt", "neighbours:1", "mean:2"] {
+            assert!(exact_first(bad).validate().is_err(), "{bad}");
+        }
+        for good in ["prompt+neighbours:1", "prompt+mean:2"] {
+            assert!(exact_first(good).validate().is_ok(), "{good}");
+        }
+        let passage = IngestConfig {
+            context_passage: "Some passage.".into(),
+            ..exact_first("prompt+mean:2")
+        };
+        assert!(passage.validate().is_err());
     }
 
     #[test]

@@ -28,6 +28,11 @@
 //! A chunk whose note is missing, names fewer than `N` neighbours or a neighbour no longer
 //! indexed (deleted, or its document changed) is stale for `ragkv rematerialize`
 //! ([`crate::Reason::Neighbours`]).
+//!
+//! Under `ingest.exact_first` each chunk is also prefilled after the prompt's start alone, in
+//! the same batched pass as its contexts ([`ChunkKv::first`]), and that copy is stored in
+//! [`Corpus::first_namespace`] (`context = "prompt"`'s namespace): what full prefill computes
+//! for the chunk a prompt places first, which the server reads there. It carries no note.
 
 use std::collections::HashSet;
 
@@ -40,6 +45,10 @@ use crate::error::{Error, Result};
 /// Version of the neighbour note (table above) without a ranking, and with one.
 const NOTE_VERSION: u8 = 1;
 const NOTE_VERSION_RANKED: u8 = 2;
+
+/// What [`Corpus::prefill_after_each`] computes: the mean's stored bytes, the tokens ranked
+/// by how far they moved, and the first place's copy.
+type Averaged = (Vec<u8>, Vec<u16>, Option<Vec<u8>>);
 
 /// Chunk tokens a version-2 note ranks at most.
 pub const RANKED_MAX: usize = 32;
@@ -58,6 +67,9 @@ pub struct ChunkKv {
     /// Under `mean:N`, the chunk's token offsets by how far their rows moved between the
     /// contexts, the most first (the note records them too); empty otherwise.
     pub ranked: Vec<u16>,
+    /// Under `ingest.exact_first`: the chunk's rows after the prompt's start alone, stored in
+    /// [`Corpus::first_namespace`] for the chunk a prompt places first.
+    pub first: Option<Vec<u8>>,
 }
 
 /// Encodes the note naming `neighbours` and, if any, the `ranked` token offsets (the first
@@ -215,33 +227,67 @@ impl Corpus {
     /// after the prompt's start under `prompt+mean:N`): the mean of the chunk's rows over those
     /// contexts, keys rotated back to `0..n` before they are averaged, in the stored layout.
     /// Also returns the chunk's tokens ranked by how far their rows moved between the
-    /// contexts ([`model::Kv::drift`]; the first [`RANKED_MAX`]).
-    pub fn prefill_after_each(
+    /// contexts ([`model::Kv::drift`]; the first [`RANKED_MAX`]) and, when `first` (it needs
+    /// the prompt's start), its rows after the prompt's start alone, from the same pass.
+    fn prefill_after_each(
         &self,
         context: &[Vec<u32>],
         tokens: &[u32],
-    ) -> Result<(Vec<u8>, Vec<u16>)> {
-        let alls: Vec<Vec<u32>> = context.iter().map(|c| [c, tokens].concat()).collect();
+        first: bool,
+    ) -> Result<Averaged> {
+        let mut own = self.own_in_each(context, tokens, first)?;
+        let first = match first {
+            true => Some(
+                own.pop()
+                    .expect("the first place's rows")
+                    .to_bytes(self.kv_dtype)?,
+            ),
+            false => None,
+        };
+        let ranked = if own.len() > 1 {
+            rank(&model::Kv::drift(&own)?)
+        } else {
+            Vec::new()
+        };
+        Ok((
+            model::Kv::mean(&own)?.to_bytes(self.kv_dtype)?,
+            ranked,
+            first,
+        ))
+    }
+
+    /// The rows of `tokens` prefilled after each of `context` (after the prompt's start, if
+    /// any), keys rotated back to `0..n`, all in one batched pass; with `first`, then its rows
+    /// after the prompt's start alone (refused without one).
+    fn own_in_each(
+        &self,
+        context: &[Vec<u32>],
+        tokens: &[u32],
+        first: bool,
+    ) -> Result<Vec<model::Kv>> {
+        let mut alls: Vec<Vec<u32>> = context.iter().map(|c| [c, tokens].concat()).collect();
         let kvs = match &self.prompt_kv {
             Some(start) => {
+                if first {
+                    alls.push(tokens.to_vec());
+                }
                 let rests: Vec<&[u32]> = alls.iter().map(Vec::as_slice).collect();
                 self.continue_start(start, &rests)?
+            }
+            None if first => {
+                return Err(Error::Invalid {
+                    what: "ingest.exact_first",
+                    why: "no prompt's start to prefill the first place's copy after".into(),
+                })
             }
             None => alls
                 .iter()
                 .map(|all| Ok(self.model.decoder().prefill(all, 0)?.0))
                 .collect::<Result<Vec<_>>>()?,
         };
-        let own = kvs
-            .iter()
+        kvs.iter()
             .map(|kv| self.own_kv(kv, kv.len() - tokens.len(), tokens.len()))
-            .collect::<Result<Vec<_>>>()?;
-        let ranked = if own.len() > 1 {
-            rank(&model::Kv::drift(&own)?)
-        } else {
-            Vec::new()
-        };
-        Ok((model::Kv::mean(&own)?.to_bytes(self.kv_dtype)?, ranked))
+            .collect()
     }
 
     /// The `n` rows of `kv` from `offset`, keys rotated back to `0..n`, in the stored layout.
@@ -260,12 +306,23 @@ impl Corpus {
     pub fn chunk_kv(&self, tokens: &[u32], vector: &[f32]) -> Result<ChunkKv> {
         let context = self.neighbours(tokens, vector)?;
         let mut context_tokens: usize = context.iter().map(Vec::len).sum();
-        let (bytes, ranked) = if self.config.context.averaged() && !context.is_empty() {
-            // The chunk itself once more per context beyond the first.
-            context_tokens += (context.len() - 1) * tokens.len();
-            self.prefill_after_each(&context, tokens)?
+        let first = self.first_ns.is_some();
+        let (bytes, ranked, first) = if self.config.context.averaged() && !context.is_empty() {
+            // The chunk itself once more per context beyond the first (and for the first
+            // place's copy).
+            context_tokens += (context.len() - 1 + usize::from(first)) * tokens.len();
+            self.prefill_after_each(&context, tokens, first)?
+        } else if first && !context.is_empty() {
+            // After all the neighbours, and after the prompt's start alone, in one pass.
+            context_tokens += tokens.len();
+            let mut own = self.own_in_each(&[context.concat()], tokens, true)?;
+            let first = own.pop().map(|kv| kv.to_bytes(self.kv_dtype)).transpose()?;
+            (own[0].to_bytes(self.kv_dtype)?, Vec::new(), first)
         } else {
-            (self.prefill_after(&context, tokens)?, Vec::new())
+            let bytes = self.prefill_after(&context, tokens)?;
+            // No neighbours: the chunk is already after the prompt's start alone.
+            let first = first.then(|| bytes.clone());
+            (bytes, Vec::new(), first)
         };
         let note = (self.config.context.neighbours() > 0).then(|| {
             let digests: Vec<TokenDigest> = context.iter().map(|t| TokenDigest::of(t)).collect();
@@ -276,6 +333,7 @@ impl Corpus {
             note,
             context_tokens,
             ranked,
+            first,
         })
     }
 
@@ -287,6 +345,45 @@ impl Corpus {
             self.embedder.embed_one(text)?
         };
         self.chunk_kv(tokens, &vector)
+    }
+
+    /// Under `ingest.exact_first`, chunk `tokens`' copy for the first place alone
+    /// ([`ChunkKv::first`], without the contexts' prefill); `None` otherwise.
+    pub fn first_kv(&self, tokens: &[u32]) -> Result<Option<Vec<u8>>> {
+        if self.first_ns.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(self.prefill_after(&[], tokens)?))
+    }
+
+    /// Whether chunk `tokens` is stored whole: in the corpus's namespace and, under
+    /// `ingest.exact_first`, its copy for the first place too.
+    pub fn stored(&self, tokens: &[u32]) -> Result<bool> {
+        for ns in std::iter::once(self.ns).chain(self.first_ns) {
+            if self.store.probe(ns, tokens)? != tokens.len() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Under `ingest.exact_first`, stores chunk `tokens`' copy for the first place (`first`,
+    /// [`ChunkKv::first`]) for KV document `kv_doc`, or with `None` attaches the stored one to
+    /// it; call before storing the chunk's own bytes. Returns the bytes written (none
+    /// otherwise).
+    pub fn put_first(&self, kv_doc: &str, tokens: &[u32], first: Option<&[u8]>) -> Result<u64> {
+        let Some(ns) = self.first_ns else {
+            return Ok(0);
+        };
+        let item = kvstore::PutItem {
+            tokens,
+            kv: first.unwrap_or(&[]),
+            doc: Some(kv_doc),
+        };
+        Ok(self
+            .store
+            .put_batch(ns, self.layout, &[item])?
+            .bytes_written)
     }
 
     /// Records `kv`'s note (if any) with `tokens`; call before storing its bytes.

@@ -62,6 +62,9 @@ pub struct Corpus {
     /// `ingest.context_passage` (computed once), which every chunk is prefilled after (not
     /// stored).
     pub(crate) prompt_kv: Option<model::Kv>,
+    /// Under `ingest.exact_first`: the namespace of each chunk's KV after the prompt's start
+    /// alone (`context = "prompt"`'s), read for the chunk a prompt places first.
+    pub(crate) first_ns: Option<NamespaceId>,
     pub(crate) kv_dtype: model::DType,
 }
 
@@ -108,6 +111,9 @@ impl Corpus {
             template = format!("{template}+prompt:{}", &blake3::hash(&bytes).to_hex()[..16]);
             prompt_kv = Some(model.decoder().prefill(&start, 0)?.0);
         }
+        // Under `exact_first`, `context = "prompt"`'s namespace holds each chunk's copy for
+        // the first place.
+        let first_template = config.exact_first.then(|| template.clone());
         if config.context.neighbours() > 0 {
             let kind = if config.context.averaged() {
                 "mean"
@@ -124,6 +130,16 @@ impl Corpus {
         store.register_namespace(ns, layout, codec)?;
         // A lossy namespace can be filled from the same model's lossless KV without prefill.
         let lossless_source = (!codec.is_lossless()).then(|| fp.namespace());
+        let first_ns = match first_template {
+            Some(t) => {
+                let mut fp = model.fingerprint(&config.chunker().id(), &t)?;
+                fp.layout.dtype = layout.dtype;
+                let ns = fp.namespace_with_codec(codec);
+                store.register_namespace(ns, layout, codec)?;
+                Some(ns)
+            }
+            None => None,
+        };
         Ok(Corpus {
             store,
             index,
@@ -136,6 +152,7 @@ impl Corpus {
             layout,
             preamble,
             prompt_kv,
+            first_ns,
             kv_dtype,
         })
     }
@@ -196,6 +213,12 @@ impl Corpus {
     /// The KV namespace chunks are stored under.
     pub fn namespace(&self) -> NamespaceId {
         self.ns
+    }
+
+    /// Under `ingest.exact_first`: the namespace of each chunk's KV prefilled after the
+    /// prompt's start alone, which a prompt's first chunk is read from.
+    pub fn first_namespace(&self) -> Option<NamespaceId> {
+        self.first_ns
     }
 
     /// The namespace holding this model's KV losslessly, when chunks are stored with a lossy

@@ -18,6 +18,7 @@ mod progress;
 mod remat;
 mod report;
 mod source;
+mod write_back;
 
 pub use check::CheckReport;
 pub use chunk::{chunk_text, Chunk, ChunkerConfig, Tokenize};

@@ -377,6 +377,8 @@ enum ToWriter<'a> {
         kv_doc: String,
         tokens: Vec<u32>,
         bytes: Option<Vec<u8>>,
+        /// Under `ingest.exact_first`: its copy for the first place (with `bytes`).
+        first: Option<Vec<u8>>,
     },
     /// All of a document's KV was sent: commit its vectors.
     Doc(Embedded<'a>),

@@ -14,6 +14,9 @@
 //! | neighbours| stored, but under `ingest.context = "neighbours:N"` a neighbour it was  |
 //! |           | prefilled after is no longer indexed, or it has fewer than N (stale too) |
 //!
+//! Under `ingest.exact_first` a chunk is also missing or corrupt when its copy for the first
+//! place is; a chunk whose own KV is present gets only that copy prefilled.
+//!
 //! Chunks to redo are ordered hottest first (reads recorded by the store, under this namespace
 //! or the one being migrated from), then cut to the limit. Corrupt ones are deleted first;
 //! each chunk is probed again just before its prefill: a chunk identical to one redone earlier
@@ -183,40 +186,6 @@ struct Candidate {
 }
 
 impl Engine {
-    /// Stores one chunk's KV, computed while answering a query, for version `hash` of `doc`,
-    /// unless that version is no longer indexed (deleted or replaced since it was retrieved:
-    /// attaching would leave an orphan). `replace`: the stored copy failed verification, so it
-    /// is deleted first and written again. Decided under the document's claim. Returns whether
-    /// it was stored.
-    pub fn write_back(
-        &self,
-        doc: &str,
-        hash: &str,
-        tokens: &[u32],
-        bytes: &[u8],
-        replace: bool,
-    ) -> Result<bool> {
-        let _claim = self.claim(doc);
-        if !self.indexes_version(doc, hash)? {
-            return Ok(false);
-        }
-        if replace {
-            self.corpus
-                .store
-                .delete(self.corpus.namespace(), tokens, 0)?;
-        }
-        self.corpus.store.put_batch(
-            self.corpus.namespace(),
-            self.corpus.layout(),
-            &[PutItem {
-                tokens,
-                kv: bytes,
-                doc: Some(&kv_doc(doc, hash)),
-            }],
-        )?;
-        Ok(true)
-    }
-
     /// Finds chunks whose KV is missing, corrupt or stale and prefills them again; see the
     /// module documentation. `counters` drive a progress display (chunks and tokens).
     pub fn rematerialize(&self, opts: &RematOptions, counters: &Counters) -> Result<RematReport> {
@@ -283,15 +252,19 @@ impl Engine {
                 continue;
             }
             let kv_doc = kv_doc(&p.doc_id, &p.doc_hash);
-            let state = if verify {
-                match self.corpus.store.inspect(ns, &tokens, &mut buf)? {
-                    SeqState::Present => None,
-                    SeqState::Absent => Some(Reason::Missing),
-                    SeqState::Damaged(_) => Some(Reason::Corrupt),
-                }
-            } else {
-                (self.corpus.store.probe(ns, &tokens)? < tokens.len()).then_some(Reason::Missing)
-            };
+            // Under `ingest.exact_first`, the chunk's copy for the first place too.
+            let mut state = None;
+            for n in std::iter::once(ns).chain(self.corpus.first_namespace()) {
+                state = state.or(if verify {
+                    match self.corpus.store.inspect(n, &tokens, &mut buf)? {
+                        SeqState::Present => None,
+                        SeqState::Absent => Some(Reason::Missing),
+                        SeqState::Damaged(_) => Some(Reason::Corrupt),
+                    }
+                } else {
+                    (self.corpus.store.probe(n, &tokens)? < tokens.len()).then_some(Reason::Missing)
+                });
+            }
             let state = match state {
                 None if self.corpus.context_changed(&tokens, &live)? => Some(Reason::Neighbours),
                 s => s,
@@ -306,7 +279,7 @@ impl Engine {
                 .document_sequences(&kv_doc)?
                 .into_iter()
                 .map(|(n, _)| n)
-                .filter(|n| *n != ns)
+                .filter(|n| *n != ns && Some(*n) != self.corpus.first_namespace())
                 .collect();
             if reason == Reason::Missing && !others.is_empty() {
                 reason = Reason::Stale;
@@ -371,7 +344,9 @@ impl Engine {
             .iter()
             .filter(|c| matches!(c.reason, Reason::Corrupt | Reason::Neighbours))
         {
-            self.corpus.store.delete(ns, &c.tokens, 0)?;
+            for n in std::iter::once(ns).chain(self.corpus.first_namespace()) {
+                self.corpus.store.delete(n, &c.tokens, 0)?;
+            }
         }
         counters
             .chunks_total
@@ -397,19 +372,42 @@ impl Engine {
                 self.corpus.store.inspect(ns, &c.tokens, &mut buf)?,
                 SeqState::Present
             );
+            let first_ns = self.corpus.first_namespace();
+            let first_stored = match first_ns {
+                Some(f) => matches!(
+                    self.corpus.store.inspect(f, &c.tokens, &mut buf)?,
+                    SeqState::Present
+                ),
+                None => true,
+            };
             let mut reencoded = false;
-            let bytes = if stored {
-                None
-            } else if let Some(b) = self.lossless_copy(&c.tokens, &mut buf, &live)? {
+            let copy = match (stored, first_stored) {
+                (false, true) => self.lossless_copy(&c.tokens, &mut buf, &live)?,
+                _ => None,
+            };
+            let (bytes, first) = if stored && first_stored {
+                (None, None)
+            } else if stored {
+                // Only the first place's copy is missing (`ingest.exact_first` turned on).
+                match self.corpus.first_kv(&c.tokens) {
+                    Ok(first) => (None, first),
+                    Err(e) => {
+                        report
+                            .failures
+                            .push(format!("{}#{}: prefill failed: {e}", c.doc_id, c.chunk));
+                        continue;
+                    }
+                }
+            } else if let Some(b) = copy {
                 reencoded = true;
-                Some(b)
+                (Some(b), None)
             } else {
                 let kv = self
                     .corpus
                     .chunk_kv_of_text(&c.tokens, &c.text)
                     .and_then(|kv| self.corpus.put_note(&c.tokens, &kv).map(|()| kv));
                 match kv {
-                    Ok(kv) => Some(kv.bytes),
+                    Ok(kv) => (Some(kv.bytes), kv.first),
                     Err(e) => {
                         report
                             .failures
@@ -418,15 +416,26 @@ impl Engine {
                     }
                 }
             };
-            let put = self.corpus.store.put_batch(
-                ns,
-                self.corpus.layout(),
-                &[PutItem {
-                    tokens: &c.tokens,
-                    kv: bytes.as_deref().unwrap_or(&[]),
-                    doc: Some(&c.kv_doc),
-                }],
-            );
+            let [first_item, own_item] = [&first, &bytes].map(|kv| PutItem {
+                tokens: &c.tokens,
+                kv: kv.as_deref().unwrap_or(&[]),
+                doc: Some(&c.kv_doc),
+            });
+            // The first place's copy before the chunk's own bytes (a crash between leaves the
+            // chunk missing, found by the next run).
+            let put = match first_ns {
+                Some(f) => self
+                    .corpus
+                    .store
+                    .put_batch(f, self.corpus.layout(), &[first_item]),
+                None => Ok(Default::default()),
+            };
+            let put = put.and_then(|_| {
+                self.corpus
+                    .store
+                    .put_batch(ns, self.corpus.layout(), &[own_item])
+            });
+            let bytes = bytes.or(first);
             match put {
                 Ok(_) if reencoded => report.reencoded += 1,
                 Ok(_) if bytes.is_some() => {
@@ -490,8 +499,8 @@ impl Engine {
         }
     }
 
-    /// Garbage collection: drops every namespace other than the current one that no process
-    /// has registered for `ingest.namespace_grace_hours`, detaches KV documents whose
+    /// Garbage collection: drops every namespace other than the current one (and, under
+    /// `ingest.exact_first`, its first place's copies') that no process has registered for `ingest.namespace_grace_hours`, detaches KV documents whose
     /// document no point references any more, then rewrites segments holding dead bytes; on
     /// the shared tier (when ingest writes there), removes what no manifest references
     /// ([`remote::Remote::gc`]).
@@ -503,7 +512,7 @@ impl Engine {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         for n in self.corpus.store.namespaces() {
-            if n.id == self.corpus.namespace() {
+            if n.id == self.corpus.namespace() || Some(n.id) == self.corpus.first_namespace() {
                 continue;
             }
             if now.saturating_sub(n.active_ms) >= grace.as_millis() as u64 {

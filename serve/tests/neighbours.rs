@@ -445,3 +445,108 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+#[test]
+fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_start_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |context: &str, exact_first| ingest::IngestConfig {
+        context: context.parse().unwrap(),
+        exact_first,
+        system_prompt: "Be brief.".into(),
+        ..ingest::IngestConfig::default()
+    };
+    let engine = common::engine(
+        dir.path(),
+        config("prompt+mean:2", true),
+        common::docs(DOCS),
+        DOCS.len(),
+    );
+    let corpus = engine.corpus();
+    // The copies share `context = "prompt"`'s namespace; the main one is the mode's own.
+    let prompt = common::open_corpus(
+        &dir.path().join("prompt"),
+        config("prompt", false),
+        model::DType::F16,
+        common::model(),
+        kvstore::StoreOptions::default(),
+    );
+    let first_ns = corpus.first_namespace().unwrap();
+    assert_eq!(first_ns, prompt.namespace());
+    assert_ne!(first_ns, corpus.namespace());
+    remat(&engine); // the first documents had fewer than two neighbours
+    assert_eq!(remat(&engine).planned, 0);
+
+    // The copy is the chunk's rows after the prompt's start alone; the main KV is the mean.
+    let m = corpus.model();
+    let start = m
+        .prompt_tokens(&m.rag_prompt().unwrap().prefix("Be brief."))
+        .unwrap();
+    let tokens = corpus.chunk_tokens(DOCS[0].1).unwrap();
+    let read = |ns| {
+        let data = corpus.store().get_batch(ns, &tokens, tokens.len()).unwrap();
+        Kv::from_bytes(&data.bytes, &corpus.layout(), &model::Device::Cpu).unwrap()
+    };
+    let copy = m
+        .decoder()
+        .reposition(&read(first_ns), start.len() as i64)
+        .unwrap();
+    let (dk, dv) = relative_diff(&copy, &rows_after(m, &start, &tokens));
+    assert!(dk < 5e-3 && dv < 2e-3, "{dk} {dv}");
+    let (_, apart) = relative_diff(&read(first_ns), &stored(corpus, &tokens));
+    assert!(apart > 0.02, "{apart}");
+
+    // Through the server, `reposition` over one chunk is full prefill (within rounding) when
+    // the copy is read; without it (deleted: the chunk's own mean KV is read) it is not, and
+    // `rematerialize` puts the copy back.
+    let engine = std::sync::Arc::new(engine);
+    let corpus = engine.corpus();
+    let config = serve::ServeConfig {
+        system_prompt: "Be brief.".into(),
+        ..serve::ServeConfig::default()
+    };
+    let rag = serve::Rag::start(engine.clone(), config).unwrap();
+    let query = |assembly| serve::Query {
+        question: "What is the access code for the Orion vault?".into(),
+        top_k: 1,
+        filter: Default::default(),
+        params: model::GenerateParams::default(),
+        kv: serve::KvMode::On,
+        assembly,
+    };
+    let hits = rag.retrieve(&query(serve::Assembly::Full)).unwrap();
+    let first = corpus.chunk_tokens(&hits[0].payload.text).unwrap();
+    let answer = &tokens[..3];
+    let forced = |asm| rag.forced(&query(asm), hits.clone(), answer).unwrap();
+    let full = forced(serve::Assembly::Full);
+    let exact = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    corpus.store().delete(first_ns, &first, 0).unwrap();
+    assert!(!corpus.stored(&first).unwrap());
+    let mean = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    let r = remat(&engine);
+    assert_eq!((r.missing, r.prefilled), (1, 1), "{r:?}");
+    assert!(corpus.stored(&first).unwrap());
+    let again = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    eprintln!("reposition vs full, one chunk: its copy {exact:e}, its mean {mean:e}, the copy redone {again:e}");
+    assert!(exact < 0.1 && again < 0.1, "{exact} {again}");
+    assert!(mean > 4.0 * exact.max(again), "{mean} {exact} {again}");
+
+    // Not stored at all, the chunk is prefilled while answering: placed first, its copy is
+    // what it reads, and the pipeline writes both back.
+    for ns in [corpus.namespace(), first_ns] {
+        corpus.store().delete(ns, &first, 0).unwrap();
+    }
+    let computed = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    assert!(computed < 0.1, "{computed}");
+    assert!(!corpus.stored(&first).unwrap());
+    common::answer(&rag, query(serve::Assembly::Reposition), hits.clone());
+    let t = std::time::Instant::now();
+    while !corpus.stored(&first).unwrap() && t.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(corpus.stored(&first).unwrap(), "both copies written back");
+    drop(rag);
+    let start = std::time::Instant::now();
+    while std::sync::Arc::strong_count(&engine) > 1 && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -12,6 +12,10 @@ use crate::config::{Materialize, RunOptions};
 use crate::corpus::kv_doc;
 use crate::report::secs;
 
+/// One chunk's KV as the writer stores it, and its copy for the first place
+/// (`ingest.exact_first`).
+type Computed = (Vec<u8>, Option<Vec<u8>>);
+
 /// Most chunks in one group (stored ones included: they ride along to keep the order).
 const MAX_GROUP: usize = 64;
 
@@ -55,10 +59,10 @@ impl Engine {
                 // Stored already (an identical chunk, or an interrupted earlier run)?
                 let mut needs = Vec::with_capacity(chunks.len());
                 for c in chunks {
-                    match self.corpus.store.probe(self.corpus.ns, &c.tokens) {
-                        Ok(n) => needs.push((c.tokens.len(), n != c.tokens.len())),
+                    match self.corpus.stored(&c.tokens) {
+                        Ok(stored) => needs.push((c.tokens.len(), !stored)),
                         Err(err) => {
-                            shared.fatal(err.into());
+                            shared.fatal(err);
                             break 'docs;
                         }
                     }
@@ -85,7 +89,9 @@ impl Engine {
                     let computed = if in_context {
                         self.in_context(group.clone().filter(|&i| needs[i].1), &e, shared)
                     } else {
-                        self.corpus.prefill_many_bytes(&todo)
+                        self.corpus
+                            .prefill_many_bytes(&todo)
+                            .map(|b| b.into_iter().map(|b| (b, None)).collect())
                     };
                     let mut kvs = match computed {
                         Ok(kvs) => kvs.into_iter(),
@@ -97,10 +103,15 @@ impl Engine {
                     };
                     busy += t.elapsed();
                     for i in group {
+                        let (bytes, first) = match needs[i].1 {
+                            true => kvs.next().map_or((None, None), |(b, f)| (Some(b), f)),
+                            false => (None, None),
+                        };
                         let msg = ToWriter::Kv {
                             kv_doc: kv_doc.clone(),
                             tokens: chunks[i].tokens.clone(),
-                            bytes: if needs[i].1 { kvs.next() } else { None },
+                            bytes,
+                            first,
                         };
                         if tx.send(msg).is_err() {
                             break 'docs;
@@ -117,20 +128,21 @@ impl Engine {
 }
 
 impl Engine {
-    /// KV of the chunks `idx` of `e` under `ingest.context`, each note recorded before its
-    /// bytes go to the writer; the context's tokens counted in the report.
+    /// KV of the chunks `idx` of `e` under `ingest.context` (and, under `exact_first`, the
+    /// first place's copy), each note recorded before its bytes go to the writer; the
+    /// context's tokens counted in the report.
     fn in_context(
         &self,
         idx: impl Iterator<Item = usize>,
         e: &Embedded<'_>,
         shared: &Shared<'_>,
-    ) -> crate::error::Result<Vec<Vec<u8>>> {
+    ) -> crate::error::Result<Vec<Computed>> {
         idx.map(|i| {
             let tokens = &e.planned.chunks[i].tokens;
             let kv = self.corpus.chunk_kv(tokens, &e.vectors[i])?;
             self.corpus.put_note(tokens, &kv)?;
             shared.report.lock().context_tokens_prefilled += kv.context_tokens;
-            Ok(kv.bytes)
+            Ok((kv.bytes, kv.first))
         })
         .collect()
     }

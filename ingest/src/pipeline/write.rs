@@ -23,18 +23,24 @@ impl Engine {
                     kv_doc,
                     tokens,
                     bytes,
+                    first,
                 } => {
                     let t = Instant::now();
-                    let r = self.corpus.store.put_batch(
-                        self.corpus.ns,
-                        self.corpus.layout,
-                        &[PutItem {
-                            tokens: &tokens,
-                            kv: bytes.as_deref().unwrap_or(&[]),
-                            doc: Some(&kv_doc),
-                        }],
-                    );
-                    let r = r.map_err(Error::from).and_then(|r| {
+                    let r = self.corpus.put_first(&kv_doc, &tokens, first.as_deref());
+                    let r = r.and_then(|first_bytes| {
+                        let mut r = self.corpus.store.put_batch(
+                            self.corpus.ns,
+                            self.corpus.layout,
+                            &[PutItem {
+                                tokens: &tokens,
+                                kv: bytes.as_deref().unwrap_or(&[]),
+                                doc: Some(&kv_doc),
+                            }],
+                        )?;
+                        r.bytes_written += first_bytes;
+                        Ok(r)
+                    });
+                    let r = r.and_then(|r| {
                         self.store_remote(&kv_doc, &tokens, bytes.as_deref())?;
                         Ok(r)
                     });

@@ -73,7 +73,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
     let mut citations = Vec::with_capacity(chunks.len());
     let mut writebacks = Vec::new();
     let (mut hits, mut misses) = (0, 0);
-    for c in chunks {
+    for (i, c) in chunks.into_iter().enumerate() {
         let pos = context.len();
         context.extend_from_slice(&c.tokens);
         let citation = |kv| Citation {
@@ -103,9 +103,11 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                     corpus.put_note(&c.tokens, &computed)?;
                 }
                 ranked.push(computed.ranked);
-                let bytes = computed.bytes;
+                let (bytes, first) = (computed.bytes, computed.first);
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
-                let kv = import(corpus, &bytes, query.assembly, pos, chunk_dtype)?;
+                // The chunk placed first, under `ingest.exact_first`: its copy for that place.
+                let placed = first.as_ref().filter(|_| i == 0).unwrap_or(&bytes);
+                let kv = import(corpus, placed, query.assembly, pos, chunk_dtype)?;
                 if query.kv == KvMode::On {
                     misses += 1;
                     writebacks.push(Writeback {
@@ -113,6 +115,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                         hash: c.hit.payload.doc_hash.clone(),
                         tokens: c.tokens.clone(),
                         bytes,
+                        first,
                         replace: c.corrupt,
                     });
                     (kv, KvSource::Recomputed)

@@ -110,6 +110,8 @@ pub(crate) struct Writeback {
     pub hash: String,
     pub tokens: Vec<u32>,
     pub bytes: Vec<u8>,
+    /// Under `ingest.exact_first`: the chunk's copy for the first place.
+    pub first: Option<Vec<u8>>,
     pub replace: bool,
 }
 

@@ -270,7 +270,7 @@ pub(crate) fn read_chunks(
         let ahead = fanout.threads().min(placed.len());
         fanout.run(placed.len(), |i, buf| {
             let next = placed.get(i + ahead).map(|(_, _, t)| t.as_slice());
-            load_one(src, (assembly, dtype), (&placed[i], next), buf)
+            load_one(src, (assembly, dtype), (&placed[i], next), i == 0, buf)
         })
     } else {
         placed.iter().map(|_| ChunkLoad::default()).collect()
@@ -347,17 +347,20 @@ struct ChunkLoad {
 /// One chunk's stored KV as `dtype` (by `assembly`), placed at its prompt position `pos`:
 /// from the resident tier, or read (into `buf`), verified and imported (and then kept in
 /// the tier); `next`, the chunk this thread's next one may be, announced between the read
-/// and the import.
+/// and the import. The chunk placed `first` reads its copy for that place where
+/// `ingest.exact_first` stored one ([`ingest::Corpus::first_namespace`]).
 fn load_one(
     src: &Source<'_>,
     (assembly, dtype): (Assembly, DType),
     ((pos, hit, tokens), next): (&Placed, Option<&[u32]>),
+    first: bool,
     buf: &mut Vec<u8>,
 ) -> ChunkLoad {
     let (corpus, m, resident) = (src.corpus, src.metrics, src.resident);
     let pos = *pos;
     let mut out = ChunkLoad::default();
-    let ns = corpus.namespace();
+    let first_ns = corpus.first_namespace().filter(|_| first);
+    let mut ns = first_ns.unwrap_or(corpus.namespace());
     // Before the read: an entry kept from it is dropped once anything leaves the store.
     let removals = corpus.store().removals();
     if let Some(kv) = resident.get(ns, tokens, removals) {
@@ -374,7 +377,21 @@ fn load_one(
         }
     }
     let t = Instant::now();
-    let read = read_stored(corpus, tokens, buf);
+    let mut read = None;
+    if let Some(f) = first_ns {
+        match corpus.store().get_batch_into(f, tokens, tokens.len(), buf) {
+            Ok(_) => read = Some(Ok(true)),
+            // Served from the chunk's own KV meanwhile; `rematerialize` replaces the copy.
+            Err(e) if e.is_damage() => {
+                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "the first place's copy failed verification; reading the chunk's own KV");
+            }
+            Err(_) => {}
+        }
+        if read.is_none() {
+            ns = corpus.namespace();
+        }
+    }
+    let read = read.unwrap_or_else(|| read_stored(corpus, tokens, buf));
     out.read = t.elapsed();
     if let Some(next) = next {
         announce(src, next);

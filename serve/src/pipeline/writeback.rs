@@ -20,7 +20,13 @@ pub(crate) fn run(w: &Worker, rx: Receiver<Writeback>) {
                 panic!("injected write-back fault");
             }
             w.engine
-                .write_back(&wb.doc, &wb.hash, &wb.tokens, &wb.bytes, wb.replace)
+                .write_back(
+                    &wb.doc,
+                    &wb.hash,
+                    &wb.tokens,
+                    (&wb.bytes, wb.first.as_deref()),
+                    wb.replace,
+                )
                 .map_err(Error::from)
         });
         match r.and_then(|r| r) {
