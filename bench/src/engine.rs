@@ -208,15 +208,33 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
         let tokens = corpus
             .chunk_tokens(&h.payload.text)
             .map_err(|x| e("tokenize")(x.to_string()))?;
-        if corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len() {
+        let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
+        let stored = corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len();
+        if stored {
+            if corpus
+                .stored(&tokens)
+                .map_err(|x| e("probe")(x.to_string()))?
+            {
+                continue;
+            }
+            // Under `ingest.exact_first`, only the copy for the first place is missing.
+            corpus
+                .first_kv(&tokens)
+                .and_then(|first| corpus.put_first(&doc, &tokens, first.as_deref()))
+                .map_err(|x| e("prefill")(x.to_string()))?;
+            n += 1;
             continue;
         }
         // Under `ingest.context`, after the chunk's neighbours, its note recorded first.
         let kv = corpus
             .chunk_kv_of_text(&tokens, &h.payload.text)
             .and_then(|kv| corpus.put_note(&tokens, &kv).map(|()| kv))
+            .and_then(|kv| {
+                corpus
+                    .put_first(&doc, &tokens, kv.first.as_deref())
+                    .map(|_| kv)
+            })
             .map_err(|x| e("prefill")(x.to_string()))?;
-        let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
         corpus.store().put_batch(
             corpus.namespace(),
             corpus.layout(),

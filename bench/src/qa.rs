@@ -142,6 +142,11 @@ pub struct Args {
     /// (`ingest.context_passage`); named in the lines' `context` (`+passage:` and a hash).
     #[arg(long)]
     pub context_passage: Option<PathBuf>,
+    /// With `--context prompt+neighbours:N` or `prompt+mean:N`: each chunk's KV also
+    /// materialized after the prompt's start alone and read for the chunk placed first
+    /// (`ingest.exact_first`); named in the lines' `context` (`+first`).
+    #[arg(long)]
+    pub exact_first: bool,
     /// Order of the retrieved chunks in every prompt, full prefill's included: `score` (the
     /// retrieval order, as `ragkv serve`) or, with `--context`, `neighbours`: each chunk right
     /// after the retrieved chunk its KV was prefilled after (`Corpus::neighbour_order`).
@@ -355,7 +360,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         link_tokens: args.link_tokens,
         strategies: strategies.iter().map(Assembly::to_string).collect(),
         codec: args.codec.map(|c| c.to_string()).unwrap_or_default(),
-        context: context::label(args.context, &passage),
+        context: context::label(args.context, &passage, args.exact_first),
         chunk_order: match (args.context, args.chunk_order) {
             (ingest::Context::None, _) | (_, ChunkOrder::Score) => String::new(),
             _ => "neighbours".into(),
@@ -385,7 +390,12 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         let rag = Rag::start(engine.clone(), config.clone()).map_err(check("server pipeline"))?;
         let ctx = match args.context {
             ingest::Context::None => None,
-            c => Some(Contexted::open(&engine, c, &passage, config.clone())?),
+            c => Some(Contexted::open(
+                &engine,
+                (c, args.exact_first),
+                &passage,
+                config.clone(),
+            )?),
         };
         let sides = Sides {
             plain: (&engine, &rag),

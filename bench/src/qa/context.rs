@@ -30,10 +30,10 @@ pub(crate) struct Contexted {
 
 impl Contexted {
     /// An engine over `base`'s store, index, embedder and model with `ingest.context =
-    /// context`, and a pipeline on it with `config`.
+    /// context` (and `ingest.exact_first`), and a pipeline on it with `config`.
     pub fn open(
         base: &ingest::Engine,
-        context: ingest::Context,
+        (context, exact_first): (ingest::Context, bool),
         passage: &str,
         config: ServeConfig,
     ) -> Result<Contexted, Error> {
@@ -46,6 +46,7 @@ impl Contexted {
             ingest::IngestConfig {
                 context,
                 context_passage: passage.into(),
+                exact_first,
                 system_prompt: config.system_prompt.clone(),
                 ..base.config().clone()
             },
@@ -86,12 +87,17 @@ pub(crate) fn passage(
 }
 
 /// The `context` of a run's header and lines: empty for `none`, else the mode, with
-/// `+passage:` and the first 8 hex digits of the passage's hash when there is one.
-pub(crate) fn label(context: ingest::Context, passage: &str) -> String {
+/// `+passage:` and the first 8 hex digits of the passage's hash when there is one, and
+/// `+first` under `--exact-first`.
+pub(crate) fn label(context: ingest::Context, passage: &str, exact_first: bool) -> String {
+    let first = if exact_first { "+first" } else { "" };
     match (context, passage) {
         (ingest::Context::None, _) => String::new(),
-        (c, "") => c.to_string(),
-        (c, p) => format!("{c}+passage:{}", &blake3::hash(p.as_bytes()).to_hex()[..8]),
+        (c, "") => format!("{c}{first}"),
+        (c, p) => format!(
+            "{c}+passage:{}{first}",
+            &blake3::hash(p.as_bytes()).to_hex()[..8]
+        ),
     }
 }
 
