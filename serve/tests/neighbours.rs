@@ -65,6 +65,36 @@ fn rows_after(m: &model::Model, before: &[u32], tokens: &[u32]) -> Kv {
         .unwrap()
 }
 
+/// A pipeline on `engine` with the system prompt its chunks were materialized after.
+fn pipeline(engine: &std::sync::Arc<ingest::Engine>) -> std::sync::Arc<serve::Rag> {
+    let config = serve::ServeConfig {
+        system_prompt: "Be brief.".into(),
+        ..serve::ServeConfig::default()
+    };
+    serve::Rag::start(engine.clone(), config).unwrap()
+}
+
+/// The question about the vault, over `top_k` chunks, answered by `assembly`.
+fn vault_query(assembly: serve::Assembly, top_k: usize) -> serve::Query {
+    serve::Query {
+        question: "What is the access code for the Orion vault?".into(),
+        top_k,
+        filter: Default::default(),
+        params: model::GenerateParams::default(),
+        kv: serve::KvMode::On,
+        assembly,
+    }
+}
+
+/// Stops `rag` and waits (up to 30 s) until its threads have let go of `engine`.
+fn stop(rag: std::sync::Arc<serve::Rag>, engine: &std::sync::Arc<ingest::Engine>) {
+    drop(rag);
+    let start = std::time::Instant::now();
+    while std::sync::Arc::strong_count(engine) > 1 && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn remat(engine: &ingest::Engine) -> ingest::RematReport {
     engine
         .rematerialize(
@@ -405,19 +435,8 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
     // the ranking leads with others, so other logits.
     let engine = std::sync::Arc::new(engine);
     let corpus = engine.corpus();
-    let config = serve::ServeConfig {
-        system_prompt: "Be brief.".into(),
-        ..serve::ServeConfig::default()
-    };
-    let rag = serve::Rag::start(engine.clone(), config).unwrap();
-    let query = |assembly| serve::Query {
-        question: "What is the access code for the Orion vault?".into(),
-        top_k: 2,
-        filter: Default::default(),
-        params: model::GenerateParams::default(),
-        kv: serve::KvMode::On,
-        assembly,
-    };
+    let rag = pipeline(&engine);
+    let query = |assembly| vault_query(assembly, 2);
     let sensitive = query(serve::Assembly::Sensitive(Some(2)));
     let hits = rag.retrieve(&sensitive).unwrap();
     let reordered = hits.iter().any(|h| {
@@ -439,11 +458,7 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
         d > 1e-4,
         "sensitive:2 and link:2 gave the same logits ({d})"
     );
-    drop(rag);
-    let start = std::time::Instant::now();
-    while std::sync::Arc::strong_count(&engine) > 1 && start.elapsed().as_secs() < 30 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    stop(rag, &engine);
 }
 
 #[test]
@@ -500,19 +515,8 @@ fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_star
     // `rematerialize` puts the copy back.
     let engine = std::sync::Arc::new(engine);
     let corpus = engine.corpus();
-    let config = serve::ServeConfig {
-        system_prompt: "Be brief.".into(),
-        ..serve::ServeConfig::default()
-    };
-    let rag = serve::Rag::start(engine.clone(), config).unwrap();
-    let query = |assembly| serve::Query {
-        question: "What is the access code for the Orion vault?".into(),
-        top_k: 1,
-        filter: Default::default(),
-        params: model::GenerateParams::default(),
-        kv: serve::KvMode::On,
-        assembly,
-    };
+    let rag = pipeline(&engine);
+    let query = |assembly| vault_query(assembly, 1);
     let hits = rag.retrieve(&query(serve::Assembly::Full)).unwrap();
     let first = corpus.chunk_tokens(&hits[0].payload.text).unwrap();
     let answer = &tokens[..3];
@@ -544,9 +548,5 @@ fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_star
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(corpus.stored(&first).unwrap(), "both copies written back");
-    drop(rag);
-    let start = std::time::Instant::now();
-    while std::sync::Arc::strong_count(&engine) > 1 && start.elapsed().as_secs() < 30 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    stop(rag, &engine);
 }

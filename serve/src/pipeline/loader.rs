@@ -381,9 +381,10 @@ fn load_one(
     if let Some(f) = first_ns {
         match corpus.store().get_batch_into(f, tokens, tokens.len(), buf) {
             Ok(_) => read = Some(Ok(true)),
-            // Served from the chunk's own KV meanwhile; `rematerialize` replaces the copy.
-            Err(e) if e.is_damage() => {
-                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "the first place's copy failed verification; reading the chunk's own KV");
+            // Served from the chunk's own KV meanwhile; `rematerialize` replaces a damaged
+            // or missing copy.
+            Err(e) if e.is_damage() || !e.is_miss() => {
+                tracing::warn!(error = %e, doc = %hit.payload.doc_id, "the first place's copy could not be read; reading the chunk's own KV");
             }
             Err(_) => {}
         }
