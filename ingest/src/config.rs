@@ -201,8 +201,9 @@ pub struct IngestConfig {
     /// stored in the namespace `context = "prompt"` uses. The server reads that copy for the
     /// chunk it places first, where it is exactly what full prefill computes; the chunks
     /// after it read the neighbour-materialized KV. Doubles the stored bytes; not part of
-    /// the main namespace (a store turns it on or off without re-materializing; a first
-    /// chunk whose copy is missing is read from the main namespace). Default `false`.
+    /// the main namespace (turning it on re-materializes none of the main KV: `ragkv
+    /// rematerialize` prefills only the missing copies, and a first chunk whose copy is
+    /// missing is read from the main namespace meanwhile). Default `false`.
     pub exact_first: bool,
     /// The system prompt of the RAG prompt chunks are prefilled after under `context =
     /// "prompt..."`; not read from `[ingest]`: the binary sets it to `serve.system_prompt`,
