@@ -209,14 +209,13 @@ pub fn materialize(engine: &ingest::Engine, hits: &[retrieval::Hit]) -> Result<u
             .chunk_tokens(&h.payload.text)
             .map_err(|x| e("tokenize")(x.to_string()))?;
         let doc = ingest::kv_doc(&h.payload.doc_id, &h.payload.doc_hash);
-        let stored = corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len();
-        if stored {
-            if corpus
-                .stored(&tokens)
-                .map_err(|x| e("probe")(x.to_string()))?
-            {
-                continue;
-            }
+        if corpus
+            .stored(&tokens)
+            .map_err(|x| e("probe")(x.to_string()))?
+        {
+            continue;
+        }
+        if corpus.store().probe(corpus.namespace(), &tokens)? == tokens.len() {
             // Under `ingest.exact_first`, only the copy for the first place is missing.
             corpus
                 .first_kv(&tokens)

@@ -372,8 +372,7 @@ impl Engine {
                 self.corpus.store.inspect(ns, &c.tokens, &mut buf)?,
                 SeqState::Present
             );
-            let first_ns = self.corpus.first_namespace();
-            let first_stored = match first_ns {
+            let first_stored = match self.corpus.first_namespace() {
                 Some(f) => matches!(
                     self.corpus.store.inspect(f, &c.tokens, &mut buf)?,
                     SeqState::Present
@@ -416,25 +415,22 @@ impl Engine {
                     }
                 }
             };
-            let [first_item, own_item] = [&first, &bytes].map(|kv| PutItem {
-                tokens: &c.tokens,
-                kv: kv.as_deref().unwrap_or(&[]),
-                doc: Some(&c.kv_doc),
-            });
             // The first place's copy before the chunk's own bytes (a crash between leaves the
             // chunk missing, found by the next run).
-            let put = match first_ns {
-                Some(f) => self
-                    .corpus
-                    .store
-                    .put_batch(f, self.corpus.layout(), &[first_item]),
-                None => Ok(Default::default()),
-            };
-            let put = put.and_then(|_| {
-                self.corpus
-                    .store
-                    .put_batch(ns, self.corpus.layout(), &[own_item])
-            });
+            let put = self
+                .corpus
+                .put_first(&c.kv_doc, &c.tokens, first.as_deref())
+                .and_then(|_| {
+                    let own = PutItem {
+                        tokens: &c.tokens,
+                        kv: bytes.as_deref().unwrap_or(&[]),
+                        doc: Some(&c.kv_doc),
+                    };
+                    Ok(self
+                        .corpus
+                        .store
+                        .put_batch(ns, self.corpus.layout(), &[own])?)
+                });
             let bytes = bytes.or(first);
             match put {
                 Ok(_) if reencoded => report.reencoded += 1,
@@ -443,12 +439,12 @@ impl Engine {
                     report.tokens_prefilled += c.tokens.len();
                 }
                 Ok(_) => report.attached += 1,
-                Err(e @ kvstore::Error::QuotaExceeded { .. }) => {
+                Err(Error::Store(e @ kvstore::Error::QuotaExceeded { .. })) => {
                     report
                         .failures
                         .push(format!("{}#{}: {e}", c.doc_id, c.chunk));
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
             counters.chunks_done.fetch_add(1, Ordering::Relaxed);
             counters
@@ -500,8 +496,9 @@ impl Engine {
     }
 
     /// Garbage collection: drops every namespace other than the current one (and, under
-    /// `ingest.exact_first`, its first place's copies') that no process has registered for `ingest.namespace_grace_hours`, detaches KV documents whose
-    /// document no point references any more, then rewrites segments holding dead bytes; on
+    /// `ingest.exact_first`, its first place's copies') that no process has registered for
+    /// `ingest.namespace_grace_hours`, detaches KV documents whose document no point
+    /// references any more, then rewrites segments holding dead bytes; on
     /// the shared tier (when ingest writes there), removes what no manifest references
     /// ([`remote::Remote::gc`]).
     pub fn gc(&self) -> Result<GcReport> {
