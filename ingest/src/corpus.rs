@@ -10,7 +10,7 @@ use model::Model;
 use remote::Remote;
 use retrieval::{Embedder, VectorIndex};
 
-use crate::config::IngestConfig;
+use crate::config::{Context, IngestConfig};
 use crate::error::{Error, Result};
 use crate::source::CONTENT_HASH_LEN;
 
@@ -65,6 +65,9 @@ pub struct Corpus {
     /// Under `ingest.exact_first`: the namespace of each chunk's KV after the prompt's start
     /// alone (`context = "prompt"`'s), read for the chunk a prompt places first.
     pub(crate) first_ns: Option<NamespaceId>,
+    /// Under a materialization in context: the namespaces of the same model's KV of each
+    /// chunk alone, read where `ns` misses ([`Corpus::plain_sources`]).
+    pub(crate) plain_sources: Vec<NamespaceId>,
     pub(crate) kv_dtype: model::DType,
 }
 
@@ -97,6 +100,7 @@ impl Corpus {
             let h = blake3::hash(config.chunk_preamble.as_bytes()).to_hex();
             format!("chunk-preamble-v1:{}", &h[..16])
         };
+        let plain_template = template.clone();
         // Materialization in context changes every chunk's KV: a namespace of its own (what
         // goes before every chunk named by a hash of its tokens).
         let mut template = template;
@@ -140,6 +144,19 @@ impl Corpus {
             }
             None => None,
         };
+        // Under a materialization in context, the same model's KV of each chunk alone
+        // (`context = "none"`, the default before `prompt+mean:2`), in this codec and
+        // losslessly: read where this corpus's own namespace misses, so a store written
+        // under the earlier default serves as it did until it is re-materialized.
+        let mut plain_sources = Vec::new();
+        if config.context != Context::None {
+            let mut fp = model.fingerprint(&config.chunker().id(), &plain_template)?;
+            fp.layout.dtype = layout.dtype;
+            plain_sources.push(fp.namespace_with_codec(codec));
+            if !codec.is_lossless() {
+                plain_sources.push(fp.namespace());
+            }
+        }
         Ok(Corpus {
             store,
             index,
@@ -153,6 +170,7 @@ impl Corpus {
             preamble,
             prompt_kv,
             first_ns,
+            plain_sources,
             kv_dtype,
         })
     }
@@ -219,6 +237,24 @@ impl Corpus {
     /// prompt's start alone, which a prompt's first chunk is read from.
     pub fn first_namespace(&self) -> Option<NamespaceId> {
         self.first_ns
+    }
+
+    /// Whether a chunk's own stored KV is what full prefill computes for the chunk a prompt
+    /// places first: `ingest.context = "prompt"` without `ingest.context_passage` (the
+    /// chunk after the prompt's start alone). Under `ingest.exact_first` the copy in
+    /// [`Corpus::first_namespace`] is, not the chunk's own KV.
+    pub fn own_kv_exact_first(&self) -> bool {
+        self.config.context == Context::Prompt && self.config.context_passage.is_empty()
+    }
+
+    /// Under `ingest.context` other than `none`: the namespaces holding the same model's KV
+    /// of each chunk prefilled alone (`none`'s, the default before `prompt+mean:2`), in this
+    /// corpus's codec, then losslessly. The server reads a chunk from them where this
+    /// corpus's namespace (and [`Corpus::lossless_source`]) misses it: a store written under
+    /// the earlier default answers as it did while ingest or `ragkv rematerialize`
+    /// re-materializes it. Empty under `none`.
+    pub fn plain_sources(&self) -> &[NamespaceId] {
+        &self.plain_sources
     }
 
     /// The namespace holding this model's KV losslessly, when chunks are stored with a lossy

@@ -41,33 +41,24 @@
 //! `link:32` 90.3 % at 3.1× `reposition`'s TTFT, `query-aware:0.3` 91.3 % at 10.9×, `link:128`
 //! 92.8 % at 10×, `reposition+recompute:0.5` 94.5 % at 21× (69 % of full prefill's); the
 //! heavy ones lose F1 (−5 to −6 points against full, intervals excluding zero).
-//! APE's attention temperature and scale moved agreement by less than a point (not landed).
 //!
 //! `link:2` is the default: the only repair within 1.5× `reposition`'s time to first token,
 //! and measurably closer to full prefill than it (F1 differences of a few points are within
 //! the run's ±7-point intervals). `link:32` where three times the TTFT is affordable.
 //!
-//! Every strategy reads chunk KV as it is stored; `ingest.context = "neighbours:N"` stores KV
-//! each chunk computed after its N nearest chunks (moved back to `0..n`), which no strategy
-//! needs to know. Measured (same setting, `ragkv eval qa --context neighbours:N`): `link:2`
-//! agrees on 90.3 % of full prefill's tokens with `neighbours:1` and 90.7 % with
-//! `neighbours:2` (plain: 87.7 %), closing 33-35 % of `naive`'s gap instead of 15 %, at the
-//! same time to first token and stored bytes; `link:8` on `neighbours:2` closes 45 % at 1.9×
-//! `reposition`'s TTFT, `window:32` 41 % at 7.5×. The price is (N+1)× the prefill at ingest
-//! (docs/BENCHMARKS.md, "Spending the work at ingestion"). `ingest.context = "prompt"` (each
-//! chunk after the prompt's start, so its first tokens are no sink) closes 22 % with
-//! `reposition` alone, as much as `link:2` on it and more than `link:2` on plain KV (17 %), at
-//! 1.1× the ingest prefill; with a fixed passage after the start (`ingest.context_passage`),
-//! `link:2` closes 30 %, about `neighbours:1`'s share, at 1.5× (docs/BENCHMARKS.md, "After the
-//! prompt's start"). Both together (`prompt+neighbours:1`): `link:2` 37 %, `link:8` 47 % at 2×
-//! `reposition`'s TTFT, `link:32` 49 % at 4.5×, `link:64` 54 % (F1 within full prefill's
-//! interval) at ~7.8× on two CPU cores, where each recomputed token costs a question token's
-//! compute; a second neighbour (`prompt+neighbours:2`) adds nothing measurable (`link:2` 39 %,
-//! `link:8` 45 %). Each chunk's rows averaged over its two nearest neighbours' contexts
-//! (`prompt+mean:2`) lift `link:2` to 43 % (31 % for `prompt+neighbours:1` on the same index)
-//! at the same TTFT (`link:4` on it 45 % at 1.50×, the best within 1.5× measured), a third
-//! context (`prompt+mean:3`) no further (41 %; `link:4` 45 % at 1.5×); `sensitive:3` 46 % at
-//! 1.41× beside `link:4`'s 46 % at 1.47× (another index). `bench ttft --strategy` times one.
+//! Every strategy reads chunk KV as it is stored, whatever context ingest prefilled it in
+//! (`ingest.context`: after its nearest chunks, after the prompt's start, or the mean of its
+//! rows over several such contexts), which no strategy needs to know. What each mode buys
+//! `link:2` (share of `naive`'s gap to full prefill closed, same setting): plain 15 %,
+//! `neighbours:1` 33 %, `prompt` 22 %, `prompt+neighbours:1` 37 %, `prompt+mean:2` 43 %, and
+//! with `ingest.exact_first` (the first chunk's copy after the prompt's start alone) 50 %;
+//! their ingest cost and every other strategy on them: docs/BENCHMARKS.md, "Spending the work
+//! at ingestion". `bench ttft --strategy` times one.
+//!
+//! A first chunk whose KV is what full prefill computes at its place (its copy after the
+//! prompt's start alone under `ingest.exact_first`, or its own KV under `ingest.context =
+//! "prompt"`) is not repaired: `link`, `sensitive` and `window` start at the second chunk
+//! ([`Prompt::exact_chunks`]), so `link:k` over five chunks recomputes `4k` tokens.
 //!
 //! Recomputed tokens attend to the whole context (prefix and every chunk, causally), with
 //! their own rows replaced layer by layer ([`model::Decoder::recompute`]); `link` with `k` at
@@ -347,6 +338,10 @@ pub struct Prompt<'a> {
     /// Each chunk's token offsets, the most moved between its ingest contexts first
     /// ([`ingest::Corpus::ranked_offsets`]); only `sensitive` reads them (empty: none).
     pub ranked: Vec<Vec<u16>>,
+    /// How many chunks, from the first, hold what full prefill computes at their place (the
+    /// first place's copy, `ingest.exact_first`): `link`, `sensitive` and `window` recompute
+    /// none of their tokens.
+    pub exact_chunks: usize,
 }
 
 /// When a `link` repair recomputes its rows.
@@ -433,10 +428,14 @@ pub fn assemble_into(
         tokens,
         question,
         ranked,
+        exact_chunks,
     } = prompt;
     let Target { room, dtype, link } = target;
     let exact = prefix.len();
     let lens: Vec<usize> = chunks.iter().map(Kv::len).collect();
+    // Where the boundary repairs start: after the prefix and the chunks already exact.
+    let skip = exact_chunks.min(lens.len());
+    let repaired_from = exact + lens[..skip].iter().sum::<usize>();
     let mut parts = Vec::with_capacity(chunks.len() + 1);
     parts.push(prefix.clone());
     parts.extend(chunks);
@@ -465,11 +464,12 @@ pub fn assemble_into(
         }
         Assembly::Link(k) => {
             let k = k.map_or(repair.link_tokens, |k| k as usize);
-            model::link_positions(exact, &lens, k)
+            model::link_positions(repaired_from, &lens[skip..], k)
         }
         Assembly::Sensitive(k) => {
             let k = k.map_or(repair.link_tokens, |k| k as usize);
-            model::sensitive_positions(exact, &lens, &ranked, k)
+            let ranked = ranked.get(skip..).unwrap_or_default();
+            model::sensitive_positions(repaired_from, &lens[skip..], ranked, k)
         }
         Assembly::QueryAware(s) => {
             let all = Kv::concat(&parts)?;
@@ -484,7 +484,8 @@ pub fn assemble_into(
                 .decoder()
                 .question_attention(&all, question, score_layers(model))?;
             let k = k.unwrap_or(WINDOW_TOKENS) as usize;
-            model::window_positions(exact, &lens, &scores[exact..], k, share(None))
+            let (from, lens) = (repaired_from, &lens[skip..]);
+            model::window_positions(from, lens, &scores[from..], k, share(None))
         }
     };
     let mut cache = KvCache::from_parts_in(&parts, extra, dtype)?;

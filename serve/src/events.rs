@@ -77,7 +77,7 @@ pub struct Final {
     pub kv_misses: usize,
     /// The assembly strategy used.
     pub assembly: Assembly,
-    /// Chunk tokens recomputed with full attention (`reposition+recompute`).
+    /// Chunk tokens recomputed with full attention (the strategy's repair).
     pub recomputed_tokens: usize,
     /// Tokens of the assembled prompt (prefix + chunks + question) and of the answer.
     pub prompt_tokens: usize,

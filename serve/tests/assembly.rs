@@ -25,6 +25,7 @@ fn prompt<'a>(pkv: &'a Kv, chunks: Vec<Kv>, tokens: &'a [u32], question: &'a [u3
         tokens,
         question,
         ranked: Vec::new(),
+        exact_chunks: 0,
     }
 }
 
@@ -295,6 +296,82 @@ fn whole_repairs_reproduce_full_prefill() {
     assert_eq!(n, (every as f64 * 0.25).ceil() as usize);
     eprintln!("link:2 {d_link:e}, query-aware:0.25 {d_qa:e}, plain {plain:e}");
     assert!(d_link < plain && d_qa < plain, "{d_link} {d_qa} vs {plain}");
+}
+
+/// A first chunk whose KV is what full prefill computes at its place (the first place's
+/// copy, `ingest.exact_first`) is not repaired: `link`, `sensitive` and `window` recompute
+/// only the later chunks' tokens, and with every one of those recomputed the logits are
+/// full prefill's.
+#[test]
+fn an_exact_first_chunk_is_not_repaired() {
+    let m = common::model();
+    let c = two_chunks(&m);
+    let question = m
+        .tokenizer()
+        .encode_markup("Question: Who commands the ship?<|im_end|>\n<|im_start|>assistant\n")
+        .unwrap();
+    let mut cache =
+        model::KvCache::from_kv(&c.pkv, c.a.len() + c.b.len() + question.len()).unwrap();
+    let rest: Vec<u32> = [&c.a[..], &c.b, &question].concat();
+    let full = m
+        .decoder()
+        .forward(&mut cache, &rest, model::Logits::Last)
+        .unwrap();
+    // Chunk A after the prefix: full prefill's rows there, as the copy holds them.
+    let (whole, _) = m.decoder().prefill(&c.tokens, 0).unwrap();
+    let a_exact = whole.narrow(c.pa, c.a.len()).unwrap();
+    let run = |asm: Assembly, exact_chunks: usize, ranked: Vec<Vec<u16>>| {
+        let chunks = vec![a_exact.clone(), asm.place(&m, c.b0.clone(), c.pb).unwrap()];
+        let p = Prompt {
+            exact_chunks,
+            ranked,
+            ..prompt(&c.pkv, chunks, &c.tokens, &question)
+        };
+        let r = assemble(&m, asm, &REPAIR, p).unwrap();
+        let logits = r.logits.clone().unwrap_or_else(|| {
+            // Plain assembly leaves the question to feed.
+            let mut cache = model::KvCache::from_kv(&r.kv, question.len()).unwrap();
+            m.decoder()
+                .forward(&mut cache, &question, model::Logits::Last)
+                .unwrap()
+        });
+        (logits, r.positions)
+    };
+    let d = |l: &Tensor| max_abs_diff(l, &full);
+    let b_all: Vec<usize> = (c.pb..c.pb + c.b.len()).collect();
+    let (l, at) = run(Assembly::Link(Some(1000)), 1, Vec::new());
+    assert_eq!(at, b_all, "link: only the second chunk");
+    assert!(
+        d(&l) < 1e-3,
+        "the exact chunk and the second recomputed: {}",
+        d(&l)
+    );
+    let (l, at) = run(Assembly::Link(Some(1000)), 0, Vec::new());
+    assert_eq!(at.len(), c.a.len() + c.b.len());
+    assert!(d(&l) < 1e-3, "{}", d(&l));
+    // Recomputing the exact chunk's first tokens would only give its rows back.
+    let (skipped, at) = run(Assembly::Link(Some(2)), 1, Vec::new());
+    assert_eq!(at, [c.pb, c.pb + 1]);
+    let (not, at) = run(Assembly::Link(Some(2)), 0, Vec::new());
+    assert_eq!(at, [c.pa, c.pa + 1, c.pb, c.pb + 1]);
+    let same = max_abs_diff(&skipped, &not);
+    let (plain, _) = run(Assembly::Reposition, 1, Vec::new());
+    assert!(
+        same < 1e-3 && d(&plain) > 1e-2,
+        "link:2 with and without the exact chunk's tokens: {same}; plain {}",
+        d(&plain)
+    );
+    let (_, at) = run(Assembly::Sensitive(Some(2)), 1, vec![vec![3, 1], vec![2]]);
+    assert_eq!(
+        at,
+        [c.pb, c.pb + 2],
+        "sensitive: the second chunk's ranking"
+    );
+    let (_, at) = run(Assembly::Window(Some(2)), 1, Vec::new());
+    assert!(
+        !at.is_empty() && at.iter().all(|&p| p >= c.pb),
+        "window: {at:?}"
+    );
 }
 
 const PLANTED: &[(&str, &str, &str, &str)] = &[

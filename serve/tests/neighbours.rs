@@ -65,15 +65,6 @@ fn rows_after(m: &model::Model, before: &[u32], tokens: &[u32]) -> Kv {
         .unwrap()
 }
 
-/// A pipeline on `engine` with the system prompt its chunks were materialized after.
-fn pipeline(engine: &std::sync::Arc<ingest::Engine>) -> std::sync::Arc<serve::Rag> {
-    let config = serve::ServeConfig {
-        system_prompt: "Be brief.".into(),
-        ..serve::ServeConfig::default()
-    };
-    serve::Rag::start(engine.clone(), config).unwrap()
-}
-
 /// The question about the vault, over `top_k` chunks, answered by `assembly`.
 fn vault_query(assembly: serve::Assembly, top_k: usize) -> serve::Query {
     serve::Query {
@@ -83,15 +74,6 @@ fn vault_query(assembly: serve::Assembly, top_k: usize) -> serve::Query {
         params: model::GenerateParams::default(),
         kv: serve::KvMode::On,
         assembly,
-    }
-}
-
-/// Stops `rag` and waits (up to 30 s) until its threads have let go of `engine`.
-fn stop(rag: std::sync::Arc<serve::Rag>, engine: &std::sync::Arc<ingest::Engine>) {
-    drop(rag);
-    let start = std::time::Instant::now();
-    while std::sync::Arc::strong_count(engine) > 1 && start.elapsed().as_secs() < 30 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 
@@ -435,7 +417,7 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
     // the ranking leads with others, so other logits.
     let engine = std::sync::Arc::new(engine);
     let corpus = engine.corpus();
-    let rag = pipeline(&engine);
+    let rag = common::pipeline(&engine, "Be brief.");
     let query = |assembly| vault_query(assembly, 2);
     let sensitive = query(serve::Assembly::Sensitive(Some(2)));
     let hits = rag.retrieve(&sensitive).unwrap();
@@ -458,7 +440,7 @@ fn a_chunk_stored_under_mean_is_the_mean_of_its_rows_after_each_neighbour() {
         d > 1e-4,
         "sensitive:2 and link:2 gave the same logits ({d})"
     );
-    stop(rag, &engine);
+    common::stop(rag, &engine);
 }
 
 #[test]
@@ -515,7 +497,7 @@ fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_star
     // `rematerialize` puts the copy back.
     let engine = std::sync::Arc::new(engine);
     let corpus = engine.corpus();
-    let rag = pipeline(&engine);
+    let rag = common::pipeline(&engine, "Be brief.");
     let query = |assembly| vault_query(assembly, 1);
     let hits = rag.retrieve(&query(serve::Assembly::Full)).unwrap();
     let first = corpus.chunk_tokens(&hits[0].payload.text).unwrap();
@@ -523,9 +505,16 @@ fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_star
     let forced = |asm| rag.forced(&query(asm), hits.clone(), answer).unwrap();
     let full = forced(serve::Assembly::Full);
     let exact = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    // `link` leaves the copy as it is: nothing of it to repair.
+    let linked = || {
+        let f = common::answer(&rag, query(serve::Assembly::Link(Some(2))), hits.clone());
+        f.recomputed_tokens
+    };
+    assert_eq!(linked(), 0);
     corpus.store().delete(first_ns, &first, 0).unwrap();
     assert!(!corpus.stored(&first).unwrap());
     let mean = common::max_abs_diff(&forced(serve::Assembly::Reposition), &full);
+    assert_eq!(linked(), 2, "the chunk's own (mean) KV is repaired");
     let r = remat(&engine);
     assert_eq!((r.missing, r.prefilled), (1, 1), "{r:?}");
     assert!(corpus.stored(&first).unwrap());
@@ -548,5 +537,5 @@ fn under_exact_first_the_chunk_placed_first_reads_its_copy_after_the_prompt_star
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(corpus.stored(&first).unwrap(), "both copies written back");
-    stop(rag, &engine);
+    common::stop(rag, &engine);
 }

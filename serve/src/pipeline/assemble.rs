@@ -73,6 +73,8 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
     let mut citations = Vec::with_capacity(chunks.len());
     let mut writebacks = Vec::new();
     let (mut hits, mut misses) = (0, 0);
+    // Whether the chunk placed first holds what full prefill computes there: no repair then.
+    let mut first_exact = false;
     for (i, c) in chunks.into_iter().enumerate() {
         let pos = context.len();
         context.extend_from_slice(&c.tokens);
@@ -90,6 +92,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
         let (kv, source) = match c.kv {
             Some(kv) => {
                 hits += 1;
+                first_exact |= i == 0 && c.exact;
                 ranked.push(c.ranked);
                 (kv, KvSource::Stored)
             }
@@ -106,7 +109,9 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                 let (bytes, first) = (computed.bytes, computed.first);
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
                 // The chunk placed first, under `ingest.exact_first`: its copy for that place.
-                let placed = first.as_ref().filter(|_| i == 0).unwrap_or(&bytes);
+                let copy = first.as_ref().filter(|_| i == 0);
+                first_exact |= i == 0 && (copy.is_some() || corpus.own_kv_exact_first());
+                let placed = copy.unwrap_or(&bytes);
                 let kv = import(corpus, placed, query.assembly, pos, chunk_dtype)?;
                 if query.kv == KvMode::On {
                     misses += 1;
@@ -140,6 +145,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
             tokens: &context,
             question: &question,
             ranked,
+            exact_chunks: usize::from(first_exact),
         };
         let r = assemble_into(model, query.assembly, repair, prompt, target)?;
         let redo = if r.deferred {

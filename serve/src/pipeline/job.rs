@@ -99,6 +99,9 @@ pub(crate) struct Loaded {
     pub kv: Option<Kv>,
     /// The stored copy failed verification: write the recomputed KV over it.
     pub corrupt: bool,
+    /// `kv` is what full prefill computes at the chunk's place: placed first, its copy under
+    /// `ingest.exact_first`, or its own KV under `ingest.context = "prompt"`.
+    pub exact: bool,
     /// Its note's token offsets, the most moved between its ingest contexts first: read
     /// for `sensitive` only ([`ingest::Corpus::ranked_offsets`]).
     pub ranked: Vec<u16>,

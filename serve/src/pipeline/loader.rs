@@ -215,26 +215,35 @@ fn place(
     Ok(kv)
 }
 
-/// A chunk's stored KV into `buf`: from the corpus's namespace (`Ok(true)`), or, when that
-/// misses and chunks are stored with a lossy codec, from the same model's lossless namespace
-/// (`Ok(false)`: a store written before the codec changed serves as it did until `ragkv
-/// rematerialize` re-encodes it).
-fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<bool> {
-    let n = tokens.len();
-    match corpus
-        .store()
-        .get_batch_into(corpus.namespace(), tokens, n, buf)
-    {
-        Err(e) if e.is_miss() && !e.is_damage() => match corpus.lossless_source() {
-            Some(src) => corpus
-                .store()
-                .get_batch_into(src, tokens, n, buf)
-                .map(|_| false)
-                .map_err(|_| e),
-            None => Err(e),
-        },
-        r => r.map(|_| true),
+/// Where [`read_stored`] found a chunk's KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    /// The corpus's namespace.
+    Own,
+    /// The same KV losslessly: chunks are stored with a lossy codec, and this store was
+    /// written before (it serves as it did until `ragkv rematerialize` re-encodes it).
+    Lossless,
+    /// The chunk prefilled alone ([`ingest::Corpus::plain_sources`]): a store written under
+    /// the earlier default materialization, served as it was until it is re-materialized.
+    Plain,
+}
+
+/// A chunk's stored KV into `buf`: from the corpus's namespace, or, when that misses, from
+/// the same model's lossless namespace, then its KV of the chunk prefilled alone.
+fn read_stored(corpus: &Corpus, tokens: &[u32], buf: &mut Vec<u8>) -> kvstore::Result<Found> {
+    let (store, n) = (corpus.store(), tokens.len());
+    let miss = match store.get_batch_into(corpus.namespace(), tokens, n, buf) {
+        Err(e) if e.is_miss() && !e.is_damage() => e,
+        r => return r.map(|_| Found::Own),
+    };
+    let lossless = corpus.lossless_source().map(|ns| (ns, Found::Lossless));
+    let plain = corpus.plain_sources().iter().map(|&ns| (ns, Found::Plain));
+    for (ns, found) in lossless.into_iter().chain(plain) {
+        if store.get_batch_into(ns, tokens, n, buf).is_ok() {
+            return Ok(found);
+        }
     }
+    Err(miss)
 }
 
 /// Reads the stored KV of a query's chunks (verified, imported, placed from position `pos`
@@ -306,6 +315,7 @@ pub(crate) fn read_chunks(
                 tokens,
                 kv: l.kv,
                 corrupt: l.corrupt,
+                exact: l.exact,
                 ranked,
             };
             Ok((pos, loaded))
@@ -338,6 +348,8 @@ struct ChunkLoad {
     kv: Option<Kv>,
     /// Its stored KV failed verification or import (to be recomputed and replaced).
     corrupt: bool,
+    /// `kv` is what full prefill computes at the chunk's place (the first).
+    exact: bool,
     /// It came from the resident tier.
     resident: bool,
     read: Duration,
@@ -369,6 +381,7 @@ fn load_one(
             Ok(kv) => {
                 out.kv = Some(kv);
                 out.resident = true;
+                out.exact = first && (first_ns == Some(ns) || corpus.own_kv_exact_first());
                 out.import = t.elapsed();
                 return out;
             }
@@ -380,7 +393,7 @@ fn load_one(
     let mut read = None;
     if let Some(f) = first_ns {
         match corpus.store().get_batch_into(f, tokens, tokens.len(), buf) {
-            Ok(_) => read = Some(Ok(true)),
+            Ok(_) => read = Some(Ok(Found::Own)),
             // Served from the chunk's own KV meanwhile; `rematerialize` replaces a damaged
             // or missing copy.
             Err(e) if e.is_damage() || !e.is_miss() => {
@@ -398,11 +411,11 @@ fn load_one(
         announce(src, next);
     }
     match read {
-        Ok(own) => {
+        Ok(found) => {
             m.kv_bytes_loaded
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
             let t = Instant::now();
-            let keep = own && resident.enabled();
+            let keep = found == Found::Own && resident.enabled();
             let imported = if keep {
                 // The tier keeps the chunk as imported, before it is placed.
                 Kv::from_bytes(buf, &corpus.layout(), corpus.model().device()).and_then(|kv| {
@@ -414,7 +427,14 @@ fn load_one(
                 import(corpus, buf, assembly, pos, dtype)
             };
             match imported {
-                Ok(kv) => out.kv = Some(kv),
+                Ok(kv) => {
+                    out.kv = Some(kv);
+                    // What full prefill computes at the first place: its copy, or the
+                    // chunk's own KV where that is after the prompt's start alone.
+                    out.exact = first
+                        && (first_ns == Some(ns)
+                            || (found != Found::Plain && corpus.own_kv_exact_first()));
+                }
                 Err(e) if e.is_kv_mismatch() => {
                     tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not fit the model; recomputing and replacing it");
                     out.corrupt = true;

@@ -103,6 +103,28 @@ pub fn ingest_eager(engine: &ingest::Engine, source: ingest::Source) -> ingest::
         .unwrap()
 }
 
+/// A pipeline on `engine` with `system_prompt` (the one its chunks were materialized after
+/// under `ingest.context = "prompt..."`).
+pub fn pipeline(
+    engine: &std::sync::Arc<ingest::Engine>,
+    system_prompt: &str,
+) -> std::sync::Arc<serve::Rag> {
+    let config = serve::ServeConfig {
+        system_prompt: system_prompt.into(),
+        ..serve::ServeConfig::default()
+    };
+    serve::Rag::start(engine.clone(), config).unwrap()
+}
+
+/// Stops `rag` and waits (up to 30 s) until its threads have let go of `engine`.
+pub fn stop(rag: std::sync::Arc<serve::Rag>, engine: &std::sync::Arc<ingest::Engine>) {
+    drop(rag);
+    let start = std::time::Instant::now();
+    while std::sync::Arc::strong_count(engine) > 1 && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// A query's final record through the pipeline (its text pieces skipped).
 pub fn answer(rag: &serve::Rag, q: serve::Query, hits: Vec<retrieval::Hit>) -> Box<serve::Final> {
     let asm = q.assembly;
