@@ -122,7 +122,7 @@ impl Default for Config {
             model: ModelConfig::default(),
             embedder: retrieval::EmbedderConfig::default(),
             index: retrieval::IndexConfig::default(),
-            ingest: ingest::IngestConfig::default(),
+            ingest: ingest::IngestConfig::recommended(),
             serve: serve::ServeConfig::default(),
             remote: remote::RemoteConfig::default(),
         }
@@ -166,21 +166,43 @@ impl Config {
     /// Loads defaults, then the file, then the environment. `explicit` is `--config`: when
     /// given the file must exist; otherwise `ragkv.toml` is read if present.
     pub fn load(explicit: Option<&Path>) -> Result<Config> {
-        let mut value = toml::Value::try_from(Config::default()).context("encoding defaults")?;
         let file = match explicit {
             Some(p) => Some(p.to_path_buf()),
             None => Some(PathBuf::from("ragkv.toml")).filter(|p| p.exists()),
         };
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading config file {}", path.display()))?;
-            let from_file: toml::Value = toml::from_str(&text)
-                .with_context(|| format!("parsing config file {}", path.display()))?;
+        let from_file = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading config file {}", path.display()))?;
+                let value: toml::Value = toml::from_str(&text)
+                    .with_context(|| format!("parsing config file {}", path.display()))?;
+                Some(value)
+            }
+            None => None,
+        };
+        Config::from_layers(from_file, std::env::vars())
+    }
+
+    /// The defaults, then `file`'s values, then the `RAGKV__...` variables of `env`.
+    fn from_layers(
+        file: Option<toml::Value>,
+        env: impl Iterator<Item = (String, String)>,
+    ) -> Result<Config> {
+        let mut value = toml::Value::try_from(Config::default()).context("encoding defaults")?;
+        // `ingest.exact_first` named by the file or the environment; otherwise it follows
+        // `ingest.context` (on where it applies), so that choosing another mode needs one key.
+        let mut exact_first_named = false;
+        if let Some(from_file) = file {
+            exact_first_named |= from_file
+                .get("ingest")
+                .and_then(|i| i.get("exact_first"))
+                .is_some();
             merge(&mut value, from_file);
         }
-        for (k, v) in std::env::vars() {
+        for (k, v) in env {
             if let Some(path) = k.strip_prefix(ENV_PREFIX) {
                 let keys: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
+                exact_first_named |= keys == ["ingest", "exact_first"];
                 set_path(&mut value, &keys, &v)
                     .with_context(|| format!("environment variable {k}"))?;
             }
@@ -189,6 +211,9 @@ impl Config {
         // Chunks stored under `ingest.context = "prompt..."` are prefilled after the prompt
         // the server builds: one key says what it is.
         config.ingest.system_prompt = config.serve.system_prompt.clone();
+        if !exact_first_named {
+            config.ingest.exact_first = config.ingest.exact_first_applies();
+        }
         Ok(config)
     }
 
@@ -443,6 +468,47 @@ mod tests {
         set_path(&mut v, &["serve".into(), "load_threads".into()], "4").unwrap();
         assert_eq!(v.try_into::<Config>().unwrap().serve.load_threads, 4);
         assert!(Config::default().validate().is_ok());
+    }
+
+    #[test]
+    fn exact_first_follows_the_materialization_unless_named() {
+        let env = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        let file = |text: &str| Some(toml::from_str::<toml::Value>(text).unwrap());
+        let c = Config::from_layers(None, env(&[])).unwrap();
+        assert_eq!(c.ingest.context.to_string(), "prompt+mean:2");
+        assert!(c.ingest.exact_first);
+        c.validate().unwrap();
+        // Another mode by one key: the copies follow it.
+        for (f, e) in [
+            (file("[ingest]\ncontext = \"none\""), env(&[])),
+            (None, env(&[("RAGKV__INGEST__CONTEXT", "prompt")])),
+        ] {
+            let c = Config::from_layers(f, e).unwrap();
+            assert!(!c.ingest.exact_first, "{}", c.ingest.context);
+            c.validate().unwrap();
+        }
+        let c = Config::from_layers(
+            None,
+            env(&[("RAGKV__INGEST__CONTEXT", "prompt+neighbours:1")]),
+        )
+        .unwrap();
+        assert!(c.ingest.exact_first);
+        // Named, it is what was asked for, and refused where it cannot apply.
+        let c = Config::from_layers(file("[ingest]\nexact_first = false"), env(&[])).unwrap();
+        assert!(!c.ingest.exact_first);
+        let named = env(&[
+            ("RAGKV__INGEST__CONTEXT", "none"),
+            ("RAGKV__INGEST__EXACT_FIRST", "true"),
+        ]);
+        let c = Config::from_layers(None, named).unwrap();
+        let e = format!("{:#}", c.validate().unwrap_err());
+        assert!(e.contains("ingest.exact_first"), "{e}");
     }
 
     #[test]

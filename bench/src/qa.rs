@@ -133,9 +133,9 @@ pub struct Args {
     pub codec: Option<kvstore::Codec>,
     /// Materialize chunk KV after each chunk's neighbours and/or the prompt's start
     /// (`ingest.context`: `none`, `prompt`, `neighbours:N`, `prompt+neighbours:N`, `mean:N`,
-    /// `prompt+mean:N`); the
-    /// strategies answer from it, `naive` from plain KV is the baseline.
-    #[arg(long, default_value = "none")]
+    /// `prompt+mean:N`; default: `ragkv`'s, `prompt+mean:2`); the strategies answer from it,
+    /// `naive` from plain KV is the baseline.
+    #[arg(long, default_value_t = ingest::IngestConfig::recommended().context)]
     pub context: ingest::Context,
     /// With `--context prompt` (or `prompt+neighbours:N`): a text file placed after the
     /// prompt's start, before every chunk, when its KV is materialized
@@ -144,9 +144,10 @@ pub struct Args {
     pub context_passage: Option<PathBuf>,
     /// With `--context prompt+neighbours:N` or `prompt+mean:N`: each chunk's KV also
     /// materialized after the prompt's start alone and read for the chunk placed first
-    /// (`ingest.exact_first`); named in the lines' `context` (`+first`).
-    #[arg(long)]
-    pub exact_first: bool,
+    /// (`ingest.exact_first`); named in the lines' `context` (`+first`). Default: as
+    /// `ragkv`, on where it applies (`--exact-first false`: off).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub exact_first: Option<bool>,
     /// Order of the retrieved chunks in every prompt, full prefill's included: `score` (the
     /// retrieval order, as `ragkv serve`) or, with `--context`, `neighbours`: each chunk right
     /// after the retrieved chunk its KV was prefilled after (`Corpus::neighbour_order`).
@@ -360,7 +361,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
         link_tokens: args.link_tokens,
         strategies: strategies.iter().map(Assembly::to_string).collect(),
         codec: args.codec.map(|c| c.to_string()).unwrap_or_default(),
-        context: context::label(args.context, &passage, args.exact_first),
+        context: context::label(args.context, &passage, context::exact_first(args)),
         chunk_order: match (args.context, args.chunk_order) {
             (ingest::Context::None, _) | (_, ChunkOrder::Score) => String::new(),
             _ => "neighbours".into(),
@@ -392,7 +393,7 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
             ingest::Context::None => None,
             c => Some(Contexted::open(
                 &engine,
-                (c, args.exact_first),
+                (c, context::exact_first(args)),
                 &passage,
                 config.clone(),
             )?),

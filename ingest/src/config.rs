@@ -97,6 +97,12 @@ impl Context {
         )
     }
 
+    /// Whether `ingest.exact_first` can apply (without a passage): neighbours after the
+    /// prompt's start.
+    pub fn takes_exact_first(self) -> bool {
+        self.neighbours() > 0 && self.prompt()
+    }
+
     /// Whether the stored rows are the mean over one context per neighbour (`mean:N`), not
     /// one prefill after all of them.
     pub fn averaged(self) -> bool {
@@ -240,6 +246,27 @@ impl IngestConfig {
         }
     }
 
+    /// Whether `exact_first` can apply to this materialization: a mode with neighbours after
+    /// the prompt's start (`prompt+neighbours:N`, `prompt+mean:N`) and no
+    /// `context_passage`. Elsewhere the chunk's KV already is what full prefill computes in
+    /// the first place (`prompt`), or no copy can be (no prompt's start, or a passage).
+    pub fn exact_first_applies(&self) -> bool {
+        self.context.takes_exact_first() && self.context_passage.is_empty()
+    }
+
+    /// The materialization the `ragkv` binary uses unless configured otherwise: each chunk's
+    /// rows averaged over two neighbour contexts after the prompt's start, and its copy
+    /// after the prompt's start alone for the first place (`prompt+mean:2`, `exact_first`;
+    /// docs/BENCHMARKS.md, "The first chunk exact"). [`IngestConfig::default`] keeps each
+    /// chunk alone (`none`), the cheapest, for library users and tests.
+    pub fn recommended() -> IngestConfig {
+        IngestConfig {
+            context: Context::PromptMean(2),
+            exact_first: true,
+            ..IngestConfig::default()
+        }
+    }
+
     /// Checks ranges; the error names the field.
     pub fn validate(&self) -> Result<()> {
         self.chunker().validate().map_err(|why| Error::Invalid {
@@ -262,7 +289,7 @@ impl IngestConfig {
                 ),
             });
         }
-        if self.exact_first && (self.context.neighbours() == 0 || !self.context.prompt()) {
+        if self.exact_first && !self.context.takes_exact_first() {
             return Err(Error::Invalid {
                 what: "ingest.exact_first",
                 why: format!(

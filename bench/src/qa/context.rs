@@ -86,6 +86,14 @@ pub(crate) fn passage(
     })
 }
 
+/// Whether a run stores and reads the first place's copies: `--exact-first`, or, without
+/// it, wherever they apply (as the `ragkv` binary's `ingest.exact_first` follows
+/// `ingest.context`).
+pub(crate) fn exact_first(args: &crate::qa::Args) -> bool {
+    args.exact_first
+        .unwrap_or(args.context.takes_exact_first() && args.context_passage.is_none())
+}
+
 /// The `context` of a run's header and lines: empty for `none`, else the mode, with
 /// `+passage:` and the first 8 hex digits of the passage's hash when there is one, and
 /// `+first` under `--exact-first`.
