@@ -192,8 +192,9 @@ pub struct IngestConfig {
     /// tokens add up to at most this many (a chunk longer than this runs alone; 1: one chunk
     /// per pass). Short chunks then share the weights' reads.
     pub prefill_batch_tokens: usize,
-    /// What each chunk is prefilled after: `none` (alone), `prompt`, `neighbours:N` or
-    /// `prompt+neighbours:N` ([`Context`]). Part of the KV namespace.
+    /// What each chunk is prefilled after: `none` (alone; this default), `prompt`,
+    /// `neighbours:N`, `prompt+neighbours:N`, `mean:N` or `prompt+mean:N` ([`Context`]; the
+    /// `ragkv` binary's default is [`IngestConfig::recommended`]'s). Part of the KV namespace.
     pub context: Context,
     /// Under `context = "prompt"` (or `"prompt+neighbours:N"`): text placed after the prompt's
     /// start and before every chunk (and its neighbours) when its KV is prefilled, never
