@@ -9,23 +9,7 @@ use std::sync::Arc;
 
 use serve::Assembly;
 
-const DOCS: &[(&str, &str)] = &[
-    (
-        "vault",
-        "The Harrowgate archive keeps its oldest survey maps in the Orion vault. The access \
-         code for the Orion vault is 4817.",
-    ),
-    (
-        "vault-ledger",
-        "Every visit to the Orion vault of the Harrowgate archive is written in the vault \
-         ledger, which the head archivist signs each evening.",
-    ),
-    (
-        "ship",
-        "The research ship Calder Wren studies plankton in the North Atlantic. Its captain \
-         is Ines Valbuena.",
-    ),
-];
+use common::VAULT_DOCS as DOCS;
 
 const SYSTEM: &str = "Be brief.";
 

@@ -8,23 +8,7 @@ mod common;
 
 use model::{Kv, Tensor};
 
-const DOCS: &[(&str, &str)] = &[
-    (
-        "vault",
-        "The Harrowgate archive keeps its oldest survey maps in the Orion vault. The access \
-         code for the Orion vault is 4817.",
-    ),
-    (
-        "vault-ledger",
-        "Every visit to the Orion vault of the Harrowgate archive is written in the vault \
-         ledger, which the head archivist signs each evening.",
-    ),
-    (
-        "ship",
-        "The research ship Calder Wren studies plankton in the North Atlantic. Its captain \
-         is Ines Valbuena.",
-    ),
-];
+use common::VAULT_DOCS as DOCS;
 
 /// The stored KV of `tokens`.
 fn stored(corpus: &ingest::Corpus, tokens: &[u32]) -> Kv {

@@ -5,6 +5,26 @@ use std::path::Path;
 
 pub mod router;
 
+/// Three short documents, two of them about the Orion vault (each one chunk): a chunk's
+/// nearest neighbours are the other two.
+pub const VAULT_DOCS: &[(&str, &str)] = &[
+    (
+        "vault",
+        "The Harrowgate archive keeps its oldest survey maps in the Orion vault. The access \
+         code for the Orion vault is 4817.",
+    ),
+    (
+        "vault-ledger",
+        "Every visit to the Orion vault of the Harrowgate archive is written in the vault \
+         ledger, which the head archivist signs each evening.",
+    ),
+    (
+        "ship",
+        "The research ship Calder Wren studies plankton in the North Atlantic. Its captain \
+         is Ines Valbuena.",
+    ),
+];
+
 /// SmolLM2-135M from the model cache.
 pub fn model() -> model::Model {
     let path = model::models_dir().join(model::SMOLLM2_FILE);
