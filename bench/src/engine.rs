@@ -46,26 +46,35 @@ pub fn open_with(
     chunk_tokens: usize,
     chunk_preamble: &str,
 ) -> Result<ingest::Engine, Error> {
-    open_coded(dir, llm, chunk_tokens, chunk_preamble, kvstore::Codec::None)
+    let config = chunks_alone(chunk_tokens, chunk_preamble);
+    open_coded(dir, llm, config, kvstore::Codec::None)
 }
 
-/// [`open_with`] storing chunk KV with `codec`.
+/// The ingest settings of most benchmarks: chunks of `chunk_tokens` with `chunk_preamble`,
+/// each prefilled alone (`ingest.context = "none"`).
+pub fn chunks_alone(chunk_tokens: usize, chunk_preamble: &str) -> ingest::IngestConfig {
+    ingest::IngestConfig {
+        chunk_tokens,
+        chunk_preamble: chunk_preamble.into(),
+        ..ingest::IngestConfig::default()
+    }
+}
+
+/// An engine with `config` storing chunk KV with `codec`.
 pub fn open_coded(
     dir: &Path,
     llm: &ModelArgs,
-    chunk_tokens: usize,
-    chunk_preamble: &str,
+    config: ingest::IngestConfig,
     codec: kvstore::Codec,
 ) -> Result<ingest::Engine, Error> {
-    corpus(dir, llm, chunk_tokens, chunk_preamble, codec).map(ingest::Engine::new)
+    corpus(dir, llm, config, codec).map(ingest::Engine::new)
 }
 
 /// The corpus in `dir` (KV store, vector index, embedder, model) that [`open_coded`] writes.
 pub fn corpus(
     dir: &Path,
     llm: &ModelArgs,
-    chunk_tokens: usize,
-    chunk_preamble: &str,
+    config: ingest::IngestConfig,
     codec: kvstore::Codec,
 ) -> Result<ingest::Corpus, Error> {
     let opts = kvstore::StoreOptions {
@@ -104,32 +113,25 @@ pub fn corpus(
         Arc::new(index),
         Arc::new(embedder),
         Arc::new(llm),
-        ingest::IngestConfig {
-            chunk_tokens,
-            chunk_preamble: chunk_preamble.into(),
-            ..ingest::IngestConfig::default()
-        },
+        config,
         model::DType::F16,
     )
     .map_err(|x| e("engine")(x.to_string()))
 }
 
-/// [`open_with`] in `work`, indexing the first `docs` corpus documents (vectors only) unless
-/// `work` already holds their whole index (an interrupted indexing goes on: ingest skips what
-/// it has). `tag` prefixes the progress lines.
-#[allow(clippy::too_many_arguments)]
+/// [`open_coded`] in `work`, indexing the first `docs` corpus documents (vectors only)
+/// unless `work` already holds their whole index (an interrupted indexing goes on: ingest
+/// skips what it has). `tag` prefixes the progress lines.
 pub fn open_indexed(
     work: &Path,
     llm: &ModelArgs,
-    chunk_tokens: usize,
-    chunk_preamble: &str,
+    config: ingest::IngestConfig,
     dataset: &Path,
     docs: usize,
-    tag: &str,
-    codec: kvstore::Codec,
+    (tag, codec): (&str, kvstore::Codec),
 ) -> Result<ingest::Engine, Error> {
     let marker = work.join(format!("indexed-{docs}"));
-    let engine = open_coded(work, llm, chunk_tokens, chunk_preamble, codec)?;
+    let engine = open_coded(work, llm, config, codec)?;
     if !marker.exists() {
         let corpus = crate::dataset::documents(dataset, docs)?;
         eprintln!("[{tag}] indexing {} documents (vectors only)", corpus.len());

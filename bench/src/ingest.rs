@@ -41,8 +41,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let mut stored = crate::engine::corpus(
         &work,
         &args.llm,
-        args.chunk_tokens,
-        "",
+        crate::engine::chunks_alone(args.chunk_tokens, ""),
         kvstore::Codec::None,
     )?;
     stored

@@ -370,16 +370,12 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     let mut log = Log::open(args.dir.as_deref(), &header)?;
     let questions = dataset::questions(&ds, args.questions)?;
     if log.done.len() < questions.len() {
-        let engine = Arc::new(crate::engine::open_indexed(
-            &work,
-            &args.llm,
-            args.chunk_tokens,
-            &args.chunk_preamble.replace("\\n", "\n"),
-            &ds,
-            args.docs,
-            "qa",
-            kvstore::Codec::None,
-        )?);
+        let preamble = args.chunk_preamble.replace("\\n", "\n");
+        let alone = crate::engine::chunks_alone(args.chunk_tokens, &preamble);
+        let (tag, codec) = ("qa", kvstore::Codec::None);
+        let engine =
+            crate::engine::open_indexed(&work, &args.llm, alone, &ds, args.docs, (tag, codec));
+        let engine = Arc::new(engine?);
         let config = ServeConfig {
             system_prompt: SYSTEM.into(),
             recompute_share: args.recompute_share,

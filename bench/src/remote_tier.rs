@@ -105,8 +105,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         crate::engine::corpus(
             &work.join("a"),
             &args.llm,
-            args.chunk_tokens,
-            "",
+            crate::engine::chunks_alone(args.chunk_tokens, ""),
             kvstore::Codec::None,
         )?
         .with_remote(writer.clone()),

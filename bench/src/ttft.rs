@@ -117,12 +117,10 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let engine = std::sync::Arc::new(crate::engine::open_indexed(
         &work,
         &args.llm,
-        args.chunk_tokens,
-        "",
+        crate::engine::chunks_alone(args.chunk_tokens, ""),
         &ds,
         args.docs,
-        "ttft",
-        args.codec,
+        ("ttft", args.codec),
     )?);
     let questions = dataset::questions(&ds, args.questions)?;
     let rag = Rag::start(
