@@ -128,7 +128,8 @@ pub fn open_indexed(
     config: ingest::IngestConfig,
     dataset: &Path,
     docs: usize,
-    (tag, codec): (&str, kvstore::Codec),
+    tag: &str,
+    codec: kvstore::Codec,
 ) -> Result<ingest::Engine, Error> {
     let marker = work.join(format!("indexed-{docs}"));
     let engine = open_coded(work, llm, config, codec)?;

@@ -386,7 +386,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         ingest_config,
         &ds,
         args.docs,
-        ("peer", args.codec),
+        "peer",
+        args.codec,
     )?);
     let questions: Vec<String> = dataset::questions(&ds, args.questions)?
         .into_iter()

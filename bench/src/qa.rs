@@ -372,9 +372,8 @@ pub fn run(args: &Args) -> Result<Vec<QaLine>, Error> {
     if log.done.len() < questions.len() {
         let preamble = args.chunk_preamble.replace("\\n", "\n");
         let alone = crate::engine::chunks_alone(args.chunk_tokens, &preamble);
-        let (tag, codec) = ("qa", kvstore::Codec::None);
-        let engine =
-            crate::engine::open_indexed(&work, &args.llm, alone, &ds, args.docs, (tag, codec));
+        let (llm, none) = (&args.llm, kvstore::Codec::None);
+        let engine = crate::engine::open_indexed(&work, llm, alone, &ds, args.docs, "qa", none);
         let engine = Arc::new(engine?);
         let config = ServeConfig {
             system_prompt: SYSTEM.into(),

@@ -120,7 +120,8 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
         crate::engine::chunks_alone(args.chunk_tokens, ""),
         &ds,
         args.docs,
-        ("ttft", args.codec),
+        "ttft",
+        args.codec,
     )?);
     let questions = dataset::questions(&ds, args.questions)?;
     let rag = Rag::start(

@@ -7,7 +7,7 @@ use ingest::Corpus;
 use model::{KvCache, Tensor};
 
 use super::job::{KvMode, Loaded, Prefix, Query, Writeback};
-use super::loader::import;
+use super::loader::{exact_in_first_place, import};
 use crate::assembly::{assemble_into, Assembly, Prompt, Repair, Target};
 use crate::error::Result;
 use crate::events::{Citation, KvSource};
@@ -110,7 +110,7 @@ pub(crate) fn assemble(corpus: &Corpus, req: Request<'_>) -> Result<Assembled> {
                 let chunk_dtype = query.assembly.chunk_dtype(model.dtype(), dtype);
                 // The chunk placed first, under `ingest.exact_first`: its copy for that place.
                 let copy = first.as_ref().filter(|_| i == 0);
-                first_exact |= i == 0 && (copy.is_some() || corpus.own_kv_exact_first());
+                first_exact |= i == 0 && exact_in_first_place(corpus, copy.is_some(), true);
                 let placed = copy.unwrap_or(&bytes);
                 let kv = import(corpus, placed, query.assembly, pos, chunk_dtype)?;
                 if query.kv == KvMode::On {

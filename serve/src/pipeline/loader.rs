@@ -215,6 +215,14 @@ fn place(
     Ok(kv)
 }
 
+/// Whether the KV of the chunk a prompt places first is what full prefill computes there:
+/// its copy for that place (`copy`, `ingest.exact_first`), or KV of the corpus's own
+/// materialization (`own`, not a store's earlier one) where that is after the prompt's
+/// start alone ([`ingest::Corpus::own_kv_exact_first`]).
+pub(crate) fn exact_in_first_place(corpus: &Corpus, copy: bool, own: bool) -> bool {
+    copy || (own && corpus.own_kv_exact_first())
+}
+
 /// Where [`read_stored`] found a chunk's KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Found {
@@ -381,7 +389,7 @@ fn load_one(
             Ok(kv) => {
                 out.kv = Some(kv);
                 out.resident = true;
-                out.exact = first && (first_ns == Some(ns) || corpus.own_kv_exact_first());
+                out.exact = first && exact_in_first_place(corpus, first_ns == Some(ns), true);
                 out.import = t.elapsed();
                 return out;
             }
@@ -429,11 +437,8 @@ fn load_one(
             match imported {
                 Ok(kv) => {
                     out.kv = Some(kv);
-                    // What full prefill computes at the first place: its copy, or the
-                    // chunk's own KV where that is after the prompt's start alone.
-                    out.exact = first
-                        && (first_ns == Some(ns)
-                            || (found != Found::Plain && corpus.own_kv_exact_first()));
+                    let own = found != Found::Plain;
+                    out.exact = first && exact_in_first_place(corpus, first_ns == Some(ns), own);
                 }
                 Err(e) if e.is_kv_mismatch() => {
                     tracing::warn!(error = %e, doc = %hit.payload.doc_id, "stored KV does not fit the model; recomputing and replacing it");
