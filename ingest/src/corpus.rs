@@ -239,6 +239,13 @@ impl Corpus {
         self.first_ns
     }
 
+    /// The namespaces a document's chunks are stored under: the corpus's, then, under
+    /// `ingest.exact_first`, its copies' for the first place. Ingest writes both through to
+    /// the shared tier, and deleting a document removes both.
+    pub(crate) fn tier_namespaces(&self) -> impl Iterator<Item = NamespaceId> {
+        std::iter::once(self.ns).chain(self.first_ns)
+    }
+
     /// Whether a chunk's own stored KV is what full prefill computes for the chunk a prompt
     /// places first: `ingest.context = "prompt"` without `ingest.context_passage` (the
     /// chunk after the prompt's start alone). Under `ingest.exact_first` the copy in

@@ -46,6 +46,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use kvstore::PutItem;
 use parking_lot::Mutex;
 use retrieval::{ChunkPayload, ChunkPoint, SearchFilter};
+use schema::NamespaceId;
 use uuid::Uuid;
 
 use crate::chunk::{chunk_text, Chunk};
@@ -110,7 +111,9 @@ impl Engine {
         }
         let mut remote = 0;
         if let Some(r) = self.corpus.remote_writes() {
-            remote = r.delete_doc(self.corpus.ns, doc, None)?.manifests;
+            for ns in self.corpus.tier_namespaces() {
+                remote += r.delete_doc(ns, doc, None)?.manifests;
+            }
         }
         Ok(points > 0 || !versions.is_empty() || remote > 0)
     }

@@ -266,11 +266,18 @@ impl Remote {
     /// [`Remote::get`] for several sequences, `remote.concurrency` requests in flight;
     /// results in the order asked.
     pub fn get_many(&self, ns: NamespaceId, seqs: &[&[u32]]) -> Vec<Result<Option<Fetched>>> {
-        let keys: Vec<Path> = seqs.iter().map(|t| self.keys.kv(ns, t)).collect();
+        let asks: Vec<(NamespaceId, &[u32])> = seqs.iter().map(|&t| (ns, t)).collect();
+        self.get_each(&asks)
+    }
+
+    /// [`Remote::get`] for several sequences, each under its own namespace, all in one batch
+    /// (`remote.concurrency` requests in flight); results in the order asked.
+    pub fn get_each(&self, asks: &[(NamespaceId, &[u32])]) -> Vec<Result<Option<Fetched>>> {
+        let keys: Vec<Path> = asks.iter().map(|&(ns, t)| self.keys.kv(ns, t)).collect();
         let keys = &keys;
         let fetch = |i: usize| {
             let key = &keys[i];
-            let tokens = seqs[i];
+            let (ns, tokens) = asks[i];
             let store = &self.store;
             async move {
                 let t = Instant::now();
@@ -294,7 +301,7 @@ impl Remote {
         let timeout = self.timeout;
         let fetch = &fetch;
         let all = self.rt.block_on(async {
-            stream::iter(0..seqs.len())
+            stream::iter(0..asks.len())
                 .map(|i| async move {
                     tokio::time::timeout(timeout, fetch(i))
                         .await

@@ -65,7 +65,7 @@ fn query(question: &str) -> Query {
 }
 
 /// A node with its own empty KV store in `dir` (`store` options) beside `a`: the same index,
-/// embedder and model, and `tier` behind its store.
+/// embedder, model and ingest settings, and `tier` behind its store.
 fn second_node(
     dir: &std::path::Path,
     a: &ingest::Engine,
@@ -79,7 +79,7 @@ fn second_node(
             a.corpus().index().clone(),
             a.corpus().embedder().clone(),
             a.corpus().model().clone(),
-            Default::default(),
+            a.corpus().config().clone(),
             model::DType::F16,
         )
         .unwrap()
@@ -271,6 +271,97 @@ fn a_fetched_chunk_answers_as_the_stored_copies_do() {
         "and as the ingesting node's copy"
     );
     assert_eq!(fetched.len(), answer.len());
+}
+
+/// Under the binary's default materialization (`prompt+mean:2` with `exact_first`) the tier
+/// holds each chunk's copy for the first place beside its own KV: a node that fetches a chunk
+/// placed first reads its copy, so it answers as the ingesting node does (same logits, no
+/// token of the first chunk repaired); deleting the document removes both from the tier.
+#[test]
+fn a_second_node_reads_the_first_places_copy_from_the_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = RemoteConfig {
+        url: format!("file://{}", dir.path().join("tier").display()),
+        ..RemoteConfig::default()
+    };
+    let a = Arc::new(ingest::Engine::new(
+        common::open_corpus(
+            &dir.path().join("a"),
+            ingest::IngestConfig::recommended(),
+            model::DType::F16,
+            common::model(),
+            Default::default(),
+        )
+        .with_remote(tier(&base, "ragkv", WriteMode::Through)),
+    ));
+    let report = common::ingest_eager(&a, common::docs(DOCS));
+    let (ns, first_ns) = (
+        a.corpus().namespace(),
+        a.corpus().first_namespace().unwrap(),
+    );
+    let shared = a.corpus().remote().cloned().unwrap();
+    let stored = shared.usage().unwrap();
+    for n in [ns, first_ns] {
+        assert_eq!(stored[&n.to_hex()].0, report.chunks, "{stored:?}");
+        assert_eq!(shared.manifests(n, "orion-vault").unwrap().len(), 1);
+    }
+    let b = second_node(
+        &dir.path().join("b"),
+        &a,
+        Default::default(),
+        tier(&base, "ragkv", WriteMode::Off),
+    );
+    let (rag_a, rag_b) = (
+        Rag::start(a.clone(), ServeConfig::default()).unwrap(),
+        Rag::start(b.clone(), ServeConfig::default()).unwrap(),
+    );
+    let q = Query {
+        assembly: serve::Assembly::Link(Some(2)),
+        ..query("What is the access code for the Orion vault?")
+    };
+    let hits = rag_b.retrieve(&q).unwrap();
+    let f = common::answer(&rag_b, q.clone(), hits.clone());
+    assert_eq!((f.kv_hits, f.kv_misses), (1, 0), "{:?}", f.citations);
+    assert_eq!(f.recomputed_tokens, 0, "the first chunk read exact");
+    // The copy and the chunk's own KV, both kept locally.
+    assert_eq!(rag_b.metrics.remote_hits.load(Ordering::Relaxed), 2);
+    let tokens = b.corpus().chunk_tokens(DOCS[0].1).unwrap();
+    for n in [ns, first_ns] {
+        assert!(b.corpus().store().probe(n, &tokens).unwrap() > 0);
+    }
+    let answer = a
+        .corpus()
+        .model()
+        .tokenizer()
+        .encode("The code is 4817.")
+        .unwrap();
+    let logits = |rag: &Rag| -> Vec<f32> {
+        let t = rag.forced(&q, hits.clone(), &answer).unwrap();
+        t.to_dtype(model::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (from_b, from_a) = (logits(&rag_b), logits(&rag_a));
+    assert_eq!(
+        rag_b.metrics.remote_hits.load(Ordering::Relaxed),
+        2,
+        "read locally"
+    );
+    assert_eq!(from_b, from_a, "both nodes answer from the same exact copy");
+
+    assert!(a.delete_document("orion-vault").unwrap());
+    let left = shared.usage().unwrap();
+    for n in [ns, first_ns] {
+        assert_eq!(
+            left.get(&n.to_hex()).map_or(0, |u| u.0),
+            report.chunks - 1,
+            "{left:?}"
+        );
+        assert!(shared.manifests(n, "orion-vault").unwrap().is_empty());
+    }
 }
 
 /// N shard workers (`--shard I/N`), each taking its own documents, into one index and one

@@ -41,7 +41,11 @@ impl Engine {
                         Ok(r)
                     });
                     let r = r.and_then(|r| {
-                        self.store_remote(&kv_doc, &tokens, bytes.as_deref())?;
+                        let ns = self.corpus.ns;
+                        self.store_remote(ns, &kv_doc, &tokens, bytes.as_deref())?;
+                        if let Some(first_ns) = self.corpus.first_ns {
+                            self.store_remote(first_ns, &kv_doc, &tokens, first.as_deref())?;
+                        }
                         Ok(r)
                     });
                     kv_time += t.elapsed();
@@ -75,10 +79,18 @@ impl Engine {
         (secs(kv_time), secs(index_time))
     }
 
-    /// A chunk just stored locally, on the shared tier too (write-through): its object and
-    /// the marker that `kv_doc` references it. A chunk that was stored before (`bytes` is
-    /// `None`) is only attached when the tier has it, else read back and uploaded.
-    fn store_remote(&self, kv_doc: &str, tokens: &[u32], bytes: Option<&[u8]>) -> Result<()> {
+    /// A chunk just stored locally under `ns` (the corpus's namespace, or under
+    /// `ingest.exact_first` its copies' for the first place), on the shared tier too
+    /// (write-through): its object and the marker that `kv_doc` references it. A chunk that
+    /// was stored before (`bytes` is `None`) is only attached when the tier has it, else read
+    /// back and uploaded.
+    fn store_remote(
+        &self,
+        ns: NamespaceId,
+        kv_doc: &str,
+        tokens: &[u32],
+        bytes: Option<&[u8]>,
+    ) -> Result<()> {
         let Some(r) = self.corpus.remote_writes() else {
             return Ok(());
         };
@@ -93,15 +105,20 @@ impl Engine {
         };
         match bytes {
             Some(kv) => {
-                r.put_object(self.corpus.ns, doc, version, item(kv))?;
+                r.put_object(ns, doc, version, item(kv))?;
             }
             None => {
-                if !r.attach_object(self.corpus.ns, doc, version, tokens)? {
-                    let local =
-                        self.corpus
-                            .store
-                            .get_batch(self.corpus.ns, tokens, tokens.len())?;
-                    r.put_object(self.corpus.ns, doc, version, item(&local.bytes))?;
+                if !r.attach_object(ns, doc, version, tokens)? {
+                    let local = match self.corpus.store.get_batch(ns, tokens, tokens.len()) {
+                        Ok(local) => local,
+                        // A copy for the first place that is not stored here (`ragkv
+                        // rematerialize` writes it): other nodes read the chunk's own KV.
+                        Err(e) if ns != self.corpus.ns && e.is_miss() && !e.is_damage() => {
+                            return Ok(());
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    r.put_object(ns, doc, version, item(&local.bytes))?;
                 }
             }
         }
@@ -123,7 +140,9 @@ impl Engine {
         if let Some(r) = self.corpus.remote_writes().filter(|_| eager) {
             // Step 1 on the shared tier: every object is stored; the manifest says so.
             let tokens: Vec<&[u32]> = chunks.iter().map(|c| c.tokens.as_slice()).collect();
-            r.put_manifest(self.corpus.ns, &doc.id, &hash, &tokens)?;
+            for ns in self.corpus.tier_namespaces() {
+                r.put_manifest(ns, &doc.id, &hash, &tokens)?;
+            }
         }
         let delay = self.commit_delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
@@ -168,7 +187,9 @@ impl Engine {
         for h in &old_hashes {
             self.corpus.store.delete_document(&kv_doc(&doc.id, h))?;
             if let Some(r) = self.corpus.remote_writes() {
-                r.delete_doc(self.corpus.ns, &doc.id, Some(h))?;
+                for ns in self.corpus.tier_namespaces() {
+                    r.delete_doc(ns, &doc.id, Some(h))?;
+                }
             }
         }
         let mut rep = shared.report.lock();

@@ -7,7 +7,7 @@ use ingest::Corpus;
 use model::{KvCache, Tensor};
 
 use super::job::{KvMode, Loaded, Prefix, Query, Writeback};
-use super::loader::{exact_in_first_place, import};
+use super::place::{exact_in_first_place, import};
 use crate::assembly::{assemble_into, Assembly, Prompt, Repair, Target};
 use crate::error::Result;
 use crate::events::{Citation, KvSource};

@@ -18,6 +18,7 @@ use retrieval::Hit;
 
 use super::fanout::Fanout;
 use super::job::{finish_err, ms, ComputeJob, KvMode, LoadJob, Loaded, Prefix, Query, Worker};
+use super::place::{exact_in_first_place, import, place};
 use crate::assembly::Assembly;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -143,86 +144,6 @@ fn load(
     })
 }
 
-/// A chunk's KV bytes (stored layout, positions `0..n`) as tensors in `dtype` on the
-/// model's device (the host-to-device copy happens here, on the loader thread, overlapping
-/// the decoder's work), placed for a prompt where the chunk starts at `pos`; see [`place`].
-pub(crate) fn import(
-    corpus: &Corpus,
-    bytes: &[u8],
-    assembly: Assembly,
-    pos: usize,
-    dtype: DType,
-) -> model::Result<Kv> {
-    let (model, layout) = (&corpus.model(), corpus.layout());
-    if model.device().is_cpu() {
-        // Each layer's keys and values placed and converted as they are imported, while
-        // they are in the core's caches: one pass over the chunk instead of three.
-        let each =
-            &mut |l: usize, values: bool, t| place_one(model, assembly, (l, values), t, pos, dtype);
-        return Kv::from_bytes_with(bytes, &layout, model.device(), each);
-    }
-    let kv = Kv::from_bytes(bytes, &layout, model.device())?;
-    place(corpus, kv, assembly, pos, dtype)
-}
-
-/// [`place`] of one layer's keys or values (`values`), on the CPU.
-fn place_one(
-    model: &model::Model,
-    assembly: Assembly,
-    (layer, values): (usize, bool),
-    t: model::Tensor,
-    pos: usize,
-    dtype: DType,
-) -> model::Result<model::Tensor> {
-    let device = model.device();
-    if values {
-        return Kv::tensor_to(&t, device, dtype);
-    }
-    if dtype == model::Q8_CACHE {
-        let k = assembly.place_keys(model, layer, t, pos)?;
-        return Kv::tensor_to(&k, device, dtype);
-    }
-    let k = Kv::tensor_to(&t, device, dtype)?;
-    assembly.place_keys(model, layer, k, pos)
-}
-
-/// A chunk's imported KV (the store's dtype, positions `0..n`, on the model's device) in
-/// `dtype`, placed for a prompt where the chunk starts at `pos`, and settled: any thread may
-/// use the result, and `kv` itself (left unchanged) too. `dtype` is
-/// [`Assembly::chunk_dtype`]'s: with the decoding cache's f16 the stored f16 values are used
-/// as they are and only the keys are widened, turned and rounded (on the CPU in one pass on
-/// this thread, [`model::Decoder::reposition`]), so the model thread just copies them in.
-fn place(
-    corpus: &Corpus,
-    kv: Kv,
-    assembly: Assembly,
-    pos: usize,
-    dtype: DType,
-) -> model::Result<Kv> {
-    let model = &corpus.model();
-    let kv = if dtype == model::Q8_CACHE {
-        // Keys turn before they are quantized (re-positioning works on the stored floats);
-        // the q8 cache then takes the rows as they are.
-        assembly
-            .place(model, kv, pos)
-            .and_then(|kv| kv.to(model.device(), dtype))?
-    } else {
-        kv.to(model.device(), dtype)
-            .and_then(|kv| assembly.place(model, kv, pos))?
-    };
-    // On a GPU the tensors go to the model thread: this thread's stream must be done.
-    model.settle()?;
-    Ok(kv)
-}
-
-/// Whether the KV of the chunk a prompt places first is what full prefill computes there:
-/// its copy for that place (`copy`, `ingest.exact_first`), or KV of the corpus's own
-/// materialization (`own`, not a store's earlier one) where that is after the prompt's
-/// start alone ([`ingest::Corpus::own_kv_exact_first`]).
-pub(crate) fn exact_in_first_place(corpus: &Corpus, copy: bool, own: bool) -> bool {
-    copy || (own && corpus.own_kv_exact_first())
-}
-
 /// Where [`read_stored`] found a chunk's KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Found {
@@ -330,7 +251,7 @@ pub(crate) fn read_chunks(
         })
         .collect::<Result<_>>()?;
     if stored {
-        fetch_remote(corpus, m, assembly, dtype, &mut chunks, fanout.buf());
+        super::tier::fetch(corpus, m, (assembly, dtype), &mut chunks, fanout.buf());
     }
     Ok(chunks.into_iter().map(|(_, c)| c).collect())
 }
@@ -463,99 +384,4 @@ fn load_one(
         }
     }
     out
-}
-
-/// The chunks the local store missed, from the shared tier (`remote.read`), all requests in
-/// flight at once: each one found is verified, kept in the local store (a cache of the tier,
-/// under its quota) and placed at its prompt position `pos`. Whatever the tier misses or
-/// fails to give stays missing, to be recomputed: a remote failure is never a query's error.
-///
-/// The tier holds a chunk's KV as computed; with a lossy codec the local store holds it
-/// encoded. A fetched chunk is used as the local store gives it back (read again after it is
-/// kept, into `buf`), so that a chunk answers alike on every node and every later query,
-/// whichever path brought it (measured before: 7 of 16 greedy answers differed between two nodes).
-fn fetch_remote(
-    corpus: &Corpus,
-    m: &Metrics,
-    assembly: Assembly,
-    dtype: DType,
-    chunks: &mut [(usize, Loaded)],
-    buf: &mut Vec<u8>,
-) {
-    let Some(tier) = corpus.remote().filter(|r| r.reads()) else {
-        return;
-    };
-    let missing: Vec<usize> = (0..chunks.len())
-        .filter(|&i| chunks[i].1.kv.is_none())
-        .collect();
-    if missing.is_empty() {
-        return;
-    }
-    let seqs: Vec<&[u32]> = missing
-        .iter()
-        .map(|&i| chunks[i].1.tokens.as_slice())
-        .collect();
-    let got = tier.get_many(corpus.namespace(), &seqs);
-    for (&i, r) in missing.iter().zip(got) {
-        let (pos, c) = &mut chunks[i];
-        let doc = &c.hit.payload.doc_id;
-        let f = match r {
-            Ok(Some(f)) if f.layout == corpus.layout() => f,
-            Ok(Some(f)) => {
-                tracing::warn!(%doc, layout = ?f.layout, "shared-tier KV has another layout; recomputing");
-                m.remote_errors.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            Ok(None) => {
-                m.remote_misses.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, %doc, "shared-tier fetch failed; recomputing");
-                m.remote_errors.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        m.remote_fetch.observe(f.ms / 1e3);
-        m.remote_bytes
-            .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
-        // Kept locally under the document version's KV id, as ingest would have stored it
-        // (a failure here costs only the next fetch).
-        let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
-        let put = corpus.store().put_batch(
-            corpus.namespace(),
-            corpus.layout(),
-            &[kvstore::PutItem {
-                tokens: &c.tokens,
-                kv: &f.kv,
-                doc: Some(&kv_doc),
-            }],
-        );
-        if let Err(e) = &put {
-            tracing::warn!(error = %e, %doc, "keeping shared-tier KV locally failed");
-        }
-        // With a lossy codec, the local store's copy, as every later query will read it.
-        let lossy = corpus.lossless_source().is_some();
-        let bytes: &[u8] = match put {
-            Ok(_) if lossy => match read_stored(corpus, &c.tokens, buf) {
-                Ok(_) => buf,
-                Err(e) => {
-                    tracing::warn!(error = %e, %doc, "reading back the kept copy failed; using the fetched KV");
-                    &f.kv
-                }
-            },
-            _ => &f.kv,
-        };
-        let kv = match import(corpus, bytes, assembly, *pos, dtype) {
-            Ok(kv) => kv,
-            Err(e) => {
-                tracing::warn!(error = %e, %doc, "shared-tier KV does not import; recomputing");
-                m.remote_errors.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        m.remote_hits.fetch_add(1, Ordering::Relaxed);
-        c.kv = Some(kv);
-        c.corrupt = false;
-    }
 }

@@ -29,19 +29,24 @@
 //! | `job` | | the jobs the queues carry and what every thread shares (a leaf) |
 //! | `loader` | `ragkv-loader` | chunk reads, import, placement, the question's tokens |
 //! | `fanout` | `ragkv-load-N` | a query's chunks loaded side by side (`serve.load_threads`) |
+//! | `tier` | `ragkv-loader` | what the local store missed, from the shared tier |
+//! | `place` | `ragkv-loader`, `ragkv-model` | a chunk's stored KV imported and placed |
 //! | `scheduler` | `ragkv-model` | continuous batching: join, step, sample, leave |
 //! | `assemble` | `ragkv-model` | a query's prompt cache by its strategy |
 //! | `writeback` | `ragkv-materialize` | stores KV prefilled for missing chunks |
 //! | `warm` | `ragkv-resident-warm` | the resident tier filled with the most-read chunks at start |
 //!
-//! Imports run one way: `job`, `fanout` ← `loader` ← `assemble` ← `scheduler`, `job` ←
-//! `writeback`; [`crate::rag`] starts the threads and is the only door in.
+//! Imports run one way: `job`, `fanout`, `place` ← `tier` ← `loader`; `place` ← `assemble`
+//! ← `scheduler`; `job` ← `writeback`; [`crate::rag`] starts the threads and is the only door
+//! in.
 
 mod assemble;
 mod fanout;
 mod job;
 mod loader;
+mod place;
 mod scheduler;
+mod tier;
 mod warm;
 mod writeback;
 
