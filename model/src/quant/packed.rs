@@ -429,3 +429,48 @@ fn dequantize_blocks_row(kind: Kind, tiles: &[u8], k: usize, j: usize, out: &mut
         }
     }
 }
+
+/// Not a check: the rate of the repacked products on this CPU's kernel path, per row count
+/// (1: a decode step; 8: eight sequences'; 64: a prompt), for SmolLM2's MLP shape (Q4_1) and a
+/// K-quant one (Q4_K, Q6_K). `cargo test --workspace --lib tile_matmul_rate -- --ignored
+/// --nocapture` (`RAYON_NUM_THREADS=1` for one core).
+#[cfg(test)]
+mod timing {
+    use super::super::kquant::KKind;
+    use super::super::test_util::{uniform, weights};
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    #[ignore]
+    fn tile_matmul_rate() {
+        let mut next = uniform(7);
+        let shapes = [
+            (
+                "q4_1 576x1536",
+                PackKind::from(Kind::Q4_1),
+                GgmlDType::Q4_1,
+                576,
+            ),
+            ("q4_k 1536x1536", KKind::Q4K.into(), GgmlDType::Q4K, 1536),
+            ("q6_k 1536x1536", KKind::Q6K.into(), GgmlDType::Q6K, 1536),
+        ];
+        let n = 1536;
+        for (name, kind, dtype, k) in shapes {
+            let vals: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let p = Packed::new(kind, &weights(&vals, n, k, dtype).0, n, k);
+            for m in [1usize, 8, 64] {
+                let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+                let reps = 2000 / m + 30;
+                let _ = p.matmul(&x);
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(p.matmul(&x));
+                }
+                let dt = t.elapsed().as_secs_f64() / reps as f64;
+                let rate = (m * n * k) as f64 / dt / 1e9;
+                println!("{name}, {m} rows: {rate:.1} G multiply-adds/s");
+            }
+        }
+    }
+}
