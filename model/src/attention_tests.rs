@@ -449,6 +449,15 @@ fn every_kernel_matches_the_portable_loops() {
     }
 }
 
+/// A random cache of `kv` heads, `t` rows of `d`, as `name` ("f16" or "q8") rows.
+fn random_cache(name: &str, (kv, t, d): (usize, usize, usize)) -> Tensor {
+    let x = Tensor::randn(0f32, 1.0, (1, kv, t, d), &Device::Cpu).unwrap();
+    match name {
+        "f16" => x.to_dtype(DType::F16).unwrap(),
+        _ => crate::kv_q8::quantize(&x).unwrap(),
+    }
+}
+
 /// Not a check: the time of a SmolLM2-shaped decode step's attention (30 layers, 8
 /// sequences of 1,500 cached rows, 9 heads over 3 KV heads of 64) over f16 and q8 caches,
 /// every layer's cache its own (155-270 MB in all, beyond the L3 as in a real step).
@@ -460,13 +469,7 @@ fn attention_step_time() {
     let (layers, seqs, t, heads, kv, d) = (30, 8, 1500, 9, 3, 64);
     let q = Tensor::randn(0f32, 1.0, (1, heads, seqs, d), &dev).unwrap();
     for name in ["f16", "q8"] {
-        let cache = || {
-            let x = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
-            match name {
-                "f16" => x.to_dtype(DType::F16).unwrap(),
-                _ => crate::kv_q8::quantize(&x).unwrap(),
-            }
-        };
+        let cache = || random_cache(name, (kv, t, d));
         let kvs: Vec<Vec<(Tensor, Tensor)>> = (0..layers)
             .map(|_| (0..seqs).map(|_| (cache(), cache())).collect())
             .collect();
@@ -503,13 +506,7 @@ fn attention_prompt_time() {
     let (layers, rows, t, heads, kv, d) = (30, 48, 1548, 9, 3, 64);
     let q = Tensor::randn(0f32, 1.0, (1, heads, rows, d), &dev).unwrap();
     for name in ["f16", "q8"] {
-        let cache = || {
-            let x = Tensor::randn(0f32, 1.0, (1, kv, t, d), &dev).unwrap();
-            match name {
-                "f16" => x.to_dtype(DType::F16).unwrap(),
-                _ => crate::kv_q8::quantize(&x).unwrap(),
-            }
-        };
+        let cache = || random_cache(name, (kv, t, d));
         let kvs: Vec<(Tensor, Tensor)> = (0..layers).map(|_| (cache(), cache())).collect();
         let mut best = f64::MAX;
         for _ in 0..6 {

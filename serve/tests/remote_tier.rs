@@ -87,6 +87,34 @@ fn second_node(
     ))
 }
 
+/// A node in `dir/a` (ingest settings `config`, `store` options, f16 KV) writing through to a
+/// tier in `dir/tier`, and that tier's configuration.
+fn writing_node(
+    dir: &std::path::Path,
+    config: ingest::IngestConfig,
+    store: kvstore::StoreOptions,
+) -> (Arc<ingest::Engine>, RemoteConfig) {
+    let base = RemoteConfig {
+        url: format!("file://{}", dir.join("tier").display()),
+        ..RemoteConfig::default()
+    };
+    let corpus = common::open_corpus(
+        &dir.join("a"),
+        config,
+        model::DType::F16,
+        common::model(),
+        store,
+    );
+    let a = corpus.with_remote(tier(&base, "ragkv", WriteMode::Through));
+    (Arc::new(ingest::Engine::new(a)), base)
+}
+
+/// The tokens of a correct answer to the vault question, to teacher-force.
+fn vault_answer(e: &ingest::Engine) -> Vec<u32> {
+    let tokenizer = e.corpus().model().tokenizer();
+    tokenizer.encode("The code is 4817.").unwrap()
+}
+
 /// Retrieves, then answers through the pipeline.
 fn answer(rag: &Rag, q: Query) -> Box<serve::Final> {
     let hits = rag.retrieve(&q).unwrap();
@@ -192,24 +220,11 @@ fn a_second_node_serves_what_the_first_stored_in_an_s3_bucket() {
 #[test]
 fn a_fetched_chunk_answers_as_the_stored_copies_do() {
     let dir = tempfile::tempdir().unwrap();
-    let base = RemoteConfig {
-        url: format!("file://{}", dir.path().join("tier").display()),
-        ..RemoteConfig::default()
-    };
     let q8 = kvstore::StoreOptions {
         default_codec: kvstore::Codec::Q8,
         ..Default::default()
     };
-    let a = Arc::new(ingest::Engine::new(
-        common::open_corpus(
-            &dir.path().join("a"),
-            Default::default(),
-            model::DType::F16,
-            common::model(),
-            q8.clone(),
-        )
-        .with_remote(tier(&base, "ragkv", WriteMode::Through)),
-    ));
+    let (a, base) = writing_node(dir.path(), Default::default(), q8.clone());
     let (id, text) = DOCS[0];
     let doc = ingest::Doc {
         id: id.into(),
@@ -230,12 +245,7 @@ fn a_fetched_chunk_answers_as_the_stored_copies_do() {
     );
     let q = query("What is the access code for the Orion vault?");
     let hits = rag_b.retrieve(&q).unwrap();
-    let answer = a
-        .corpus()
-        .model()
-        .tokenizer()
-        .encode("The code is 4817.")
-        .unwrap();
+    let answer = vault_answer(&a);
     let logits = |rag: &Rag| -> Vec<Vec<f32>> {
         rag.forced(&q, hits.clone(), &answer)
             .unwrap()
@@ -280,20 +290,11 @@ fn a_fetched_chunk_answers_as_the_stored_copies_do() {
 #[test]
 fn a_second_node_reads_the_first_places_copy_from_the_tier() {
     let dir = tempfile::tempdir().unwrap();
-    let base = RemoteConfig {
-        url: format!("file://{}", dir.path().join("tier").display()),
-        ..RemoteConfig::default()
-    };
-    let a = Arc::new(ingest::Engine::new(
-        common::open_corpus(
-            &dir.path().join("a"),
-            ingest::IngestConfig::recommended(),
-            model::DType::F16,
-            common::model(),
-            Default::default(),
-        )
-        .with_remote(tier(&base, "ragkv", WriteMode::Through)),
-    ));
+    let (a, base) = writing_node(
+        dir.path(),
+        ingest::IngestConfig::recommended(),
+        Default::default(),
+    );
     let report = common::ingest_eager(&a, common::docs(DOCS));
     let (ns, first_ns) = (
         a.corpus().namespace(),
@@ -329,12 +330,7 @@ fn a_second_node_reads_the_first_places_copy_from_the_tier() {
     for n in [ns, first_ns] {
         assert!(b.corpus().store().probe(n, &tokens).unwrap() > 0);
     }
-    let answer = a
-        .corpus()
-        .model()
-        .tokenizer()
-        .encode("The code is 4817.")
-        .unwrap();
+    let answer = vault_answer(&a);
     let logits = |rag: &Rag| -> Vec<f32> {
         let t = rag.forced(&q, hits.clone(), &answer).unwrap();
         t.to_dtype(model::DType::F32)
