@@ -27,7 +27,7 @@
 //! | module | thread | what |
 //! |---|---|---|
 //! | `job` | | the jobs the queues carry and what every thread shares (a leaf) |
-//! | `loader` | `ragkv-loader` | chunk reads, import, placement, the question's tokens |
+//! | `loader` | `ragkv-loader` | chunk reads (local store, resident tier), the question's tokens |
 //! | `fanout` | `ragkv-load-N` | a query's chunks loaded side by side (`serve.load_threads`) |
 //! | `tier` | `ragkv-loader` | what the local store missed, from the shared tier |
 //! | `place` | `ragkv-loader`, `ragkv-model` | a chunk's stored KV imported and placed |

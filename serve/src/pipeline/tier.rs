@@ -79,7 +79,6 @@ pub(super) fn fetch(
         m.remote_fetch.observe(f.ms / 1e3);
         m.remote_bytes
             .fetch_add(f.kv.len() as u64, Ordering::Relaxed);
-        m.remote_hits.fetch_add(1, Ordering::Relaxed);
         // Kept locally under the document version's KV id, as ingest would have stored it
         // (a failure here costs only the next fetch).
         let kv_doc = ingest::kv_doc(doc, &c.hit.payload.doc_hash);
@@ -97,7 +96,9 @@ pub(super) fn fetch(
         }
         let copy = ns != own;
         if !copy && c.kv.is_some() {
-            continue; // placed first from its copy: its own KV is only kept
+            // Placed first from its copy: its own KV is only kept.
+            m.remote_hits.fetch_add(1, Ordering::Relaxed);
+            continue;
         }
         // With a lossy codec, the local store's copy, as every later query will read it.
         let lossy = corpus.lossless_source().is_some();
@@ -124,6 +125,7 @@ pub(super) fn fetch(
                 continue;
             }
         };
+        m.remote_hits.fetch_add(1, Ordering::Relaxed);
         c.kv = Some(kv);
         c.exact = i == 0 && exact_in_first_place(corpus, copy, true);
         if !copy {
