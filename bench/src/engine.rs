@@ -50,6 +50,33 @@ pub fn open_with(
     open_coded(dir, llm, config, kvstore::Codec::None)
 }
 
+/// What a serving benchmark's chunks are prefilled after (`bench peer`, `bench ttft`): chunks
+/// alone by default, like its codec, so that its figures stay comparable with earlier runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Materialization {
+    /// What ragkv's chunks are prefilled after (`ingest.context`; `ragkv ingest` uses
+    /// `prompt+mean:2` by default); use a separate `--dir` per mode. A `kv=off` baseline then
+    /// recomputes each chunk as ingest does, after its context too.
+    #[arg(long, default_value = "none")]
+    pub context: ingest::Context,
+    /// With `--context prompt+mean:N` (or `prompt+neighbours:N`): each chunk's copy after the
+    /// prompt's start alone too, read for the chunk placed first (`ingest.exact_first`;
+    /// default: on where it applies).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub exact_first: Option<bool>,
+}
+
+impl Materialization {
+    /// [`chunks_alone`]'s settings with this materialization.
+    pub fn config(&self, chunk_tokens: usize) -> ingest::IngestConfig {
+        ingest::IngestConfig {
+            context: self.context,
+            exact_first: self.exact_first.unwrap_or(self.context.takes_exact_first()),
+            ..chunks_alone(chunk_tokens, "")
+        }
+    }
+}
+
 /// The ingest settings of most benchmarks: chunks of `chunk_tokens` with `chunk_preamble`,
 /// each prefilled alone (`ingest.context = "none"`).
 pub fn chunks_alone(chunk_tokens: usize, chunk_preamble: &str) -> ingest::IngestConfig {

@@ -110,15 +110,9 @@ pub struct Args {
     /// stores q8 by default); use a separate `--dir` per codec.
     #[arg(long, default_value = "none", value_parser = crate::qa::parse_codec)]
     pub codec: kvstore::Codec,
-    /// What ragkv's chunks are prefilled after (`ingest.context`; `ragkv ingest` uses
-    /// `prompt+mean:2` by default); use a separate `--dir` per mode.
-    #[arg(long, default_value = "none")]
-    pub context: ingest::Context,
-    /// With `--context prompt+mean:N` (or `prompt+neighbours:N`): each chunk's copy after the
-    /// prompt's start alone too, read for the chunk placed first (`ingest.exact_first`;
-    /// default: on where it applies).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub exact_first: Option<bool>,
+    /// What the chunks are prefilled after (`--context`, `--exact-first`).
+    #[command(flatten)]
+    pub materialization: crate::engine::Materialization,
 }
 
 /// One answered query, as the client saw it.
@@ -375,11 +369,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     }
     let ds = dataset::resolve(args.dataset.as_deref())?;
     let work_dir = crate::WorkDir::new(args.dir.as_deref())?;
-    let ingest_config = ingest::IngestConfig {
-        context: args.context,
-        exact_first: args.exact_first.unwrap_or(args.context.takes_exact_first()),
-        ..crate::engine::chunks_alone(args.chunk_tokens, "")
-    };
+    let ingest_config = args.materialization.config(args.chunk_tokens);
     let engine = std::sync::Arc::new(crate::engine::open_indexed(
         work_dir.path(),
         &args.llm,

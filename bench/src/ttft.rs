@@ -49,6 +49,9 @@ pub struct Args {
     /// `--dir` per codec.
     #[arg(long, default_value = "none", value_parser = crate::qa::parse_codec)]
     pub codec: kvstore::Codec,
+    /// What the chunks are prefilled after (`--context`, `--exact-first`).
+    #[command(flatten)]
+    pub materialization: crate::engine::Materialization,
     /// Threads loading a query's chunks side by side (`serve.load_threads`; 0: the device's
     /// default, 1 on the CPU).
     #[arg(long, default_value_t = 0)]
@@ -117,7 +120,7 @@ pub fn run(args: &Args) -> Result<Vec<Line>, Error> {
     let engine = std::sync::Arc::new(crate::engine::open_indexed(
         &work,
         &args.llm,
-        crate::engine::chunks_alone(args.chunk_tokens, ""),
+        args.materialization.config(args.chunk_tokens),
         &ds,
         args.docs,
         "ttft",
